@@ -1,0 +1,28 @@
+# `make test` works on a fresh machine: it builds .venv from the pinned requirements
+# once (a stamp keyed on requirements.txt skips the install afterwards), then runs pytest.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
+NPROC   ?= 8
+ARGS    ?=
+
+.PHONY: install test test-quick train clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt
+	@test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	@rm -f .venv/.installed-* && touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest $(ARGS)
+
+test-quick: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(ARGS)
+
+train: $(STAMP)
+	.venv/bin/torchrun --standalone --nproc-per-node $(NPROC) train.py $(ARGS)
+
+clean:
+	rm -rf .venv .pytest_cache .hypothesis outputs multirun

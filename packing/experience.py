@@ -1,0 +1,155 @@
+"""`Experience`: one dataclass for a per-sample record and for a collated batch.
+
+Three layouts share the class:
+
+* record  - one sample, no batch axis: `sequences [T]`, action fields `[T-1]`,
+            `routed_experts [L, K, T]`, episode fields 0-d.
+* padded  - right-padded batch: `sequences [B, T]`, `attention_mask [B, T]`,
+            action fields `[B, T-1]`, `routed_experts [B, L, K, T]` (-1 padded),
+            episode fields `[B]`.
+* packed  - THD pack: `sequences [1, N]`, `position_ids [1, N]`, action fields
+            `[1, N]` (one trailing masked slot per sequence), `routed_experts
+            [1, L, K, N]`, `packed_seq_lens` (python ints), episode fields `[B]`.
+
+Every field declares its kind once, in its metadata, so the collate, `split` and
+`to(device)` iterate kinds and never list field names a second time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+
+class Kind(enum.Enum):
+    TOKEN = "token"  # one entry per token: [T] / [B, T] / [1, N]
+    ACTION = "action"  # slot k scores token k+1: [T-1] / [B, T-1] / [1, N]
+    ROUTING = "routing"  # routed expert ids, sequence axis last: [L, K, T]
+    EPISODE = "episode"  # one value per sample: 0-d / [B]
+    MEDIA = "media"  # VLM inputs, opaque per sample; a batch holds a list
+    PACK = "pack"  # describes a pack: position_ids [1, N], packed_seq_lens
+
+
+def _field(kind: Kind, doc: str) -> Any:
+    return field(default=None, metadata={"kind": kind, "doc": doc})
+
+
+@dataclass
+class Experience:
+    # token axis
+    sequences: torch.Tensor | None = _field(Kind.TOKEN, "prompt + response token ids")
+    attention_mask: torch.Tensor | None = _field(Kind.TOKEN, "real-token mask of a padded batch")
+    # action axis
+    action_mask: torch.Tensor | None = _field(Kind.ACTION, "True where the slot is a response token")
+    action_log_probs: torch.Tensor | None = _field(Kind.ACTION, "log-probs under the policy")
+    base_action_log_probs: torch.Tensor | None = _field(Kind.ACTION, "log-probs under the reference")
+    rollout_log_probs: torch.Tensor | None = _field(Kind.ACTION, "log-probs the rollout engine saw")
+    advantages: torch.Tensor | None = _field(Kind.ACTION, "per-token advantages")
+    returns: torch.Tensor | None = _field(Kind.ACTION, "per-token returns")
+    values: torch.Tensor | None = _field(Kind.ACTION, "critic values")
+    kl: torch.Tensor | None = _field(Kind.ACTION, "per-token KL to the reference")
+    # routing replay
+    routed_experts: torch.Tensor | None = _field(Kind.ROUTING, "top-k expert ids per MoE layer, -1 = live")
+    # episode
+    rewards: torch.Tensor | None = _field(Kind.EPISODE, "scalar reward")
+    response_length: torch.Tensor | None = _field(Kind.EPISODE, "response tokens")
+    total_length: torch.Tensor | None = _field(Kind.EPISODE, "prompt + response tokens")
+    prompt_index: torch.Tensor | None = _field(Kind.EPISODE, "which prompt (GRPO group id)")
+    # media
+    pixel_values: torch.Tensor | list | None = _field(Kind.MEDIA, "image patches")
+    image_grid_thw: torch.Tensor | list | None = _field(Kind.MEDIA, "image grid sizes")
+    # pack description
+    position_ids: torch.Tensor | None = _field(Kind.PACK, "[1, N], restarting at 0 per sequence")
+    packed_seq_lens: list[int] | None = _field(Kind.PACK, "length of each packed sequence")
+
+    # ------------------------------------------------------------------ kinds
+    @classmethod
+    def names(cls, kind: Kind) -> list[str]:
+        """Field names of one kind, in declaration order."""
+        return [f.name for f in dataclasses.fields(cls) if f.metadata["kind"] is kind]
+
+    def present(self, kind: Kind) -> dict[str, Any]:
+        """The non-None fields of one kind."""
+        return {n: getattr(self, n) for n in self.names(kind) if getattr(self, n) is not None}
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                yield f.name, value
+
+    # ----------------------------------------------------------------- layout
+    @property
+    def is_packed(self) -> bool:
+        return self.packed_seq_lens is not None
+
+    @property
+    def is_record(self) -> bool:
+        return self.sequences is not None and self.sequences.dim() == 1
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens (padding excluded)."""
+        if self.attention_mask is not None:
+            return int(self.attention_mask.sum())
+        return self.sequences.numel()
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """`[num_seqs + 1]` int32 cumulative lengths of a pack (what varlen kernels take)."""
+        lens = torch.tensor(self._require_pack(), dtype=torch.int32)
+        return torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self._require_pack())
+
+    def _require_pack(self) -> list[int]:
+        if self.packed_seq_lens is None:
+            raise ValueError("packed_seq_lens is None: this Experience is not a pack (collate with packed=True)")
+        return self.packed_seq_lens
+
+    # -------------------------------------------------------------- transforms
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Experience:
+        def move(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return value.to(device, non_blocking=non_blocking)
+            if isinstance(value, list):
+                return [move(v) for v in value]
+            return value
+
+        return dataclasses.replace(self, **{name: move(value) for name, value in self.items()})
+
+    def split(self) -> list[Experience]:
+        """A padded or packed batch back into unpadded per-sample records."""
+        if self.is_record:
+            raise ValueError(f"split() takes a batch; this is a record (sequences {tuple(self.sequences.shape)})")
+        if self.is_packed:
+            lens = self.packed_seq_lens
+            starts = [0]
+            for n in lens[:-1]:
+                starts.append(starts[-1] + n)
+            token = lambda t, i: t[0, starts[i] : starts[i] + lens[i]]  # noqa: E731
+            action = lambda t, i: t[0, starts[i] : starts[i] + lens[i] - 1]  # noqa: E731 (drop the trailing slot)
+            routing = lambda t, i: t[0, ..., starts[i] : starts[i] + lens[i]]  # noqa: E731
+        else:
+            if self.attention_mask is None:
+                raise ValueError("split() of a padded batch needs attention_mask [B, T]")
+            lens = self.attention_mask.sum(-1).tolist()
+            token = lambda t, i: t[i, : lens[i]]  # noqa: E731
+            action = lambda t, i: t[i, : lens[i] - 1]  # noqa: E731
+            routing = lambda t, i: t[i, ..., : lens[i]]  # noqa: E731
+
+        records = []
+        for i in range(len(lens)):
+            rec: dict[str, Any] = {"sequences": token(self.sequences, i)}
+            rec.update({n: action(v, i) for n, v in self.present(Kind.ACTION).items()})
+            rec.update({n: routing(v, i) for n, v in self.present(Kind.ROUTING).items()})
+            rec.update({n: v[i] for n, v in self.present(Kind.EPISODE).items()})
+            rec.update({n: v[i] for n, v in self.present(Kind.MEDIA).items()})
+            records.append(Experience(**rec))
+        return records
