@@ -3,6 +3,6 @@
 from packing.experience import Experience, Kind
 from packing.buffer import ReplayBuffer
 from packing.collate import make_experience_batch
-# PLANNER from packing.planner import plan_microbatches
+from packing.planner import plan_microbatches
 
 __all__ = ["Experience", "Kind", "ReplayBuffer", "make_experience_batch", "plan_microbatches"]

@@ -1,0 +1,449 @@
+"""Mixture-of-experts: expert parallelism, synthetic-row masking, routing replay (R3), expert load.
+
+`apply_expert_parallel(model, ep_group)` swaps every sparse MoE block of a Hugging Face MoE
+model (Qwen3-MoE: `mlp.gate` router + fused `mlp.experts`) for a `MoEBlock`. EP rank r of
+an `ep`-sized group keeps experts [r*E/ep, (r+1)*E/ep) of `gate_up_proj [E, 2I, H]` and
+`down_proj [E, H, I]` as its own Parameters; every token-slot pair goes to the owning rank
+and its output comes back with `all_to_all_single` (uneven splits, sizes exchanged first).
+The exchange is differentiable (its backward is the reverse exchange), so after backward
+an expert shard's grad holds the contributions of every EP rank's tokens: reduce it over
+the expert-data-parallel group only, and dense grads over all dp ranks
+(`expert_parameters` / `is_expert_param` tell them apart). `ep_group=None` keeps all experts
+local (no collectives): that is how an unsharded copy gets the contexts below.
+
+Per forward, three contexts steer the blocks (all take the model and restore on exit):
+
+    with moe_padding_mask(model, padding_mask):   # [1, N] / [B, T] bool, True = synthetic row
+    with routing_replay(model, routed_experts):   # [1, L, K, N] / [B, L, K, T] int, -1 = live
+    with record_routing(model) as rec:            # rec.routed_experts -> [B, L, K, T]
+
+The contexts are read when a block runs: with activation checkpointing the recompute runs
+inside backward, so keep `loss.backward()` inside them too (it would also count that
+recompute's load and routing a second time).
+
+Synthetic rows (the EP-equalizing suffix, CP padding, right padding) are never dispatched:
+they get a zero MoE output and are not counted in `expert_load`, so they cannot pile up on
+one expert (prime-rl #3350). State-dict keys are the stock ones; the expert entries hold
+the local shard, `gather_expert_parallel_state_dict` rebuilds the full tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+EXPERT_PARAM_NAMES = ("gate_up_proj", "down_proj")
+
+
+# ------------------------------------------------------------------ collectives
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _group_rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Plain all_to_all_single on dim 0: sends `in_splits[r]` rows to rank r, receives `out_splits[r]`."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Differentiable all_to_all_single: the gradient of a row goes back to the rank it came from."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+def _collective_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a small host-side value must live for a collective on `group` (NCCL needs CUDA)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def ep_suffix_length(local_tokens: int, ep_group: dist.ProcessGroup | None) -> int:
+    """Synthetic tokens this rank appends so every EP rank presents the same token count:
+    MAX of `local_tokens` over `ep_group` minus `local_tokens` (a collective: call it on
+    every rank of the group, at forward time)."""
+    if isinstance(local_tokens, bool) or not isinstance(local_tokens, int) or local_tokens < 0:
+        raise ValueError(f"local_tokens must be an int >= 0, got {local_tokens!r}")
+    if _group_size(ep_group) == 1:
+        return 0
+    count = torch.tensor([local_tokens], dtype=torch.int64, device=_collective_device(ep_group))
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ep_group)
+    return int(count.item()) - local_tokens
+
+
+# ---------------------------------------------------------------------- experts
+class ExpertParallelExperts(nn.Module):
+    """This EP rank's contiguous slice of the fused experts, plus the token exchange.
+
+    `gate_up_proj [E_local, 2I, H]`, `down_proj [E_local, H, I]` (E_local = E / ep) hold
+    global experts [first_expert, first_expert + E_local).
+    """
+
+    def __init__(self, experts: nn.Module, num_experts: int, ep_group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        ep, rank = _group_size(ep_group), _group_rank(ep_group)
+        if num_experts % ep != 0:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by the expert-parallel size ep={ep}: "
+                f"every EP rank must own the same number of contiguous experts"
+            )
+        for name in EXPERT_PARAM_NAMES:
+            full = getattr(experts, name)
+            if full.dim() != 3 or full.shape[0] != num_experts:
+                raise ValueError(f"experts.{name} has shape {tuple(full.shape)}, expected [{num_experts}, *, *]")
+        self.num_experts, self.ep_size, self.ep_rank, self.ep_group = num_experts, ep, rank, ep_group
+        self.num_local_experts = num_experts // ep
+        self.first_expert = rank * self.num_local_experts
+        local = slice(self.first_expert, self.first_expert + self.num_local_experts)
+        for name in EXPERT_PARAM_NAMES:
+            full = getattr(experts, name)
+            # clone: the shard must not keep the full tensor's storage alive
+            shard = nn.Parameter(full.detach()[local].clone(), requires_grad=full.requires_grad)
+            setattr(self, name, shard)
+        self.act_fn = experts.act_fn
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """`x [S, H]`, `ids`/`weights [S, K]`, `keep [S]` bool (None = all rows) -> `[S, H]`.
+
+        Rows outside `keep` are never sent anywhere and get a zero output."""
+        S, K = ids.shape
+        token = torch.arange(S, device=x.device).repeat_interleave(K)  # token of each (token, slot) pair
+        pair_ids, pair_w = ids.reshape(-1), weights.reshape(-1)
+        if keep is not None:
+            pair_keep = keep.repeat_interleave(K)
+            token, pair_ids, pair_w = token[pair_keep], pair_ids[pair_keep], pair_w[pair_keep]
+        # group pairs by expert; experts are contiguous per rank, so this also groups by destination
+        order = torch.argsort(pair_ids, stable=True)
+        token, pair_ids, pair_w = token[order], pair_ids[order], pair_w[order]
+        send_counts = torch.bincount(pair_ids, minlength=self.num_experts)  # [E]
+        rows = x[token]  # [P, H]
+
+        if self.ep_size == 1:
+            out = self._compute(rows, send_counts.tolist())
+        else:
+            ep, n_local = self.ep_size, self.num_local_experts
+            recv_counts = torch.empty_like(send_counts)  # [ep * E_local]: source-major
+            dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
+            in_splits = send_counts.view(ep, n_local).sum(1).tolist()
+            out_splits = recv_counts.view(ep, n_local).sum(1).tolist()
+            recv = _all_to_all(rows, out_splits, in_splits, self.ep_group)  # [R, H], by source, then expert
+            local_expert = torch.repeat_interleave(
+                torch.arange(n_local, device=x.device).repeat(ep), recv_counts
+            )
+            by_expert = torch.argsort(local_expert, stable=True)
+            computed = self._compute(recv[by_expert], recv_counts.view(ep, n_local).sum(0).tolist())
+            out = _all_to_all(computed[torch.argsort(by_expert)], in_splits, out_splits, self.ep_group)
+
+        out = out * pair_w[:, None]
+        return torch.zeros_like(x).index_add(0, token, out.to(x.dtype))
+
+    def _compute(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Local experts on `rows` grouped by local expert (`counts[e]` rows each). Every local
+        expert runs, even on zero rows, so every shard always gets a (possibly zero) grad and the
+        expert-grad all-reduce never sees a missing tensor on one rank."""
+        outs = []
+        for e, chunk in enumerate(torch.split(rows, counts)):
+            gate, up = F.linear(chunk, self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+        return torch.cat(outs)
+
+    def extra_repr(self) -> str:
+        return (f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} "
+                f"of {self.num_experts}, ep_rank={self.ep_rank}/{self.ep_size}")
+
+
+# ------------------------------------------------------------------------ block
+class MoEBlock(nn.Module):
+    """A sparse MoE block: the stock router (`gate`, untouched) + `ExpertParallelExperts`.
+
+    Per-forward state, set by the context managers of this module: `padding_mask [B, T]`,
+    `replay` ((shape of `routed_experts`, this layer's slice `[B, K, T]`)), `recorder` (a list the
+    used top-k ids `[B, K, T]` are appended to). `load [E]` counts dispatched token-slot
+    pairs per expert since the last `reset_expert_load`.
+    """
+
+    def __init__(self, gate: nn.Module, experts: ExpertParallelExperts, layer: int) -> None:
+        super().__init__()
+        self.gate, self.experts, self.layer = gate, experts, layer
+        self.top_k, self.num_experts = int(gate.top_k), int(gate.num_experts)
+        self.norm_topk_prob = bool(gate.norm_topk_prob)
+        self.register_buffer("load", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)
+        self.padding_mask: torch.Tensor | None = None
+        self.replay: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self.recorder: list[torch.Tensor] | None = None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        B, T, H = hidden_states.shape
+        x = hidden_states.reshape(-1, H)
+        logits, weights, ids = self.gate(x)  # [B*T, E], [B*T, K], [B*T, K]
+        if self.replay is not None:
+            ids, weights = self._replayed(logits, weights, ids, B, T)
+        keep = None
+        if self.padding_mask is not None:
+            if tuple(self.padding_mask.shape) != (B, T):
+                raise ValueError(f"moe padding_mask has shape {tuple(self.padding_mask.shape)}, "
+                                 f"expected [{B}, {T}] like the hidden states (layer {self.layer})")
+            keep = ~self.padding_mask.reshape(-1).to(x.device)
+        with torch.no_grad():
+            used = ids if keep is None else ids[keep]
+            self.load += torch.bincount(used.reshape(-1), minlength=self.num_experts)
+            if self.recorder is not None:
+                kept = ids if keep is None else torch.where(keep[:, None], ids, torch.full_like(ids, -1))
+                self.recorder.append(kept.reshape(B, T, -1).transpose(1, 2).clone())
+        out = self.experts(x, ids, weights, keep)
+        return out.reshape(B, T, H)
+
+    def _replayed(self, logits, weights, ids, B: int, T: int):
+        """Recorded ids where the record has them; gate weights from the live logits at those ids,
+        normalized like the stock router (fp32 softmax over all experts, gather, renormalize if
+        norm_topk_prob, cast to the logits dtype). Rows whose record is -1 keep live routing."""
+        full_shape, rec = self.replay
+        if tuple(rec.shape) != (B, self.top_k, T):
+            _, L_, K_, _ = full_shape
+            raise ValueError(
+                f"routed_experts has shape {tuple(full_shape)}, expected [{B}, {L_}, {K_}, {T}]: its batch and "
+                f"token axes must match the hidden states [{B}, {T}] (layer {self.layer})"
+            )
+        rec = rec.to(ids.device, ids.dtype).transpose(1, 2).reshape(B * T, self.top_k)
+        recorded = rec >= 0
+        row = recorded.all(-1)
+        if bool((recorded.any(-1) & ~row).any()):
+            raise ValueError(f"routed_experts (layer {self.layer}) has tokens with -1 in some but not all "
+                             f"{self.top_k} top-k slots: a token's record is either complete or -1")
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        w = probs.gather(1, rec.clamp(min=0))
+        if self.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        w = w.to(logits.dtype)
+        return torch.where(row[:, None], rec, ids), torch.where(row[:, None], w, weights)
+
+
+# ------------------------------------------------------------------- apply / find
+# Blocks whose router is "fp32 softmax over all experts -> top-k -> renormalize if
+# gate.norm_topk_prob" and whose experts are fused, bias-free `gate_up_proj`/`down_proj`
+# (what MoEBlock and the replay normalization reproduce). Add a class only after checking
+# its router and experts against those two lines (e.g. Qwen3-VL-MoE always renormalizes).
+SUPPORTED_BLOCKS = ("Qwen3MoeSparseMoeBlock",)
+
+
+def _looks_like_sparse_block(module: nn.Module) -> bool:
+    gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
+    return (
+        not isinstance(module, MoEBlock)
+        and isinstance(gate, nn.Module) and hasattr(gate, "top_k") and hasattr(gate, "num_experts")
+        and isinstance(experts, nn.Module) and all(hasattr(experts, n) for n in EXPERT_PARAM_NAMES)
+    )
+
+
+def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None) -> nn.Module:
+    """Shard the experts of every sparse MoE block over `ep_group` (None: keep all experts local).
+
+    Load the full weights first; apply before FSDP. Every EP rank must call it on the same model.
+    """
+    found = [(name, m) for name, m in model.named_modules() if _looks_like_sparse_block(m)]
+    if not found:
+        already = "; it has MoEBlocks already (applied twice?)" if moe_blocks(model, strict=False) else ""
+        raise ValueError(f"apply_expert_parallel: {type(model).__name__} has no sparse MoE block "
+                         f"(a module with a top-k router `gate` and fused `experts`){already}")
+    for layer, (name, block) in enumerate(found):
+        if type(block).__name__ not in SUPPORTED_BLOCKS:
+            raise ValueError(f"apply_expert_parallel: {name} is a {type(block).__name__}; supported MoE blocks: "
+                             f"{SUPPORTED_BLOCKS} (their router normalization and expert layout are the ones checked)")
+        extra = sorted(set(dict(block.named_children())) - {"gate", "experts"})
+        if extra:
+            raise ValueError(f"apply_expert_parallel: {name} ({type(block).__name__}) has submodules {extra} "
+                             f"besides gate/experts (e.g. a shared expert), which MoEBlock does not run")
+        if any(isinstance(p, DTensor) for p in block.parameters()):
+            raise ValueError(f"apply_expert_parallel: {name} holds DTensor parameters: apply EP before FSDP")
+        experts = ExpertParallelExperts(block.experts, int(block.gate.num_experts), ep_group)
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, MoEBlock(block.gate, experts, layer))
+    return model
+
+
+def moe_blocks(model: nn.Module, *, strict: bool = True) -> list[MoEBlock]:
+    """The model's `MoEBlock`s in layer order (the L axis of `routed_experts`)."""
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    if strict and not blocks:
+        raise ValueError(f"{type(model).__name__} has no MoEBlock: call apply_expert_parallel(model, ep_group) "
+                         f"first (ep_group=None for an unsharded model)")
+    return blocks
+
+
+def is_expert_param(name: str) -> bool:
+    """True for a (local-shard) expert weight name, with or without wrapper prefixes
+    (`..._fsdp_wrapped_module.`, `_orig_mod.`): reduce its grad over the expert-data-parallel group."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] == "experts" and parts[-1] in EXPERT_PARAM_NAMES
+
+
+def expert_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every expert shard; everything else in the model is dense."""
+    for name, p in model.named_parameters():
+        if is_expert_param(name):
+            yield name, p
+
+
+@torch.no_grad()
+def gather_expert_parallel_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full, unsharded state dict (stock keys and shapes): expert shards all-gathered over
+    each block's EP group. A collective: every EP rank calls it. Tensors are detached copies
+    for expert entries and detached aliases otherwise."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    prefix = {m: n for n, m in model.named_modules()}
+    for block in moe_blocks(model):
+        ex = block.experts
+        for name in EXPERT_PARAM_NAMES:
+            key = f"{prefix[ex]}.{name}"
+            shard = getattr(ex, name).detach().contiguous()
+            if ex.ep_size == 1:
+                state[key] = shard.clone()
+                continue
+            parts = [torch.empty_like(shard) for _ in range(ex.ep_size)]
+            dist.all_gather(parts, shard, group=ex.ep_group)
+            state[key] = torch.cat(parts)
+    return state
+
+
+# ----------------------------------------------------------------- per-forward contexts
+@contextlib.contextmanager
+def _setting(blocks: list[MoEBlock], attr: str, values: list):
+    previous = [getattr(b, attr) for b in blocks]
+    try:
+        for b, v in zip(blocks, values):
+            setattr(b, attr, v)
+        yield
+    finally:
+        for b, v in zip(blocks, previous):
+            setattr(b, attr, v)
+
+
+@contextlib.contextmanager
+def moe_padding_mask(model: nn.Module, padding_mask: torch.Tensor | None):
+    """Exclude synthetic rows from expert compute for the forwards inside the context.
+
+    `padding_mask [1, N]` (pack) or `[B, T]` (padded) bool, True = synthetic row (EP suffix,
+    CP padding, right padding). Those rows are never dispatched and get a zero MoE output.
+    None is a no-op."""
+    blocks = moe_blocks(model)
+    if padding_mask is not None and (padding_mask.dim() != 2 or padding_mask.dtype != torch.bool):
+        raise ValueError(f"padding_mask has shape {tuple(padding_mask.shape)} dtype {padding_mask.dtype}, "
+                         f"expected a bool [1, N] or [B, T] tensor (True = synthetic row)")
+    with _setting(blocks, "padding_mask", [padding_mask] * len(blocks)):
+        yield
+
+
+@contextlib.contextmanager
+def routing_replay(model: nn.Module, routed_experts: torch.Tensor | None):
+    """Replay recorded top-k expert ids (R3) in the forwards inside the context.
+
+    `routed_experts [1, L, K, N]` (pack) or `[B, L, K, T]` (padded) int; L = MoE layers in
+    order, K = top-k; -1 (all K slots) keeps live routing for that token and layer. Gate
+    weights come from the live router logits at the replayed ids, so the router gets grads.
+    None is a no-op."""
+    blocks = moe_blocks(model)
+    if routed_experts is None:
+        yield
+        return
+    L, K, E = len(blocks), blocks[0].top_k, blocks[0].num_experts
+    shape = tuple(routed_experts.shape)
+    if routed_experts.dim() != 4:
+        raise ValueError(f"routed_experts has shape {shape}, expected [B, L={L}, K={K}, T] ([1, {L}, {K}, N] for a pack)")
+    if routed_experts.is_floating_point() or routed_experts.is_complex() or routed_experts.dtype == torch.bool:
+        raise ValueError(f"routed_experts has dtype {routed_experts.dtype}, expected an integer dtype")
+    if shape[1] != L:
+        raise ValueError(f"routed_experts has {shape[1]} MoE layers on axis 1 (shape {shape}), "
+                         f"expected L={L}: [B, {L}, {K}, T]")
+    if shape[2] != K:
+        raise ValueError(f"routed_experts has top-k {shape[2]} on axis 2 (shape {shape}), "
+                         f"expected K={K}: [B, {L}, {K}, T]")
+    if routed_experts.numel():
+        lo, hi = int(routed_experts.min()), int(routed_experts.max())
+        if lo < -1 or hi >= E:
+            raise ValueError(f"routed_experts holds ids in [{lo}, {hi}], expected -1 (live) or [0, {E})")
+    with _setting(blocks, "replay", [(shape, routed_experts[:, i]) for i in range(L)]):
+        yield
+
+
+class RoutingRecord:
+    """Top-k ids the MoE blocks used, per layer, over the forwards of a `record_routing` context."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.per_layer: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    @property
+    def routed_experts(self) -> torch.Tensor:
+        """`[B, L, K, T]` int64 (`[1, L, K, N]` for a pack); successive forwards (prefill then
+        decode steps) concatenate on the token axis; synthetic rows are -1."""
+        if not self.per_layer or not self.per_layer[0]:
+            raise ValueError("record_routing: no forward ran inside the context")
+        return torch.stack([torch.cat(steps, dim=-1) for steps in self.per_layer], dim=1)
+
+
+@contextlib.contextmanager
+def record_routing(model: nn.Module):
+    """`with record_routing(model) as rec: model(...)` then `rec.routed_experts [B, L, K, T]`."""
+    blocks = moe_blocks(model)
+    rec = RoutingRecord(len(blocks))
+    with _setting(blocks, "recorder", rec.per_layer):
+        yield rec
+
+
+# -------------------------------------------------------------------------- load
+@torch.no_grad()
+def reset_expert_load(model: nn.Module) -> None:
+    for block in moe_blocks(model):
+        block.load.zero_()
+
+
+@torch.no_grad()
+def expert_load(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict:
+    """Tokens dispatched per expert since the last `reset_expert_load` (synthetic rows excluded).
+
+    Counts are this rank's tokens; with `group` (e.g. the EP group) they are summed over it,
+    which makes `per_rank` what each EP rank received. Returns
+    `per_layer [L, E]`, `per_expert [E]` (summed over layers), `per_rank [ep]` (per_expert
+    summed over each EP rank's experts), and floats `max_rank_load`, `mean_rank_load`,
+    `imbalance` (max / mean; 1.0 is perfect balance, 0.0 if nothing was dispatched)."""
+    blocks = moe_blocks(model)
+    per_layer = torch.stack([b.load for b in blocks])
+    if group is not None and _group_size(group) > 1:
+        per_layer = per_layer.to(_collective_device(group))
+        dist.all_reduce(per_layer, group=group)
+    per_layer = per_layer.cpu()
+    per_expert = per_layer.sum(0)
+    per_rank = per_expert.view(blocks[0].experts.ep_size, -1).sum(1)
+    mx, mean = float(per_rank.max()), float(per_rank.double().mean())
+    return {
+        "per_layer": per_layer,
+        "per_expert": per_expert,
+        "per_rank": per_rank,
+        "max_rank_load": mx,
+        "mean_rank_load": mean,
+        "imbalance": mx / mean if mean > 0 else 0.0,
+    }

@@ -1,0 +1,345 @@
+"""Rollout engines: prompts -> unpadded per-sample `Experience` records.
+
+The engine only generates; it never sees the task. One RL step reads:
+
+    prompts = task.prompts(n, seed=...)                    # [(prompt_ids [P], meta)]
+    records = engine.generate([p for p, _ in prompts], prompt_indices=..., max_new_tokens=...,
+                              temperature=..., seed=...)   # one record per sample
+    score(task, records, [m for _, m in prompts])          # rl.tasks: sets rec.rewards
+    ... buffer -> plan -> collate -> train -> optimizer step ...
+    engine.load_weights(full_state_dict)                   # weight sync after every step
+
+What a record holds (contract of packing/experience.py, no batch axis, no padding):
+`sequences [T]` (prompt + response), `action_mask [T-1]` True on the slots whose target
+is a response token (slots P-1 .. T-2), `rollout_log_probs [T-1]` fp32 log-prob of each
+sampled token under the sampling distribution `log_softmax(logits / temperature)` (0 on
+prompt slots), `routed_experts [L, K, T]` (MoE; None for dense), and 0-d
+`response_length`, `total_length`, `prompt_index`. A sample stops after `stop_token_id`
+(kept as its last response token) or at `max_new_tokens`.
+
+Seeding: every sample draws from its own `torch.Generator`, seeded from
+`(seed, prompt_index, k)` where k counts the earlier samples of the same prompt_index in
+the call. A sample's tokens therefore depend on neither batch composition nor chunking nor
+padding: generating a prompt alone gives the same tokens as generating it in a batch.
+
+`HFRolloutEngine` is a KV-cache sampling loop over a Hugging Face causal LM. Prompts of a
+chunk are left-padded; the attention mask hides pad keys and per-row `position_ids` start
+at 0 at each prompt's first real token, so pad tokens change no real token's numbers
+(beyond float rounding, ~1e-7 in fp32).
+
+Routing (MoE): forward hooks on every MoE layer's router (`mlp.gate`, which returns
+`(router_logits, routing_weights, top_k_indices)` in transformers 5.18) capture the
+top-k ids the live forward chose: prompt tokens at prefill, response token j at the
+decode step that feeds it. The last response token is never fed to sample a successor,
+so MoE generation runs one extra decode step that only feeds it (its logits are dropped).
+The recorded routing is thus exactly the routing the generation used, which is what
+routing replay (R3) reproduces in training.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import Iterator, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from packing.experience import Experience
+
+_MASK64 = (1 << 64) - 1
+
+
+# ----------------------------------------------------------------- interface
+class RolloutEngine(abc.ABC):
+    """Generates unpadded `Experience` records; a vLLM-backed engine implements the same."""
+
+    def __init__(self, *, stop_token_id: int | None = None) -> None:
+        self.stop_token_id = stop_token_id
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        prompts: Sequence[torch.Tensor],
+        *,
+        prompt_indices: Sequence[int],
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+    ) -> list[Experience]:
+        """One record per prompt, in order: `prompts[i]` is a 1-D `[P_i]` tensor of token ids,
+        `prompt_indices[i]` its GRPO group id (repeat a prompt to draw several samples)."""
+
+    @abc.abstractmethod
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Replace all policy weights (strict: the full state dict, same names and shapes)."""
+
+
+def sample_seed(seed: int, prompt_index: int, k: int) -> int:
+    """Seed of the generator of sample k of prompt `prompt_index` (splitmix64 mixing)."""
+    h = 0x9E3779B97F4A7C15
+    for v in (seed, prompt_index, k):
+        h = ((h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h ^= h >> 31
+        h = (h * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 29
+    return h & ((1 << 63) - 1)
+
+
+def sample_seeds(seed: int, prompt_indices: Sequence[int]) -> list[int]:
+    """Per-sample seeds: sample k of each prompt_index gets `sample_seed(seed, index, k)`."""
+    seen: dict[int, int] = {}
+    seeds = []
+    for index in prompt_indices:
+        k = seen.get(int(index), 0)
+        seen[int(index)] = k + 1
+        seeds.append(sample_seed(seed, int(index), k))
+    return seeds
+
+
+def make_record(
+    prompt: torch.Tensor,
+    response: torch.Tensor,
+    log_probs: torch.Tensor,
+    prompt_index: int,
+    routed_experts: torch.Tensor | None = None,
+) -> Experience:
+    """An unpadded record from `prompt [P]`, `response [R]`, the sampled tokens' `log_probs [R]`
+    and optional `routed_experts [L, K, P + R]`."""
+    P, R = prompt.numel(), response.numel()
+    if P < 1 or R < 1:
+        raise ValueError(f"make_record: prompt [{P}] and response [{R}] must each hold at least one token")
+    if log_probs.shape != (R,):
+        raise ValueError(f"make_record: log_probs has shape {tuple(log_probs.shape)}, expected ({R},) like response")
+    T = P + R
+    if routed_experts is not None and (routed_experts.dim() != 3 or routed_experts.shape[-1] != T):
+        raise ValueError(f"make_record: routed_experts has shape {tuple(routed_experts.shape)}, expected [L, K, {T}]")
+    action_mask = torch.zeros(T - 1, dtype=torch.bool)
+    action_mask[P - 1 :] = True  # slot k scores token k+1: slots P-1 .. T-2 score the response
+    rollout_log_probs = torch.zeros(T - 1, dtype=torch.float32)
+    rollout_log_probs[P - 1 :] = log_probs.float()
+    return Experience(
+        sequences=torch.cat([prompt, response]).to(torch.int64),
+        action_mask=action_mask,
+        rollout_log_probs=rollout_log_probs,
+        routed_experts=routed_experts,
+        response_length=torch.tensor(R),
+        total_length=torch.tensor(T),
+        prompt_index=torch.tensor(int(prompt_index)),
+    )
+
+
+# ------------------------------------------------------------ HF embedded engine
+class HFRolloutEngine(RolloutEngine):
+    """Embedded generation with an unsharded copy of the policy (a HF causal LM, eval, no grad).
+
+    `max_batch_size` caps the rows of one generation chunk (prompts are sorted by length
+    before chunking to keep left padding small; results do not depend on it).
+    `attn_implementation` is set on the model: the KV-cache loop needs a backend that
+    honours a padding mask and a cache, which a training-only varlen kernel may not.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        stop_token_id: int | None = None,
+        max_batch_size: int | None = None,
+        attn_implementation: str | None = "sdpa",
+    ) -> None:
+        super().__init__(stop_token_id=stop_token_id)
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 (or None for one chunk)")
+        self.model = model
+        self.max_batch_size = max_batch_size
+        if attn_implementation is not None and model.config._attn_implementation != attn_implementation:
+            model.set_attn_implementation(attn_implementation)
+        model.eval().requires_grad_(False)
+        self._routers = _moe_routers(model)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self._routers)
+
+    # ------------------------------------------------------------- weights
+    @torch.no_grad()
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        missing = sorted(set(own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise KeyError(
+                f"load_weights: the state dict does not match the rollout model "
+                f"({len(missing)} missing: {_head(missing)}; {len(unexpected)} unexpected: {_head(unexpected)})"
+            )
+        wrong = [f"{k} {tuple(v.shape)} (expected {tuple(own[k].shape)})"
+                 for k, v in state_dict.items() if tuple(v.shape) != tuple(own[k].shape)]
+        if wrong:
+            raise ValueError(f"load_weights: {len(wrong)} tensors have the wrong shape: {_head(wrong)}")
+        for k, v in state_dict.items():
+            own[k].copy_(v)  # state_dict() tensors alias the parameters: copy_ updates them in place
+
+    # ---------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[torch.Tensor],
+        *,
+        prompt_indices: Sequence[int],
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+    ) -> list[Experience]:
+        prompts = [self._check_prompt(i, p) for i, p in enumerate(prompts)]
+        if len(prompt_indices) != len(prompts):
+            raise ValueError(f"prompt_indices has {len(prompt_indices)} entries, expected {len(prompts)} (one per prompt)")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if not temperature > 0:
+            raise ValueError(f"temperature={temperature} must be > 0 (log-probs are of softmax(logits / temperature))")
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        longest = max((p.numel() for p in prompts), default=0) + max_new_tokens
+        if limit is not None and longest > limit:
+            raise ValueError(f"prompt + max_new_tokens reaches {longest} tokens, over max_position_embeddings={limit}")
+
+        seeds = sample_seeds(seed, prompt_indices)
+        order = sorted(range(len(prompts)), key=lambda i: prompts[i].numel())
+        size = self.max_batch_size or max(len(order), 1)
+        records: list[Experience | None] = [None] * len(prompts)
+        for start in range(0, len(order), size):
+            chunk = order[start : start + size]
+            outs = self._generate_chunk([prompts[i] for i in chunk], [seeds[i] for i in chunk],
+                                        max_new_tokens, float(temperature))
+            for i, (response, log_probs, routing) in zip(chunk, outs):
+                records[i] = make_record(prompts[i], response, log_probs, prompt_indices[i], routing)
+        return records  # type: ignore[return-value]
+
+    def _check_prompt(self, i: int, prompt: torch.Tensor) -> torch.Tensor:
+        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0:
+            shape = tuple(prompt.shape) if isinstance(prompt, torch.Tensor) else type(prompt).__name__
+            raise ValueError(f"prompts[{i}] must be a non-empty 1-D tensor of token ids [P], got {shape}")
+        if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+            raise ValueError(f"prompts[{i}] must hold integer token ids, got dtype {prompt.dtype}")
+        lo, hi = int(prompt.min()), int(prompt.max())
+        if lo < 0 or hi >= self.vocab_size:
+            raise ValueError(f"prompts[{i}] holds ids in [{lo}, {hi}], outside the vocabulary [0, {self.vocab_size})")
+        return prompt.detach().to("cpu", torch.int64)
+
+    def _generate_chunk(
+        self, prompts: list[torch.Tensor], seeds: list[int], max_new_tokens: int, temperature: float
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Left-padded KV-cache sampling of one chunk -> per row (response [R], log_probs [R],
+        routed_experts [L, K, P + R] or None)."""
+        from transformers import DynamicCache  # local: the module imports without transformers
+
+        device, B = self.device, len(prompts)
+        lens = torch.tensor([p.numel() for p in prompts])
+        P = int(lens.max())
+        ids = torch.zeros(B, P, dtype=torch.int64)
+        mask = torch.zeros(B, P, dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            ids[i, P - p.numel() :] = p
+            mask[i, P - p.numel() :] = 1
+        position = (mask.cumsum(-1) - 1).clamp(min=0)
+        gens = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
+        cache = DynamicCache(config=self.model.config)
+
+        tokens: list[torch.Tensor] = []  # [B] per step
+        log_probs: list[torch.Tensor] = []  # [B] per step
+        routing: list[torch.Tensor] = []  # [B, L, K, S] per forward
+        n_new = torch.full((B,), max_new_tokens)  # response length per row
+        done = torch.zeros(B, dtype=torch.bool)
+        with _tap_routing(self._routers) as tap:
+            logits = self._forward(ids, mask, position, cache, device)
+            if self.is_moe:
+                routing.append(tap.take(B, P))
+            for step in range(max_new_tokens):
+                logp = F.log_softmax(logits.float().cpu() / temperature, dim=-1)  # [B, V]
+                probs = logp.exp()
+                tok = torch.full((B,), self.stop_token_id if self.stop_token_id is not None else 0)
+                for i in torch.nonzero(~done).flatten().tolist():
+                    tok[i] = torch.multinomial(probs[i], 1, generator=gens[i])[0]
+                tokens.append(tok)
+                log_probs.append(logp.gather(-1, tok[:, None])[:, 0])
+                if self.stop_token_id is not None:
+                    stopped = ~done & (tok == self.stop_token_id)
+                    n_new[stopped] = step + 1
+                    done |= stopped
+                last = bool(done.all()) or step == max_new_tokens - 1
+                if last and not self.is_moe:
+                    break  # dense: the last token needs no forward
+                # feed the sampled tokens: logits for the next step, routing for these tokens
+                mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=1)
+                position = position[:, -1:] + 1
+                logits = self._forward(tok[:, None], mask, position, cache, device)
+                if self.is_moe:
+                    routing.append(tap.take(B, 1))
+                if last:
+                    break  # MoE: that extra forward only recorded the last tokens' routing
+
+        tokens_bt = torch.stack(tokens, dim=1)  # [B, S]
+        log_probs_bt = torch.stack(log_probs, dim=1)  # [B, S]
+        routing_all = torch.cat(routing, dim=-1) if self.is_moe else None  # [B, L, K, P + S]
+        out = []
+        for i in range(B):
+            n, p = int(n_new[i]), int(lens[i])
+            r = routing_all[i, :, :, P - p : P + n].clone() if routing_all is not None else None
+            out.append((tokens_bt[i, :n].clone(), log_probs_bt[i, :n].clone(), r))
+        return out
+
+    def _forward(self, ids, mask, position, cache, device) -> torch.Tensor:
+        """Logits `[B, V]` of the last position."""
+        out = self.model(
+            input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=position.to(device),
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
+
+# ------------------------------------------------------------------ routing
+def _moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The router (`mlp.gate`) of every MoE decoder layer, in layer order."""
+    layers = model.get_decoder().layers
+    return [layer.mlp.gate for layer in layers if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
+
+
+class _RoutingTap:
+    def __init__(self, n_layers: int) -> None:
+        self.last: list[torch.Tensor | None] = [None] * n_layers
+
+    def take(self, batch: int, seq: int) -> torch.Tensor:
+        """Top-k ids of the latest forward as `[B, L, K, S]` (`[B, 0, 0, S]` for a dense model)."""
+        if not self.last:
+            return torch.empty(batch, 0, 0, seq, dtype=torch.int64)
+        if any(ids is None for ids in self.last):
+            raise RuntimeError("routing capture: a MoE layer's router did not run in the last forward")
+        per_layer = [ids.reshape(batch, seq, -1) for ids in self.last]  # [B, S, K] each
+        self.last = [None] * len(self.last)
+        return torch.stack(per_layer, dim=1).permute(0, 1, 3, 2).to("cpu", torch.int64)  # [B, L, K, S]
+
+
+@contextlib.contextmanager
+def _tap_routing(routers: list[torch.nn.Module]) -> Iterator[_RoutingTap]:
+    """Capture each router's top-k ids (its output's third element) on every forward."""
+    tap = _RoutingTap(len(routers))
+
+    def hook(layer: int):
+        def fn(module, args, output):
+            tap.last[layer] = output[2].detach()
+        return fn
+
+    handles = [router.register_forward_hook(hook(i)) for i, router in enumerate(routers)]
+    try:
+        yield tap
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _head(items: list[str], n: int = 8) -> str:
+    return ", ".join(items[:n]) + (f", ... (+{len(items) - n})" if len(items) > n else "") if items else "none"

@@ -1,0 +1,207 @@
+"""Tiny Qwen3-MoE helpers for tests/test_moe.py and the ep=2 worker it launches.
+
+`ep_checks(rank, world_size)` runs in every rank of a gloo group (tests/distributed.py) and
+returns the measured figures; the test asserts on them. Every rank builds the same seeded
+model and the single-process references itself, so nothing but figures crosses processes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import transformers
+
+from model import moe
+from model.moe import (
+    apply_expert_parallel,
+    ep_suffix_length,
+    expert_load,
+    gather_expert_parallel_state_dict,
+    is_expert_param,
+    moe_padding_mask,
+    record_routing,
+    reset_expert_load,
+)
+
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+    mlp_only_layers=[], max_position_embeddings=2048,
+)
+# packed sequence lengths per EP rank: unequal totals (16 vs 21) so rank 0 needs a 5-token suffix
+RANK_LENGTHS = ([5, 7, 4], [6, 9, 6])
+
+
+def tiny_moe(seed: int = 0, **overrides) -> transformers.Qwen3MoeForCausalLM:
+    torch.manual_seed(seed)
+    config = transformers.Qwen3MoeConfig(**{**TINY, **overrides}, attn_implementation="sdpa")
+    return transformers.Qwen3MoeForCausalLM(config).float()
+
+
+def packed_batch(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`input_ids [1, N]` and `position_ids [1, N]` restarting at 0 per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TINY["vocab_size"], (1, sum(lengths)), generator=gen)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    return ids, pos
+
+
+def logits_of(model, ids: torch.Tensor, pos: torch.Tensor, **kw) -> torch.Tensor:
+    return model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, **kw).logits
+
+
+def token_log_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`[B, N-1]`: log-prob of token k+1 under the logits at k."""
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def weighted_loss(log_probs: torch.Tensor, seed: int) -> torch.Tensor:
+    """A fixed random weighting, so every token's gradient differs."""
+    w = torch.randn(log_probs.shape, generator=torch.Generator().manual_seed(seed))
+    return (log_probs * w).sum()
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+
+
+def param_kind(name: str) -> str:
+    if is_expert_param(name):
+        return "experts"
+    if ".mlp.gate." in name:
+        return "router"
+    if ".self_attn." in name:
+        return "attention"
+    return "dense_other"  # embeddings, norms, lm_head
+
+
+# -------------------------------------------------------------------- the ep worker
+def _parity(model, rank: int, batch, ref_lp, ref_local, ref_total) -> dict[str, float]:
+    """Max |diff| of an EP model against the single-process references, per kind of tensor.
+
+    Dense grads compare with this rank's own batch; an expert shard's grad with the
+    matching slice of the grad summed over every rank's batch (its tokens came from all)."""
+    ids, pos = batch
+    model.zero_grad(set_to_none=True)
+    lp = token_log_probs(logits_of(model, ids, pos), ids)
+    weighted_loss(lp, seed=rank).backward()
+    diffs = {"log_probs": float((lp.detach() - ref_lp).abs().max())}
+    for name, g in grads(model).items():
+        kind = param_kind(name)
+        if kind == "experts":
+            n = g.shape[0]
+            ref = ref_total[name][rank * n : (rank + 1) * n]
+        else:
+            ref = ref_local[name]
+        diffs[kind] = max(diffs.get(kind, 0.0), float((g - ref).abs().max()))
+    return diffs
+
+
+def ep_checks(rank: int, world_size: int) -> dict:
+    group = dist.group.WORLD
+    out: dict = {}
+    stock = tiny_moe(0)
+    ep_model = apply_expert_parallel(copy.deepcopy(stock), group)
+    batches = [packed_batch(lengths, seed=100 + r) for r, lengths in enumerate(RANK_LENGTHS)]
+    ids, pos = batches[rank]
+    N = ids.shape[1]
+
+    # single-process references: this rank's batch alone, and summed over all ranks' batches
+    lp_by_rank, grads_by_rank = [], []
+    for r, (ids_r, pos_r) in enumerate(batches):
+        stock.zero_grad(set_to_none=True)
+        lp_r = token_log_probs(logits_of(stock, ids_r, pos_r), ids_r)
+        weighted_loss(lp_r, seed=r).backward()
+        lp_by_rank.append(lp_r.detach())
+        grads_by_rank.append(grads(stock))
+    stock.zero_grad(set_to_none=True)
+    ref_local = grads_by_rank[rank]
+    ref_total = {n: sum(g[n] for g in grads_by_rank) for n in ref_local}
+    ref = (batches[rank], lp_by_rank[rank], ref_local, ref_total)
+
+    out["parity"] = _parity(ep_model, rank, *ref)
+    out["expert_shard"] = (ep_model.model.layers[0].mlp.experts.first_expert,
+                           ep_model.model.layers[0].mlp.experts.num_local_experts)
+
+    # control 1: a rank holding the wrong experts (rank r gets rank 1-r's slice)
+    wrong = apply_expert_parallel(copy.deepcopy(stock), group)
+    full = dict(stock.named_parameters())
+    with torch.no_grad():
+        for name, p in wrong.named_parameters():
+            if is_expert_param(name):
+                n = p.shape[0]
+                other = (rank + 1) % world_size
+                p.copy_(full[name][other * n : (other + 1) * n])
+    out["control_wrong_owner"] = _parity(wrong, rank, *ref)
+
+    # control 2: a dispatch that is not differentiable (plain all_to_all, no reverse exchange)
+    differentiable = moe._all_to_all
+    moe._all_to_all = lambda x, o, i, g: moe._exchange(x.detach(), o, i, g)
+    try:
+        out["control_detached_dispatch"] = _parity(ep_model, rank, *ref)
+    finally:
+        moe._all_to_all = differentiable
+    ep_model.zero_grad(set_to_none=True)
+
+    # EP suffix: equal token counts, synthetic rows masked out of the experts
+    s = ep_suffix_length(N, group)
+    out["suffix"] = s
+    out["suffix_expected"] = max(map(sum, RANK_LENGTHS)) - N
+    ids_s = torch.cat([ids, torch.zeros(1, s, dtype=ids.dtype)], 1)  # all-zero ids: identical rows
+    pos_s = torch.cat([pos, pos[:, -1:] + 1 + torch.arange(s)[None]], 1)  # continue the last sequence
+    padding = torch.zeros(1, N + s, dtype=torch.bool)
+    padding[:, N:] = True
+    with torch.no_grad():
+        reset_expert_load(ep_model)
+        with record_routing(ep_model) as rec_ep:
+            plain = logits_of(ep_model, ids, pos)
+        load_plain = expert_load(ep_model), expert_load(ep_model, group)
+        reset_expert_load(ep_model)
+        with moe_padding_mask(ep_model, padding):
+            suffixed = logits_of(ep_model, ids_s, pos_s)
+        load_suffix = expert_load(ep_model), expert_load(ep_model, group)
+        reset_expert_load(ep_model)
+        logits_of(ep_model, ids_s, pos_s)  # control: the same suffix, unmasked
+        load_unmasked = expert_load(ep_model, group)
+        reset_expert_load(ep_model)
+    out["suffix_real_token_diff"] = float((suffixed[:, :N] - plain).abs().max())
+    out["load_local_equal"] = torch.equal(load_plain[0]["per_layer"], load_suffix[0]["per_layer"])
+    out["load_group_equal"] = torch.equal(load_plain[1]["per_layer"], load_suffix[1]["per_layer"])
+    out["load_plain"] = load_plain[1]
+    out["load_unmasked"] = load_unmasked
+    out["tokens_in_group"] = sum(map(sum, RANK_LENGTHS))
+
+    # a rank whose rows are all synthetic still joins every exchange, forward and backward
+    ep_model.zero_grad(set_to_none=True)
+    all_synthetic = torch.full_like(padding, rank == 1)
+    with moe_padding_mask(ep_model, all_synthetic):
+        lp = token_log_probs(logits_of(ep_model, ids_s, pos_s), ids_s)
+        weighted_loss(lp, seed=rank).backward()
+    out["all_synthetic_rank_ok"] = all(p.grad is not None for name, p in ep_model.named_parameters()
+                                       if is_expert_param(name))
+    if rank == 0:  # rank 0's real tokens are unaffected by rank 1 sending nothing
+        out["all_synthetic_peer_diff"] = float((lp.detach()[:, : N - 1] - lp_by_rank[0]).abs().max())
+    ep_model.zero_grad(set_to_none=True)
+
+    # routing does not depend on EP: recorded ids match an unsharded copy's
+    local = apply_expert_parallel(copy.deepcopy(stock), None)
+    with torch.no_grad(), record_routing(local) as rec_local:
+        logits_of(local, ids, pos)
+    out["routing_matches_unsharded"] = torch.equal(rec_ep.routed_experts, rec_local.routed_experts)
+
+    # the gathered state dict is the stock one, key for key and bit for bit
+    gathered = gather_expert_parallel_state_dict(ep_model)
+    ref_state = stock.state_dict()
+    out["gathered_keys_match"] = sorted(gathered) == sorted(ref_state)
+    out["gathered_equal"] = all(torch.equal(gathered[k], ref_state[k]) for k in ref_state)
+
+    # ep must divide the expert count
+    try:
+        apply_expert_parallel(tiny_moe(0, num_experts=3), group)
+        out["indivisible_error"] = None
+    except ValueError as e:
+        out["indivisible_error"] = str(e)
+    return out

@@ -1,0 +1,379 @@
+"""Actor/critic forward: a pack gives the padded batch's numbers, and its boundaries are enforced."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_records
+
+from model.actor import Actor, Critic, _forward_backbone, _model_inputs, _suffix_mask
+from model.attention import packed_attn_kwargs, varlen_attention_forward
+from model.logprobs import token_log_probs
+from model.models import build_model
+from packing.collate import make_experience_batch
+from packing.experience import Experience
+
+LENGTHS = [5, 61, 17, 40, 2, 9]  # uneven, with a 1-slot sample
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def name(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def lm(name):
+    return build_model(name, seed=0)
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return build_model("qwen3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def records():
+    return make_records(LENGTHS, seed=1)
+
+
+@pytest.fixture(scope="module")
+def padded(records):
+    return make_experience_batch(records, packed=False)
+
+
+@pytest.fixture(scope="module")
+def pack(records):
+    return make_experience_batch(records, packed=True)
+
+
+# ---------------------------------------------------------------- helpers
+def per_sample(values: torch.Tensor, batch: Experience) -> list[torch.Tensor]:
+    """Action-axis outputs -> one `[T_i - 1]` tensor per sample (the trailing slot dropped)."""
+    return [r.action_log_probs for r in dataclasses.replace(batch, action_log_probs=values).split()]
+
+
+def scored_diff(a, batch_a, b, batch_b, records) -> float:
+    return max(
+        (x - y)[r.action_mask].abs().max().item()
+        for x, y, r in zip(per_sample(a, batch_a), per_sample(b, batch_b), records)
+    )
+
+
+def token_mean(per_token: torch.Tensor, batch: Experience) -> torch.Tensor:
+    mask = batch.action_mask.float()
+    return (per_token * mask).sum() / mask.sum()
+
+
+def grads_of(module: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    module.zero_grad(set_to_none=True)
+    loss.backward()
+    out = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad(set_to_none=True)
+    return out
+
+
+def rel_grad_diff(g_a: dict, g_b: dict) -> float:
+    assert g_a.keys() == g_b.keys()
+    scale = max(g.abs().max().item() for g in g_a.values())
+    return max((g_a[n] - g_b[n]).abs().max().item() for n in g_a) / scale
+
+
+def trailing_slots(pack: Experience) -> torch.Tensor:
+    return pack.cu_seqlens[1:].long() - 1
+
+
+# ---------------------------------------------------------------- parity
+def test_packed_log_probs_entropy_and_grads_match_padded(lm, records, padded, pack):
+    actor = Actor(lm, chunk_size=32)
+    lp_pad, ent_pad = actor(padded, return_entropy=True)
+    lp_pack, ent_pack = actor(pack, return_entropy=True)
+    assert lp_pad.shape == padded.action_mask.shape and lp_pack.shape == pack.action_mask.shape
+    assert scored_diff(lp_pad, padded, lp_pack, pack, records) <= 1e-6  # measured 0.0
+    assert scored_diff(ent_pad, padded, ent_pack, pack, records) <= 1e-6  # measured 0.0
+
+    loss = lambda lp, ent, b: token_mean(-b.advantages * lp - 0.01 * ent, b)  # noqa: E731
+    g_pad = grads_of(actor, loss(lp_pad, ent_pad, padded))
+    g_pack = grads_of(actor, loss(lp_pack, ent_pack, pack))
+    assert rel_grad_diff(g_pad, g_pack) <= 1e-5
+
+
+def test_packed_critic_values_and_grads_match_padded(lm, records, padded, pack):
+    critic = Critic(lm, seed=0)
+    v_pad, v_pack = critic(padded), critic(pack)
+    assert v_pad.shape == padded.action_mask.shape and v_pack.shape == pack.action_mask.shape
+    assert v_pad.dtype == torch.float32
+    assert scored_diff(v_pad, padded, v_pack, pack, records) <= 1e-6
+    g_pad = grads_of(critic, token_mean((v_pad - 1.0) ** 2, padded))
+    g_pack = grads_of(critic, token_mean((v_pack - 1.0) ** 2, pack))
+    assert rel_grad_diff(g_pad, g_pack) <= 1e-5
+
+
+def test_withheld_boundaries_differ_from_padded(lm, records, padded, pack):
+    """Control: the pack fed as ONE sequence (positions 0..N-1, no cu_seqlens) leaks across samples."""
+    actor = Actor(lm)
+    with torch.no_grad():
+        lp_pad = actor(padded)
+        one_row = Experience(sequences=pack.sequences, attention_mask=torch.ones_like(pack.sequences, dtype=torch.bool))
+        lp_leak = F.pad(actor(one_row), (0, 1))  # [1, N-1] -> the pack's [1, N] slots
+    assert scored_diff(lp_pad, padded, lp_leak, pack, records) > 0.1
+
+
+# ----------------------------------------------------------- boundaries
+def test_changing_one_sequence_leaves_the_others_bit_identical(lm, records, pack):
+    actor, critic = Actor(lm), Critic(lm, seed=0)
+    changed = list(records)
+    j = 1
+    gen = torch.Generator().manual_seed(7)
+    new_ids = torch.randint(0, 256, records[j].sequences.shape, generator=gen)
+    changed[j] = dataclasses.replace(records[j], sequences=new_ids)
+    other = make_experience_batch(changed, packed=True)
+    with torch.no_grad():
+        before = [per_sample(t, pack) for t in (*actor(pack, return_entropy=True), critic(pack))]
+        after = [per_sample(t, other) for t in (*actor(other, return_entropy=True), critic(other))]
+    for out_before, out_after in zip(before, after):
+        assert not torch.equal(out_before[j], out_after[j])
+        for i in range(len(records)):
+            if i != j:
+                assert torch.equal(out_before[i], out_after[i]), f"sample {i} changed when sample {j} did"
+
+
+def reference_log_probs(model, ids, position_ids, seg_lens) -> torch.Tensor:
+    """Known-correct `[1, N]` log-probs: stock sdpa with an explicit block-diagonal causal 4D mask."""
+    seg = torch.repeat_interleave(torch.arange(len(seg_lens)), torch.tensor(seg_lens))
+    n = ids.shape[1]
+    mask = (seg[:, None] == seg[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    hidden = model.model(input_ids=ids, position_ids=position_ids, attention_mask=mask[None, None]).last_hidden_state
+    logits = model.lm_head(hidden).float()
+    lp = logits.log_softmax(-1).gather(-1, ids.roll(-1, 1).unsqueeze(-1)).squeeze(-1)
+    ends = torch.tensor(seg_lens).cumsum(0) - 1
+    lp[0, ends] = 0.0
+    return lp
+
+
+@pytest.mark.parametrize("positions", ["restarting", "continuous"])
+def test_cu_seqlens_is_authoritative_not_position_ids(dense, positions):
+    a, b = 23, 30
+    ids = torch.randint(0, 256, (1, a + b), generator=torch.Generator().manual_seed(3))
+    pos = torch.cat([torch.arange(a), torch.arange(b)]) if positions == "restarting" else torch.arange(a + b)
+    pos = pos.unsqueeze(0)
+    actor = Actor(dense)
+    with torch.no_grad():
+        for declared, other in (([a, b], [a + b]), ([a + b], [a, b])):
+            out = actor(Experience(sequences=ids, position_ids=pos, packed_seq_lens=declared))
+            follows = reference_log_probs(dense, ids, pos, declared)
+            ignores = reference_log_probs(dense, ids, pos, other)
+            assert (out - follows).abs().max() <= 1e-5, f"declared {declared} with {positions} positions"
+            assert (out - ignores).abs().max() > 0.1
+
+
+def test_trailing_slot_of_each_sequence_is_exactly_zero_without_grad(lm, pack, padded):
+    actor, critic = Actor(lm), Critic(lm, seed=0)
+    lp, ent = actor(pack, return_entropy=True)
+    values = critic(pack)
+    ends = trailing_slots(pack)
+    for t in (lp, ent, values):
+        assert torch.equal(t[0, ends], torch.zeros(len(ends)))
+    grads = grads_of(actor, lp[0, ends].sum() + ent[0, ends].sum())
+    assert all(torch.count_nonzero(g) == 0 for g in grads.values())
+    # padded: every slot whose next token is padding is 0 too
+    lp_pad = actor(padded).detach()
+    assert torch.equal(lp_pad[~padded.attention_mask[:, 1:]], torch.zeros(int((~padded.attention_mask[:, 1:]).sum())))
+
+
+def test_ep_suffix_is_invisible_to_real_tokens_and_trimmed(dense, pack):
+    with torch.no_grad():
+        plain = _forward_backbone(dense, pack)
+        padded_out = _forward_backbone(dense, pack, pad=7)
+    assert padded_out.shape == plain.shape == (1, pack.sequences.shape[1], dense.config.hidden_size)
+    torch.testing.assert_close(padded_out, plain, rtol=0, atol=1e-6)
+    inputs = _model_inputs(pack, pad=7)
+    n, last = pack.sequences.shape[1], pack.packed_seq_lens[-1]
+    assert inputs["position_ids"][0, n:].tolist() == list(range(last, last + 7))  # continue the last sequence
+    assert inputs["cu_seq_lens_q"][-1] == n + 7 and inputs["input_ids"].shape == (1, n + 7)
+    assert _suffix_mask(pack, 7).tolist() == [[False] * n + [True] * 7]
+
+
+def test_ep_suffix_on_a_padded_batch_is_refused(dense, padded):
+    with pytest.raises(NotImplementedError, match="pack"):
+        _forward_backbone(dense, padded, pad=3)
+
+
+# ------------------------------------------------------------- log-probs
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_log_probs_and_grads_equal_full_log_softmax(temperature):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 50, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(40, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 40, (1, 50), generator=gen)
+    w = torch.randn(1, 50, generator=gen)
+
+    lp, ent = token_log_probs(hidden, weight, targets, temperature=temperature, chunk_size=7, return_entropy=True)
+    g = torch.autograd.grad((lp * w).sum() + ent.sum(), (hidden, weight))
+
+    logp_all = (hidden @ weight.T / temperature).log_softmax(-1)
+    ref_lp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(logp_all.exp() * logp_all).sum(-1)
+    ref_g = torch.autograd.grad((ref_lp * w).sum() + ref_ent.sum(), (hidden, weight))
+
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-6, atol=1e-6)  # |log p| ~ 20 here: a few ulps
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-6, atol=1e-6)
+    for got, ref in zip(g, ref_g):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert lp.dtype == ent.dtype == torch.float32
+
+
+def test_chunked_log_probs_keep_no_logits_for_backward():
+    """Only the inputs are saved for backward (each chunk's logits are recomputed), never [N, V]."""
+    n, h, v = 200, 12, 300  # a chunk's logits (16 x 300) outsize every input
+    hidden = torch.randn(1, n, h, requires_grad=True)
+    weight = torch.randn(v, h, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        lp, ent = token_log_probs(hidden, weight, torch.randint(0, v, (1, n)), chunk_size=16, return_entropy=True)
+    assert max(saved) <= max(n * h, v * h) < 16 * v
+    (lp.sum() + ent.sum()).backward()
+    assert hidden.grad is not None and weight.grad is not None
+
+
+def test_actor_divides_logits_by_temperature(dense, padded):
+    with torch.no_grad():
+        logits = dense(input_ids=padded.sequences, attention_mask=padded.attention_mask).logits[:, :-1].float()
+        lp = Actor(dense, temperature=0.5)(padded)
+        lp1 = Actor(dense, temperature=1.0)(padded)
+    valid = padded.attention_mask[:, 1:]
+    ref = (logits / 0.5).log_softmax(-1).gather(-1, padded.sequences[:, 1:].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(lp[valid], ref[valid], rtol=0, atol=1e-5)
+    assert (lp - lp1)[valid].abs().max() > 1e-3
+
+
+# ------------------------------------------------------------- bad input
+def test_pack_without_position_ids_is_rejected(dense, pack):
+    with pytest.raises(ValueError, match=r"position_ids None, expected \[1, 134\]"):
+        Actor(dense)(dataclasses.replace(pack, position_ids=None))
+
+
+def test_pack_without_packed_seq_lens_is_rejected(dense, pack):
+    with pytest.raises(ValueError, match=r"sequences \(1, 134\) has position_ids but packed_seq_lens None"):
+        Actor(dense)(dataclasses.replace(pack, packed_seq_lens=None))
+
+
+def test_pack_whose_lengths_do_not_sum_to_n_is_rejected(dense, pack):
+    lens = pack.packed_seq_lens[:-1] + [pack.packed_seq_lens[-1] + 1]
+    expected = r"packed_seq_lens .* \(sum 135\) does not describe sequences of shape \(1, 134\)"
+    with pytest.raises(ValueError, match=expected):
+        Actor(dense)(dataclasses.replace(pack, packed_seq_lens=lens))
+
+
+def test_batch_longer_than_max_position_embeddings_is_rejected():
+    short = build_model("qwen3", max_position_embeddings=32, num_hidden_layers=1)
+    too_long = make_experience_batch(make_records([12, 40]), packed=False)
+    with pytest.raises(ValueError, match="sequence length 40 exceeds the model's max_position_embeddings=32"):
+        Actor(short)(too_long)
+    with pytest.raises(ValueError, match="sequence length 40 exceeds"):
+        Critic(short)(make_experience_batch(make_records([12, 40]), packed=True))
+
+
+@pytest.mark.parametrize("bad_id", [256, -1])
+def test_token_ids_outside_the_vocab_are_rejected(dense, pack, bad_id):
+    ids = pack.sequences.clone()
+    ids[0, 3] = bad_id
+    with pytest.raises(ValueError, match=r"token ids in \[.*\], expected ids in \[0, 256\)"):
+        Actor(dense)(dataclasses.replace(pack, sequences=ids))
+
+
+def test_a_record_is_rejected(dense, records):
+    with pytest.raises(ValueError, match=r"sequences has shape \(5,\), expected a batch"):
+        Actor(dense)(records[0])
+
+
+def test_action_mask_of_another_layout_is_rejected(dense, pack, padded):
+    with pytest.raises(ValueError, match=r"action_mask has shape \[6, 60\], expected \[1, 134\]"):
+        Actor(dense)(dataclasses.replace(pack, action_mask=padded.action_mask))
+
+
+# ----------------------------------------------------------- attention
+def test_packed_attn_kwargs_values_and_trailing_pad():
+    kw = packed_attn_kwargs([3, 1, 4])
+    assert kw["cu_seq_lens_q"].dtype == kw["cu_seq_lens_k"].dtype == torch.int32
+    assert kw["cu_seq_lens_q"].tolist() == kw["cu_seq_lens_k"].tolist() == [0, 3, 4, 8]
+    assert kw["max_length_q"] == kw["max_length_k"] == 4
+    assert isinstance(kw["max_length_q"], int)
+    grown = packed_attn_kwargs([3, 1, 4], trailing_pad=5)
+    assert grown["cu_seq_lens_q"].tolist() == [0, 3, 4, 13] and grown["max_length_k"] == 9
+    assert packed_attn_kwargs([2], device="cpu")["cu_seq_lens_q"].device.type == "cpu"
+    for bad, match in (([], "empty"), ([3, 0], "<= 0")):
+        with pytest.raises(ValueError, match=match):
+            packed_attn_kwargs(bad)
+    with pytest.raises(ValueError, match="trailing_pad=-1"):
+        packed_attn_kwargs([3], trailing_pad=-1)
+
+
+def test_padded_batch_runs_stock_sdpa(dense, padded):
+    stock = build_model("qwen3", seed=0, attn_implementation="sdpa")
+    with torch.no_grad():
+        assert torch.equal(Actor(dense)(padded), Actor(stock)(padded))
+
+
+def test_decoding_with_a_cache_runs_stock_sdpa(dense):
+    stock = build_model("qwen3", seed=0, attn_implementation="sdpa")
+    ids = torch.randint(1, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left-padded prompt, as in rollout
+    args = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(dense.generate(**args), stock.generate(**args))
+
+
+def test_context_parallel_is_refused_until_wired(dense):
+    from types import SimpleNamespace
+
+    with pytest.raises(NotImplementedError, match="cp=2"):
+        Actor(dense, dims=SimpleNamespace(cp=2, ep=1))
+
+
+def test_varlen_refuses_sliding_window_and_non_causal_attention(pack):
+    sliding = build_model("qwen3", num_hidden_layers=1, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    with pytest.raises(ValueError, match="sliding-window"):
+        Actor(sliding)(pack)
+    module = torch.nn.Module()
+    module.is_causal = False
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="is_causal is False"):
+        varlen_attention_forward(module, q, q, q, None, **packed_attn_kwargs([4]))
+
+
+# -------------------------------------------------------------- models
+def test_build_model_defaults_are_tiny_seeded_and_leave_the_global_rng_alone():
+    state = torch.random.get_rng_state()
+    a, b = build_model("qwen3_moe", seed=0), build_model("qwen3_moe", seed=0)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    c = build_model("qwen3_moe", seed=1)
+    cfg = a.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (2, 64, 4, 2)
+    assert (cfg.head_dim, cfg.vocab_size, cfg.max_position_embeddings) == (16, 256, 2048)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 2, 32, True)
+    assert all(type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in a.model.layers)
+    assert cfg._attn_implementation == "varlen"
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa)
+    assert build_model("qwen3", dtype=torch.bfloat16).model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_build_model_rejects_unknown_names_and_config_keys():
+    with pytest.raises(ValueError, match="num_hiden_layers"):
+        build_model("qwen3", num_hiden_layers=3)
+    with pytest.raises(ValueError, match="unknown model name 'llama'"):
+        build_model("llama")
+
+
+def test_build_model_loads_a_local_checkpoint(tmp_path, dense):
+    dense.save_pretrained(tmp_path)
+    loaded = build_model("qwen3", pretrained_path=str(tmp_path))
+    assert loaded.config._attn_implementation == "varlen"
+    ref = dense.state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in loaded.state_dict().items())
+    with pytest.raises(ValueError, match="model_type 'qwen3', expected 'qwen3_moe'"):
+        build_model("qwen3_moe", pretrained_path=str(tmp_path))

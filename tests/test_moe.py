@@ -1,0 +1,273 @@
+"""MoE: expert parallelism (ep=2 on gloo), synthetic-row masking, routing replay (R3), expert load."""
+
+import copy
+
+import pytest
+import torch
+
+from dist_moe_worker import RANK_LENGTHS, logits_of, packed_batch, tiny_moe, token_log_probs, weighted_loss
+from distributed import run_distributed
+from model.moe import (
+    apply_expert_parallel,
+    ep_suffix_length,
+    expert_load,
+    expert_parameters,
+    is_expert_param,
+    moe_blocks,
+    moe_padding_mask,
+    record_routing,
+    reset_expert_load,
+    routing_replay,
+)
+
+L, K, E = 2, 2, 8  # MoE layers, top-k, experts of the tiny model
+LENGTHS = [5, 9, 6]  # one pack [1, 20]
+
+
+@pytest.fixture(scope="module")
+def stock():
+    return tiny_moe(0)
+
+
+@pytest.fixture(scope="module")
+def model_a(stock):
+    return apply_expert_parallel(copy.deepcopy(stock), None)
+
+
+@pytest.fixture(scope="module")
+def model_b(model_a):
+    """A copy of A whose routers are perturbed enough to change its routing."""
+    b = copy.deepcopy(model_a)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for block in moe_blocks(b):
+            block.gate.weight.add_(0.1 * torch.randn(block.gate.weight.shape, generator=gen))
+    return b
+
+
+@pytest.fixture(scope="module")
+def pack():
+    return packed_batch(LENGTHS, seed=3)
+
+
+def recorded(model, ids, pos, **kw):
+    """(logits, routed_experts [B, L, K, T], router_logits per layer) of one no-grad forward."""
+    with torch.no_grad(), record_routing(model) as rec:
+        out = model(input_ids=ids, position_ids=pos, use_cache=False, output_router_logits=True, **kw)
+    return out.logits, rec.routed_experts, out.router_logits
+
+
+def live_top_k(router_logits: torch.Tensor) -> torch.Tensor:
+    """[T, K] top-k ids exactly as the stock router picks them."""
+    return torch.topk(torch.softmax(router_logits, -1, dtype=torch.float), K, dim=-1).indices
+
+
+def router_grads(model, ids, pos, routed=None):
+    model.zero_grad(set_to_none=True)
+    with routing_replay(model, routed):
+        logits = logits_of(model, ids, pos)
+    weighted_loss(token_log_probs(logits, ids), seed=0).backward()
+    g = [b.gate.weight.grad.clone() for b in moe_blocks(model)]
+    model.zero_grad(set_to_none=True)
+    return logits.detach(), g
+
+
+# ------------------------------------------------------------------ single process
+def test_unsharded_moe_block_matches_stock_model(stock, model_a, pack):
+    ids, pos = pack
+    with torch.no_grad():
+        diff = (logits_of(model_a, ids, pos) - logits_of(stock, ids, pos)).abs().max()
+    assert diff <= 1e-6
+    assert sorted(model_a.state_dict()) == sorted(stock.state_dict())
+
+
+def test_record_routing_gives_live_top_k_in_pack_and_padded_layouts(model_a, pack):
+    ids, pos = pack
+    _, routed, router_logits = recorded(model_a, ids, pos)
+    assert routed.shape == (1, L, K, ids.shape[1]) and routed.dtype == torch.int64
+    for layer in range(L):
+        assert torch.equal(routed[0, layer].T, live_top_k(router_logits[layer]))
+    padded = torch.stack([ids[0, :9], ids[0, 9:18]])  # [B=2, T=9]
+    with torch.no_grad(), record_routing(model_a) as rec:
+        model_a(input_ids=padded, use_cache=False)
+        model_a(input_ids=padded[:, :3], use_cache=False)  # successive forwards concatenate on T
+    assert rec.routed_experts.shape == (2, L, K, 12)
+
+
+def test_replay_reproduces_recorded_experts_under_a_perturbed_router(model_a, model_b, pack):
+    ids, pos = pack
+    _, routed_a, _ = recorded(model_a, ids, pos)
+    _, routed_b_live, _ = recorded(model_b, ids, pos)
+    assert not torch.equal(routed_b_live, routed_a), "the perturbation must change B's live routing"
+    with routing_replay(model_b, routed_a):
+        _, routed_b_replayed, _ = recorded(model_b, ids, pos)
+    assert torch.equal(routed_b_replayed, routed_a)
+
+    padded = torch.stack([ids[0, :9], ids[0, 9:18]])  # the padded layout [B, L, K, T] replays alike
+    _, routed_a, _ = recorded(model_a, padded, None)
+    with routing_replay(model_b, routed_a):
+        _, routed_b_replayed, _ = recorded(model_b, padded, None)
+    assert routed_a.shape == (2, L, K, 9) and torch.equal(routed_b_replayed, routed_a)
+
+
+def test_replay_with_the_same_router_equals_live_exactly(model_a, pack):
+    ids, pos = pack
+    _, routed_a, _ = recorded(model_a, ids, pos)
+    live, live_grads = router_grads(model_a, ids, pos)
+    replayed, replay_grads = router_grads(model_a, ids, pos, routed_a)
+    assert torch.equal(replayed, live)
+    for g_live, g_replay in zip(live_grads, replay_grads):
+        assert (g_replay - g_live).abs().max() <= 1e-7
+
+
+def test_router_gets_gradients_under_replay(model_a, model_b, pack):
+    ids, pos = pack
+    _, routed_a, _ = recorded(model_a, ids, pos)
+    _, g = router_grads(model_b, ids, pos, routed_a)
+    assert all(grad.abs().sum() > 0 for grad in g)
+
+
+def test_all_minus_one_replay_is_live_routing(model_b, pack):
+    ids, pos = pack
+    none_recorded = torch.full((1, L, K, ids.shape[1]), -1)
+    live, live_grads = router_grads(model_b, ids, pos)
+    replayed, replay_grads = router_grads(model_b, ids, pos, none_recorded)
+    assert torch.equal(replayed, live)
+    assert all(torch.equal(a, b) for a, b in zip(live_grads, replay_grads))
+
+
+def test_mixed_replay_uses_records_where_present_and_live_routing_elsewhere(model_a, model_b, pack):
+    ids, pos = pack
+    _, routed_a, _ = recorded(model_a, ids, pos)
+    mixed = routed_a.clone()
+    mixed[:, 0, :, ::3] = -1  # layer 0: every third token live
+    mixed[:, 1] = -1  # layer 1: all live
+    with routing_replay(model_b, mixed):
+        _, used, router_logits = recorded(model_b, ids, pos)
+    live = torch.stack([live_top_k(router_logits[layer]).T for layer in range(L)])[None]  # [1, L, K, N]
+    has_record = mixed >= 0
+    assert torch.equal(used[has_record], routed_a[has_record])
+    assert torch.equal(used[~has_record], live[~has_record])
+    assert not torch.equal(used, routed_a) and has_record.any()
+
+
+def test_routed_experts_with_wrong_shape_raise_naming_the_field(model_a, pack):
+    ids, pos = pack
+    N = ids.shape[1]
+    with pytest.raises(ValueError, match=r"routed_experts has 3 MoE layers.*expected L=2"):
+        with routing_replay(model_a, torch.zeros(1, 3, K, N, dtype=torch.long)):
+            pass
+    with pytest.raises(ValueError, match=r"routed_experts has top-k 3.*expected K=2"):
+        with routing_replay(model_a, torch.zeros(1, L, 3, N, dtype=torch.long)):
+            pass
+    with pytest.raises(ValueError, match=r"routed_experts has shape \(2, 2, 20\), expected \[B, L=2, K=2, T\]"):
+        with routing_replay(model_a, torch.zeros(L, K, N, dtype=torch.long)):
+            pass
+    with pytest.raises(ValueError, match=r"routed_experts holds ids in \[8, 8\], expected -1 \(live\) or \[0, 8\)"):
+        with routing_replay(model_a, torch.full((1, L, K, N), E)):
+            pass
+    with pytest.raises(ValueError, match=r"routed_experts has shape \(1, 2, 2, 19\), expected \[1, 2, 2, 20\]"):
+        with torch.no_grad(), routing_replay(model_a, torch.zeros(1, L, K, N - 1, dtype=torch.long)):
+            logits_of(model_a, ids, pos)
+    partial = torch.zeros(1, L, K, N, dtype=torch.long)
+    partial[0, 0, 1, 4] = -1
+    with pytest.raises(ValueError, match=r"-1 in some but not all"):
+        with torch.no_grad(), routing_replay(model_a, partial):
+            logits_of(model_a, ids, pos)
+
+
+def test_padding_mask_keeps_synthetic_rows_out_of_the_experts(model_a, pack):
+    ids, pos = pack
+    N, s = ids.shape[1], 6
+    ids_s = torch.cat([ids, torch.zeros(1, s, dtype=ids.dtype)], 1)
+    pos_s = torch.cat([pos, pos[:, -1:] + 1 + torch.arange(s)[None]], 1)
+    padding = torch.arange(N + s)[None] >= N
+    with torch.no_grad():
+        reset_expert_load(model_a)
+        plain = logits_of(model_a, ids, pos)
+        load_plain = expert_load(model_a)
+        reset_expert_load(model_a)
+        with moe_padding_mask(model_a, padding), record_routing(model_a) as rec:
+            suffixed = logits_of(model_a, ids_s, pos_s)
+        load_suffix = expert_load(model_a)
+        reset_expert_load(model_a)
+        logits_of(model_a, ids_s, pos_s)
+        load_unmasked = expert_load(model_a)
+        reset_expert_load(model_a)
+    assert (suffixed[:, :N] - plain).abs().max() <= 1e-6
+    assert torch.equal(load_suffix["per_layer"], load_plain["per_layer"])
+    assert load_plain["per_layer"].sum() == L * K * N
+    assert load_unmasked["per_layer"].sum() == L * K * (N + s)  # the control: unmasked rows are counted
+    assert (rec.routed_experts[..., N:] == -1).all() and (rec.routed_experts[..., :N] >= 0).all()
+    assert load_plain["per_rank"].tolist() == [L * K * N] and load_plain["imbalance"] == 1.0
+    with pytest.raises(ValueError, match=r"padding_mask has shape \(1, 20\), expected \[1, 26\]"):
+        with torch.no_grad(), moe_padding_mask(model_a, padding[:, :N]):
+            logits_of(model_a, ids_s, pos_s)
+
+
+def test_expert_parameters_are_named_apart_from_dense_ones(model_a):
+    names = [n for n, _ in expert_parameters(model_a)]
+    assert names == [f"model.layers.{i}.mlp.experts.{w}" for i in range(L) for w in ("gate_up_proj", "down_proj")]
+    assert is_expert_param("_fsdp_wrapped_module.model.layers.3.mlp.experts.down_proj")
+    assert not is_expert_param("model.layers.0.mlp.gate.weight")
+    assert not is_expert_param("model.layers.0.self_attn.q_proj.weight")
+
+
+def test_without_a_group_there_is_no_suffix_and_bad_counts_raise():
+    assert ep_suffix_length(17, None) == 0
+    with pytest.raises(ValueError, match="local_tokens"):
+        ep_suffix_length(-1, None)
+
+
+def test_models_without_moe_blocks_raise(stock, model_a):
+    with pytest.raises(ValueError, match="call apply_expert_parallel"):
+        with record_routing(stock):
+            pass
+    with pytest.raises(ValueError, match="applied twice"):
+        apply_expert_parallel(model_a, None)
+
+
+# ------------------------------------------------------------------ ep=2 on gloo
+@pytest.fixture(scope="module")
+def ep2():
+    from dist_moe_worker import ep_checks
+
+    return run_distributed(ep_checks, 2, timeout=180)
+
+
+@pytest.mark.slow
+def test_ep2_matches_one_process_in_log_probs_and_every_gradient(ep2):
+    for rank, r in enumerate(ep2):
+        assert r["expert_shard"] == (4 * rank, 4)
+        assert set(r["parity"]) == {"log_probs", "router", "attention", "dense_other", "experts"}
+        for kind, diff in r["parity"].items():
+            assert diff <= 1e-5, f"rank {rank} {kind}: max |diff| {diff}"
+
+
+@pytest.mark.slow
+def test_ep2_parity_check_catches_wrong_ownership_and_a_detached_dispatch(ep2):
+    for r in ep2:
+        assert r["control_wrong_owner"]["log_probs"] > 1e-3
+        assert max(r["control_detached_dispatch"].values()) > 1e-3  # grads; forward is unchanged
+
+
+@pytest.mark.slow
+def test_ep2_suffix_equalizes_tokens_without_touching_real_outputs_or_expert_load(ep2):
+    assert [r["suffix"] for r in ep2] == [r["suffix_expected"] for r in ep2] == [5, 0]
+    total = sum(map(sum, RANK_LENGTHS))
+    for r in ep2:
+        assert r["suffix_real_token_diff"] <= 1e-6
+        assert r["load_local_equal"] and r["load_group_equal"]
+        assert r["load_plain"]["per_layer"].sum() == L * K * total  # every real token-slot, no synthetic one
+        assert r["load_unmasked"]["per_layer"].sum() == L * K * (total + 5)  # control: unmasked suffix counted
+        assert r["load_plain"]["per_rank"].sum() == L * K * total and r["load_plain"]["imbalance"] >= 1.0
+        assert r["all_synthetic_rank_ok"]  # a rank with nothing to send still exchanges, grads defined
+    assert ep2[0]["all_synthetic_peer_diff"] <= 1e-6
+
+
+@pytest.mark.slow
+def test_ep2_routing_state_dict_and_divisibility(ep2):
+    for r in ep2:
+        assert r["routing_matches_unsharded"]
+        assert r["gathered_keys_match"] and r["gathered_equal"]
+        assert "num_experts=3 is not divisible by the expert-parallel size ep=2" in r["indivisible_error"]

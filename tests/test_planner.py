@@ -1,0 +1,292 @@
+"""The microbatch planner: equal microbatch counts per DP rank, token cap, KK balance."""
+
+import json
+import math
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packing.planner import karmarkar_karp, plan_microbatches, plan_stats
+
+PLANNER = Path(__file__).resolve().parents[1] / "packing" / "planner.py"
+CAP, DP = 8192, 8
+
+
+def long_tail(n: int, seed: int = 0) -> list[int]:
+    """RL-rollout-like lengths: lognormal (median ~500 tokens), clipped to [16, 4096]."""
+    rng = random.Random(seed)
+    return [min(4096, max(16, round(rng.lognormvariate(6.2, 1.0)))) for _ in range(n)]
+
+
+def tokens(indices, lengths) -> int:
+    return sum(lengths[i] for i in indices)
+
+
+def imbalance(groups: list[list[int]], lengths) -> float:
+    totals = [tokens(g, lengths) for g in groups]
+    return max(totals) / (sum(totals) / len(totals))
+
+
+def spread(groups: list[list[int]], weights) -> int:
+    totals = [tokens(g, weights) for g in groups]
+    return max(totals) - min(totals)
+
+
+def assert_valid(plan, lengths, dp_size, cap=None):
+    """Every rank has the same count m, every sample once, cap held, empties only if forced."""
+    assert len(plan) == dp_size
+    m = len(plan[0])
+    assert m >= 1
+    assert all(len(rank) == m for rank in plan)
+    flat = sorted(i for rank in plan for mb in rank for i in mb)
+    assert flat == list(range(len(lengths)))
+    for rank in plan:
+        if sum(len(mb) for mb in rank) >= m:
+            assert all(rank), "a rank with enough samples got an empty microbatch"
+        if cap is not None:
+            assert all(tokens(mb, lengths) <= cap for mb in rank)
+    return m
+
+
+# ---------------------------------------------------------------- token-budget mode
+
+
+@st.composite
+def budget_case(draw):
+    dp = draw(st.integers(1, 8))
+    lengths = draw(st.lists(st.integers(1, 512), min_size=dp, max_size=300))
+    cap = draw(st.integers(max(lengths), 4 * max(lengths)))
+    return lengths, cap, dp
+
+
+@settings(max_examples=50, deadline=None)
+@given(budget_case())
+def test_budget_mode_invariants(case):
+    lengths, cap, dp = case
+    plan = plan_microbatches(lengths, cap, dp)
+    m = assert_valid(plan, lengths, dp, cap)
+    # Never more steps than one-sample-per-microbatch on the fullest rank would need.
+    assert m <= max(sum(len(mb) for mb in rank) for rank in plan)
+
+
+@pytest.mark.parametrize("n", [1024, 4096])
+def test_long_tail_microbatch_count_and_dp_balance(n):
+    lengths = long_tail(n)
+    plan = plan_microbatches(lengths, CAP, DP)
+    m = assert_valid(plan, lengths, DP, CAP)
+    stats = plan_stats(plan, lengths)
+    assert m <= math.ceil(sum(lengths) / (CAP * DP)) + 1
+    assert stats["dp_imbalance"] <= 1.02
+    assert stats["empty_microbatches"] == 0
+    # Microbatch i runs in lockstep on every rank, so step i should be even across ranks.
+    for i in range(m):
+        assert imbalance([rank[i] for rank in plan], lengths) <= 1.05
+
+
+def test_naive_contiguous_split_fails_the_balance_bound():
+    # The control for the 1.02 threshold: equal-count contiguous chunks (what a plain
+    # DistributedSampler without shuffling gives) are far off on the same mix.
+    lengths = long_tail(1024)
+    per_rank = len(lengths) // DP
+    naive = [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(DP)]
+    planned = [[i for mb in rank for i in mb] for rank in plan_microbatches(lengths, CAP, DP)]
+    assert imbalance(naive, lengths) > 1.02
+    assert imbalance(naive, lengths) > imbalance(planned, lengths)
+
+
+def test_deterministic_and_input_type_independent():
+    lengths = long_tail(1024, seed=3)
+    first = plan_microbatches(lengths, CAP, DP)
+    assert plan_microbatches(lengths, CAP, DP) == first
+    assert plan_microbatches(tuple(lengths), CAP, DP) == first
+    # Built from a dict and a set-derived key order: the values, not the container, decide.
+    by_key = {f"sample-{i}": x for i, x in enumerate(lengths)}
+    assert plan_microbatches(list(by_key.values()), CAP, DP) == first
+
+
+def test_independent_of_hash_seed():
+    # Set and dict-of-str order changes with PYTHONHASHSEED; the plan must not. The module
+    # is loaded by path so the child does not pay for importing torch via `packing`.
+    script = (
+        "import importlib.util, json, random\n"
+        f"spec = importlib.util.spec_from_file_location('planner', {str(PLANNER)!r})\n"
+        "p = importlib.util.module_from_spec(spec); spec.loader.exec_module(p)\n"
+        "rng = random.Random(5)\n"
+        "lengths = [rng.randint(1, 4096) for _ in range(512)]\n"
+        "plans = [p.plan_microbatches(lengths, 8192, 4), p.plan_microbatches(lengths, None, 4, micro_batch_size=16)]\n"
+        "print(json.dumps(plans))\n"
+    )
+    outputs = set()
+    for seed in ("0", "1", "12345"):
+        env = {"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"}
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        outputs.add(run.stdout)
+    assert len(outputs) == 1
+    assert json.loads(outputs.pop())
+
+
+def test_fast_for_4096_samples():
+    lengths = long_tail(4096, seed=1)
+    start = time.perf_counter()
+    plan_microbatches(lengths, CAP, DP)
+    assert time.perf_counter() - start < 2.0  # typically ~0.03 s; loose for loaded CI
+
+
+def test_over_cap_sample_is_named():
+    lengths = [100, 200, 9000, 50]
+    with pytest.raises(ValueError, match=r"sample 2 has 9000 tokens.*max_tokens = 8192"):
+        plan_microbatches(lengths, 8192, 2)
+
+
+def test_short_rank_gets_samples_moved_instead_of_empty_microbatches():
+    # KK alone gives {8000} | {4000, 4000, 100}: two microbatches needed on one rank but
+    # a single sample on the other. Moving the short sample fixes it (and even lowers m).
+    lengths = [8000, 4000, 4000, 100]
+    plan = plan_microbatches(lengths, 8192, 2)
+    assert_valid(plan, lengths, 2, 8192)
+    assert plan_stats(plan, lengths)["empty_microbatches"] == 0
+
+
+def test_unavoidable_empty_microbatch_is_padded_at_the_end():
+    # Three samples that can't share: one rank needs 2 microbatches, the other has 1 sample.
+    lengths = [5000, 5000, 5000]
+    plan = plan_microbatches(lengths, 8192, 2)
+    assert_valid(plan, lengths, 2, 8192)
+    assert all(len(rank) == 2 for rank in plan)
+    short = [rank for rank in plan if not all(rank)]
+    assert len(short) == 1 and short[0][0] and short[0][1] == []
+
+
+def test_microbatches_ordered_heaviest_first():
+    lengths = long_tail(1024, seed=2)
+    for rank in plan_microbatches(lengths, CAP, DP):
+        totals = [tokens(mb, lengths) for mb in rank]
+        assert totals == sorted(totals, reverse=True)
+        assert all(mb == sorted(mb) for mb in rank)
+
+
+# -------------------------------------------------------------------- fixed mode
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 16), st.data())
+def test_fixed_mode_counts(dp, mbs, data):
+    lengths = data.draw(st.lists(st.integers(1, 512), min_size=dp, max_size=300))
+    if mbs == 1:  # uneven rank counts can't give equal step counts at one sample per step
+        lengths = lengths[: len(lengths) - len(lengths) % dp]
+    plan = plan_microbatches(lengths, dp_size=dp, micro_batch_size=mbs)
+    m = assert_valid(plan, lengths, dp)
+    counts = [sum(len(mb) for mb in rank) for rank in plan]
+    assert max(counts) - min(counts) <= 1
+    assert m == math.ceil(max(counts) / mbs)
+    assert all(1 <= len(mb) <= mbs for rank in plan for mb in rank)
+
+
+def test_fixed_mode_exact_chunks():
+    lengths = list(range(1, 33))
+    plan = plan_microbatches(lengths, dp_size=4, micro_batch_size=2)
+    assert [[len(mb) for mb in rank] for rank in plan] == [[2] * 4] * 4
+    # The last microbatch may be smaller when the count doesn't divide.
+    plan = plan_microbatches(list(range(1, 11)), dp_size=2, micro_batch_size=2)
+    assert [[len(mb) for mb in rank] for rank in plan] == [[2, 2, 1]] * 2
+
+
+def test_fixed_mode_balances_tokens_across_ranks():
+    lengths = long_tail(1024)
+    plan = plan_microbatches(lengths, dp_size=DP, micro_batch_size=16)
+    assert imbalance([[i for mb in rank for i in mb] for rank in plan], lengths) <= 1.02
+
+
+def test_fixed_mode_impossible_counts_raise():
+    # 9 samples, 2 ranks, 1 per microbatch: 5 steps on one rank, 4 samples on the other.
+    with pytest.raises(ValueError, match=r"\[5, 4\]"):
+        plan_microbatches([10] * 9, dp_size=2, micro_batch_size=1)
+
+
+def test_fixed_mode_checks_the_cap():
+    lengths = [3000, 3000, 3000, 3000]
+    assert_valid(plan_microbatches(lengths, 6000, 2, micro_batch_size=2), lengths, 2, 6000)
+    with pytest.raises(ValueError, match=r"rank \d microbatch 0 .*6000 tokens.*max_tokens = 5000"):
+        plan_microbatches(lengths, 5000, 2, micro_batch_size=2)
+
+
+# -------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, pattern",
+    [
+        (([], 100, 1), {}, "lengths is empty"),
+        (([5, 0, 3], 100, 1), {}, r"lengths\[1\] = 0"),
+        (([5, -2], 100, 1), {}, r"lengths\[1\] = -2"),
+        (([5, 3], 0, 1), {}, "max_tokens must be >= 1, got 0"),
+        (([5, 3], -5, 1), {}, "max_tokens must be >= 1, got -5"),
+        (([5, 3], 100, 0), {}, "dp_size must be >= 1, got 0"),
+        (([5, 3],), {}, "got neither"),
+        (([5, 3], None, 1), {"micro_batch_size": 0}, "micro_batch_size must be >= 1, got 0"),
+        (([5, 3], 100, 3), {}, r"len\(lengths\) = 2 < dp_size = 3"),
+        (([5, 3], None, 3), {"micro_batch_size": 1}, r"len\(lengths\) = 2 < dp_size = 3"),
+    ],
+)
+def test_validation_errors(args, kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        plan_microbatches(*args, **kwargs)
+
+
+def test_non_integer_length_is_a_type_error():
+    with pytest.raises(TypeError, match=r"lengths\[1\]"):
+        plan_microbatches([5, 2.5], 100)
+
+
+# ------------------------------------------------------------------ KK and stats
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 10_000), max_size=200), st.integers(1, 16), st.booleans())
+def test_karmarkar_karp_partitions(weights, k, equal_size):
+    parts = karmarkar_karp(weights, k, equal_size=equal_size)
+    assert len(parts) == k
+    assert sorted(i for p in parts for i in p) == list(range(len(weights)))
+    if len(weights) >= k:
+        assert all(parts)
+    if equal_size:
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    # Each LDM merge's spread is at most the larger of its inputs', so by induction the
+    # final spread is at most the heaviest single item.
+    assert spread(parts, weights) <= max(weights, default=0)
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("k", [2, 3, 8])
+def test_karmarkar_karp_beats_round_robin(seed, k):
+    weights = long_tail(256, seed)
+    round_robin = [list(range(r, len(weights), k)) for r in range(k)]
+    assert spread(karmarkar_karp(weights, k), weights) <= spread(round_robin, weights)
+    assert spread(karmarkar_karp(weights, k, equal_size=True), weights) <= spread(round_robin, weights)
+
+
+def test_karmarkar_karp_small_cases():
+    assert karmarkar_karp([], 3) == [[], [], []]
+    assert karmarkar_karp([7], 2) == [[0], []]
+    # The textbook LDM instance: 8-7, 6-5, then 4-1-1 leaves a difference of 2.
+    assert spread(karmarkar_karp([4, 5, 6, 7, 8], 2), [4, 5, 6, 7, 8]) == 2
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        karmarkar_karp([1, 2], 0)
+
+
+def test_plan_stats():
+    lengths = [100, 200, 300, 400]
+    plan = [[[3], [0]], [[2], [1]]]
+    assert plan_stats(plan, lengths) == {
+        "microbatches_per_rank": 2,
+        "rank_tokens": [500, 500],
+        "dp_imbalance": 1.0,
+        "max_microbatch_tokens": 400,
+        "empty_microbatches": 0,
+    }

@@ -1,0 +1,309 @@
+"""Rollout engine (rl/rollout.py) and tasks (rl/tasks.py): records, seeding, log-probs, routing."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # FileTask imports "tests.test_rollout:my_reward" from the repo root
+    sys.path.insert(0, str(ROOT))
+
+from rl.rollout import HFRolloutEngine, RolloutEngine, sample_seed  # noqa: E402
+from rl.tasks import FileTask, Task, build_task, load_callable, score  # noqa: E402
+
+VOCAB, TEMP, NEW = 64, 0.7, 10
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attn_implementation="sdpa")
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+           decoder_sparse_step=1, mlp_only_layers=[])
+
+
+# ------------------------------------------------------- reward functions for FileTask
+def my_reward(prompt_ids, response_ids, answer):
+    return float(sum(r == answer for r in response_ids)) / len(response_ids)
+
+
+NOT_CALLABLE = 3
+
+
+# ------------------------------------------------------------------- helpers
+def dense_model(seed=0):
+    torch.manual_seed(seed)
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON))
+
+
+def moe_model(seed=0):
+    torch.manual_seed(seed)
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**COMMON, **MOE))
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return HFRolloutEngine(dense_model())
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return HFRolloutEngine(moe_model())
+
+
+def make_prompts(n=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, VOCAB, (int(torch.randint(4, 13, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+def generate(engine, prompts, indices=None, seed=0, new=NEW):
+    indices = list(range(len(prompts))) if indices is None else indices
+    return engine.generate(prompts, prompt_indices=indices, max_new_tokens=new, temperature=TEMP, seed=seed)
+
+
+def fresh_log_probs(model, rec):
+    """log_softmax(logits / T) of one full forward on the finished sequence, at its tokens: [T-1]."""
+    with torch.no_grad():
+        logits = model(input_ids=rec.sequences[None]).logits[0, :-1].float()
+    return F.log_softmax(logits / TEMP, -1).gather(-1, rec.sequences[1:, None])[:, 0]
+
+
+# ------------------------------------------------------------------ records
+def test_engine_implements_the_interface(dense):
+    assert isinstance(dense, RolloutEngine)
+    assert not dense.is_moe and not dense.model.training
+
+
+def test_records_are_unpadded_and_well_formed(dense):
+    prompts = make_prompts()
+    for p, rec in zip(prompts, generate(dense, prompts)):
+        P, T = p.numel(), rec.sequences.numel()
+        assert rec.is_record and rec.sequences.dtype == torch.int64
+        assert torch.equal(rec.sequences[:P], p)
+        assert int(rec.response_length) == NEW and int(rec.total_length) == T == P + NEW
+        assert rec.action_mask.shape == rec.rollout_log_probs.shape == (T - 1,)
+        assert rec.action_mask.dtype == torch.bool and rec.rollout_log_probs.dtype == torch.float32
+        assert torch.equal(rec.action_mask, torch.arange(T - 1) >= P - 1)  # slots whose target is a response token
+        assert torch.all(rec.rollout_log_probs[: P - 1] == 0)
+        assert torch.all(rec.rollout_log_probs[P - 1 :] <= 0)
+        assert rec.routed_experts is None and rec.rewards is None
+
+
+def test_prompt_index_is_the_group_id(dense):
+    p = make_prompts(2)
+    recs = generate(dense, [p[0], p[0], p[1]], indices=[5, 5, 9])
+    assert [int(r.prompt_index) for r in recs] == [5, 5, 9]
+    assert not torch.equal(recs[0].sequences, recs[1].sequences)  # sample k of a group draws its own stream
+
+
+def test_stop_token_ends_a_sample_and_is_kept():
+    engine = HFRolloutEngine(dense_model())
+    prompts = make_prompts(8)
+    free = generate(engine, prompts)
+    response = free[0].sequences[prompts[0].numel():]
+    stop = int(response[3])
+    first = int((response == stop).nonzero()[0])
+    engine.stop_token_id = stop
+    stopped = generate(engine, prompts)
+    rec = stopped[0]
+    assert int(rec.response_length) == first + 1 and int(rec.sequences[-1]) == stop
+    assert torch.equal(rec.sequences, free[0].sequences[: rec.sequences.numel()])  # same draws up to the stop
+    for f, s, p in zip(free, stopped, prompts):
+        r = f.sequences[p.numel():]
+        n = int((r == stop).nonzero()[0]) + 1 if (r == stop).any() else NEW
+        assert int(s.response_length) == n and s.sequences.numel() == p.numel() + n
+        assert s.action_mask.shape == (p.numel() + n - 1,)
+
+
+# ------------------------------------------------------------------ seeding
+def test_same_seed_same_samples_another_seed_differs(dense):
+    prompts = make_prompts()
+    a, b, c = generate(dense, prompts, seed=3), generate(dense, prompts, seed=3), generate(dense, prompts, seed=4)
+    assert all(torch.equal(x.sequences, y.sequences) and torch.equal(x.rollout_log_probs, y.rollout_log_probs)
+               for x, y in zip(a, b))
+    assert any(not torch.equal(x.sequences, z.sequences) for x, z in zip(a, c))
+    assert sample_seed(3, 0, 0) != sample_seed(3, 0, 1) != sample_seed(3, 1, 0)
+
+
+# ------------------------------------------------------- log-probs and padding
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_rollout_log_probs_equal_a_fresh_full_forward(kind, request):
+    engine = request.getfixturevalue(kind)
+    for rec in generate(engine, make_prompts()):
+        m = rec.action_mask
+        assert (fresh_log_probs(engine.model, rec)[m] - rec.rollout_log_probs[m]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_batch_of_varying_lengths_equals_each_prompt_alone(kind, request):
+    engine = request.getfixturevalue(kind)
+    prompts = make_prompts()
+    assert len({p.numel() for p in prompts}) > 2
+    batch = generate(engine, prompts, seed=7)
+    for i, p in enumerate(prompts):
+        alone = generate(engine, [p], indices=[i], seed=7)[0]
+        assert torch.equal(alone.sequences, batch[i].sequences)
+        assert (alone.rollout_log_probs - batch[i].rollout_log_probs).abs().max() <= 1e-5
+        if kind == "moe":
+            assert torch.equal(alone.routed_experts, batch[i].routed_experts)
+
+
+def test_chunking_does_not_change_samples():
+    prompts = make_prompts()
+    whole = generate(HFRolloutEngine(dense_model()), prompts)
+    chunked = generate(HFRolloutEngine(dense_model(), max_batch_size=2), prompts)
+    assert all(torch.equal(a.sequences, b.sequences) for a, b in zip(whole, chunked))
+
+
+# ------------------------------------------------------------------ routing
+def test_moe_routed_experts_are_the_live_routing_of_a_fresh_forward(moe):
+    cfg = moe.model.config
+    for rec in generate(moe, make_prompts(4)):
+        T = rec.sequences.numel()
+        assert rec.routed_experts.shape == (cfg.num_hidden_layers, cfg.num_experts_per_tok, T)
+        assert rec.routed_experts.min() >= 0 and rec.routed_experts.max() < cfg.num_experts
+        with torch.no_grad():
+            out = moe.model(input_ids=rec.sequences[None], output_router_logits=True)
+        live = torch.stack([  # [L, T, K] -> [L, K, T], exactly as the router picks: top-k of the softmax
+            torch.topk(F.softmax(logits.float(), -1), cfg.num_experts_per_tok, dim=-1).indices
+            for logits in out.router_logits
+        ]).transpose(1, 2)
+        assert torch.equal(rec.routed_experts, live)
+
+
+# ---------------------------------------------------------------- weights
+def test_load_weights_changes_outputs_and_rejects_bad_keys():
+    engine = HFRolloutEngine(dense_model(seed=0))
+    prompts = make_prompts(3)
+    before = generate(engine, prompts)
+    own = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    engine.load_weights(dense_model(seed=1).state_dict())
+    after = generate(engine, prompts)
+    assert any(not torch.equal(a.rollout_log_probs, b.rollout_log_probs) for a, b in zip(before, after))
+    engine.load_weights(own)
+    again = generate(engine, prompts)
+    assert all(torch.equal(a.rollout_log_probs, b.rollout_log_probs) for a, b in zip(before, again))
+
+    missing = dict(own)
+    missing.pop("lm_head.weight")
+    with pytest.raises(KeyError, match=r"1 missing: lm_head.weight.*0 unexpected"):
+        engine.load_weights(missing)
+    with pytest.raises(KeyError, match=r"0 missing.*1 unexpected: extra.weight"):
+        engine.load_weights({**own, "extra.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"lm_head.weight \(64, 3\) \(expected \(64, 64\)\)"):
+        engine.load_weights({**own, "lm_head.weight": torch.zeros(64, 3)})
+
+
+def test_generate_rejects_bad_arguments(dense):
+    p = make_prompts(1)
+    with pytest.raises(ValueError, match=r"prompts\[0\] holds ids in .*outside the vocabulary \[0, 64\)"):
+        generate(dense, [torch.tensor([1, 64])])
+    with pytest.raises(ValueError, match=r"prompts\[0\] must be a non-empty 1-D tensor"):
+        generate(dense, [torch.zeros(2, 3, dtype=torch.long)])
+    with pytest.raises(ValueError, match="prompt_indices has 2 entries, expected 1"):
+        generate(dense, p, indices=[0, 1])
+    with pytest.raises(ValueError, match="temperature=0"):
+        dense.generate(p, prompt_indices=[0], max_new_tokens=4, temperature=0, seed=0)
+
+
+# ------------------------------------------------------------------ tasks
+def test_builtin_rewards_on_hand_made_examples():
+    target = build_task("target_token", vocab_size=VOCAB)
+    assert target.reward(torch.tensor([9, 9, 9, 9]), torch.tensor([7, 7, 3, 7]), {}) == 0.75
+    copy = build_task("copy_first", vocab_size=VOCAB)
+    assert copy.reward([5, 6, 7, 8], [5, 6, 5, 5], {}) == 0.75
+    count = build_task("count_up", vocab_size=VOCAB)  # alphabet [4, 12): successor of 11 wraps to 4
+    assert count.reward([4, 9, 9, 10], [11, 4, 5, 7], {}) == 0.75
+    assert count.reward([4, 9], [40, 41], {}) == 0.0  # an id outside the alphabet has no successor
+    assert target.reward([9], [], {}) == 0.0
+
+
+@pytest.mark.parametrize("name", ["target_token", "copy_first", "count_up"])
+def test_builtin_prompts_are_seeded_and_avoid_special_ids(name):
+    task = build_task(name, vocab_size=VOCAB, prompts_path=None, reward_fn=None)  # None options are dropped
+    assert isinstance(task, Task) and task.stop_token_id is None and task.min_vocab_size <= VOCAB
+    a, b, c = task.prompts(32, seed=1), task.prompts(32, seed=1), task.prompts(32, seed=2)
+    assert all(torch.equal(x, y) for (x, _), (y, _) in zip(a, b))
+    assert any(not torch.equal(x, z) for (x, _), (z, _) in zip(a, c))
+    for ids, meta in a:
+        assert ids.dtype == torch.int64 and 4 <= ids.numel() <= 12 and ids.min() >= 4 and ids.max() < VOCAB
+        assert meta == {}
+
+
+def test_score_sets_rewards(dense):
+    task = build_task("target_token", vocab_size=VOCAB)
+    prompts = task.prompts(3, seed=0)
+    recs = score(task, generate(dense, [p for p, _ in prompts]), [m for _, m in prompts])
+    for (p, _), rec in zip(prompts, recs):
+        response = rec.sequences[p.numel():]
+        assert rec.rewards.dtype == torch.float32 and rec.rewards.dim() == 0
+        assert float(rec.rewards) == pytest.approx(float((response == 7).float().mean()))
+
+
+def test_build_task_errors():
+    with pytest.raises(ValueError, match=r"task 'nope' is not one of \['copy_first', 'count_up', 'file', 'target_token'\]"):
+        build_task("nope")
+    with pytest.raises(TypeError, match=r"task 'target_token' got unknown options \['prompts_path'\]"):
+        build_task("target_token", vocab_size=VOCAB, prompts_path="x.jsonl")
+    with pytest.raises(ValueError, match="target=99 is outside the vocabulary"):
+        build_task("target_token", vocab_size=VOCAB, target=99)
+
+
+# --------------------------------------------------------------- FileTask
+def write_jsonl(path, rows):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_file_task_round_trip(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt_ids": [4, 5, 6], "answer": 7}, "",
+                                              {"prompt_ids": [8, 9], "answer": 9}])
+    task = build_task("file", prompts_path=str(path), reward_fn="tests.test_rollout:my_reward", vocab_size=VOCAB)
+    assert isinstance(task, FileTask) and len(task) == 2 and task.min_vocab_size == 10
+    drawn = task.prompts(5, seed=0)  # cycles through a seeded order
+    assert [ids.tolist() for ids, _ in drawn[:2]] in ([[4, 5, 6], [8, 9]], [[8, 9], [4, 5, 6]])
+    assert [ids.tolist() for ids, _ in drawn] == [ids.tolist() for ids, _ in task.prompts(5, seed=0)]
+    by_prompt = {tuple(ids.tolist()): meta for ids, meta in drawn}
+    assert by_prompt == {(4, 5, 6): {"answer": 7}, (8, 9): {"answer": 9}}
+    assert task.reward(torch.tensor([4, 5, 6]), torch.tensor([7, 1, 7, 7]), {"answer": 7}) == 0.75
+
+
+def test_file_task_errors(tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", [{"prompt_ids": [4, 5]}])
+    fn = "tests.test_rollout:my_reward"
+    with pytest.raises(FileNotFoundError, match="prompts file '.*missing.jsonl' does not exist"):
+        FileTask(tmp_path / "missing.jsonl", fn)
+    with pytest.raises(ValueError, match="reward_fn 'no_colon' is not of the form 'module:function'"):
+        FileTask(good, "no_colon")
+    with pytest.raises(ImportError, match="cannot import module 'no_such_module'"):
+        load_callable("no_such_module:f")
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        FileTask(good, "tests.test_rollout:nope")
+    with pytest.raises(TypeError, match="'NOT_CALLABLE' is a int, not a callable"):
+        FileTask(good, "tests.test_rollout:NOT_CALLABLE")
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt_ids": [4]}, {"answer": 3}])
+    with pytest.raises(ValueError, match=r"bad.jsonl:2 has neither 'prompt_ids' nor 'prompt' \(keys: \['answer'\]\)"):
+        FileTask(bad, fn)
+    text = write_jsonl(tmp_path / "text.jsonl", [{"prompt": "hello"}])
+    with pytest.raises(ValueError, match="text.jsonl:1 gives 'prompt' text but no tokenizer was given"):
+        FileTask(text, fn)
+    broken = write_jsonl(tmp_path / "broken.jsonl", ['{"prompt_ids": [4]', ])
+    with pytest.raises(ValueError, match="broken.jsonl:1 is not valid JSON"):
+        FileTask(broken, fn)
+    big = write_jsonl(tmp_path / "big.jsonl", [{"prompt_ids": [4, 64]}])
+    with pytest.raises(ValueError, match=r"big.jsonl:1: prompt id 64 is outside the vocabulary \[0, 64\)"):
+        FileTask(big, fn, vocab_size=VOCAB)
+
+
+def test_file_task_tokenizes_text_prompts(tmp_path):
+    class Tok:  # the one method FileTask uses of a Hugging Face tokenizer
+        eos_token_id = 2
+
+        def encode(self, text):
+            return [4 + ord(c) % 50 for c in text]
+
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "ab", "answer": 5}])
+    task = FileTask(path, my_reward, tokenizer=Tok())
+    (ids, meta), = task.prompts(1, seed=0)
+    assert ids.tolist() == Tok().encode("ab") and meta == {"answer": 5} and task.stop_token_id == 2
