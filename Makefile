@@ -3,6 +3,7 @@
 PY      := .venv/bin/python
 STAMP   := .venv/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
 NPROC   ?= 8
+PARALLEL ?= ep2
 ARGS    ?=
 
 .PHONY: install test test-quick train clean
@@ -22,7 +23,7 @@ test-quick: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(ARGS)
 
 train: $(STAMP)
-	.venv/bin/torchrun --standalone --nproc-per-node $(NPROC) train.py $(ARGS)
+	.venv/bin/torchrun --standalone --nproc-per-node $(NPROC) train.py parallel=$(PARALLEL) $(ARGS)
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis outputs multirun

@@ -28,23 +28,39 @@ from torch import nn
 
 from model.attention import packed_attn_kwargs
 from model.logprobs import token_log_probs
+from model.moe import ep_suffix_length, moe_blocks, moe_padding_mask, routing_replay
 from packing.experience import Experience
 
 SUFFIX_TOKEN_ID = 0  # any valid id: suffix rows are causal-last, excluded from experts and losses
 
 
 # ------------------------------------------------------------------- backbone
-def _forward_backbone(model: nn.Module, experience: Experience, *, pad: int = 0, **extra) -> torch.Tensor:
+def _forward_backbone(
+    model: nn.Module, experience: Experience, *, ep_group=None, replay: bool = True, pad: int | None = None, **extra
+) -> torch.Tensor:
     """The decoder's last hidden states: `[B, T, H]` (padded) or `[1, N, H]` (pack).
 
-    `pad` synthetic suffix tokens (expert parallelism) are appended to a pack and trimmed
-    from the output; `extra` goes to the decoder as is.
+    With expert parallelism every EP rank must present the same token count: the
+    difference to the group's maximum is a synthetic suffix appended to the pack (its
+    length is a collective, so it is decided here, not at collate time), kept out of
+    expert compute and trimmed from the output. Padded rows of a `[B, T]` batch are kept
+    out of expert compute the same way. With `replay`, the record's `routed_experts`
+    (R3) route the MoE layers; `-1` keeps live routing. `pad` overrides the suffix length.
     """
     _check_batch(model, experience)
+    if pad is None:
+        pad = ep_suffix_length(experience.sequences.shape[1], ep_group) if experience.is_packed else 0
     if pad < 0:
         raise ValueError(f"pad={pad}: the EP suffix length must be >= 0")
     inputs = _model_inputs(experience, pad=pad)
-    hidden = model.model(**inputs, **extra).last_hidden_state
+    if not moe_blocks(model, strict=False):
+        return _trim(model.model(**inputs, **extra).last_hidden_state, pad)
+    synthetic = _suffix_mask(experience, pad) if experience.is_packed else ~experience.attention_mask
+    routed = experience.routed_experts if replay else None
+    if routed is not None and pad:
+        routed = torch.nn.functional.pad(routed, (0, pad), value=-1)
+    with moe_padding_mask(model, synthetic), routing_replay(model, routed):
+        hidden = model.model(**inputs, **extra).last_hidden_state
     return _trim(hidden, pad)
 
 
@@ -110,7 +126,9 @@ def _slots(hidden: torch.Tensor, experience: Experience) -> tuple[torch.Tensor, 
 class Actor(nn.Module):
     """Policy forward: `action_log_probs` (and `entropy`) in the layout of `action_mask`."""
 
-    def __init__(self, model: nn.Module, *, temperature: float = 1.0, chunk_size: int = 1024, dims=None) -> None:
+    def __init__(
+        self, model: nn.Module, *, temperature: float = 1.0, chunk_size: int = 1024, dims=None, replay: bool = True
+    ) -> None:
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"Actor: temperature={temperature}, expected > 0")
@@ -121,12 +139,14 @@ class Actor(nn.Module):
         self.temperature = temperature
         self.chunk_size = chunk_size
         self.dims = dims
+        self.replay = replay
 
     def forward(
         self, experience: Experience, return_entropy: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`action_log_probs` fp32 `[B, T-1]` / `[1, N]` (plus `entropy`, same shape, if asked)."""
-        hidden, targets, valid = _slots(_forward_backbone(self.model, experience), experience)
+        hidden = _forward_backbone(self.model, experience, ep_group=_ep_group(self.dims), replay=self.replay)
+        hidden, targets, valid = _slots(hidden, experience)
         head = self.model.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise ValueError(
@@ -163,11 +183,17 @@ class Critic(nn.Module):
             self.value_head.bias.zero_()
 
     def forward(self, experience: Experience) -> torch.Tensor:
-        hidden, _, valid = _slots(_forward_backbone(self.model, experience), experience)
+        # the critic routes live: replayed routing serves the policy's rollout/train agreement
+        hidden = _forward_backbone(self.model, experience, ep_group=_ep_group(self.dims), replay=False)
+        hidden, _, valid = _slots(hidden, experience)
         # the head's dot product as a per-row reduction: a [M, H] x [H, 1] gemv rounds
         # differently for different M, which would make padded and packed values differ
         values = (hidden.float() * self.value_head.weight[0]).sum(-1) + self.value_head.bias
         return values.masked_fill(~valid, 0.0)
+
+
+def _ep_group(dims):
+    return getattr(dims, "ep_group", None)
 
 
 # ----------------------------------------------------------------- validation
