@@ -27,8 +27,10 @@ import torch
 from torch import nn
 
 from model.attention import packed_attn_kwargs
+from model.context_parallel import _restore_full_sequence, cp_model_inputs
 from model.logprobs import token_log_probs
 from model.moe import ep_suffix_length, moe_blocks, moe_padding_mask, routing_replay
+from packing.cp import local_slots, shard
 from packing.experience import Experience
 
 SUFFIX_TOKEN_ID = 0  # any valid id: suffix rows are causal-last, excluded from experts and losses
@@ -53,15 +55,46 @@ def _forward_backbone(
     if pad < 0:
         raise ValueError(f"pad={pad}: the EP suffix length must be >= 0")
     inputs = _model_inputs(experience, pad=pad)
-    if not moe_blocks(model, strict=False):
-        return _trim(model.model(**inputs, **extra).last_hidden_state, pad)
     synthetic = _suffix_mask(experience, pad) if experience.is_packed else ~experience.attention_mask
     routed = experience.routed_experts if replay else None
     if routed is not None and pad:
         routed = torch.nn.functional.pad(routed, (0, pad), value=-1)
+    return _trim(_run_decoder(model, inputs, synthetic, routed, **extra), pad)
+
+
+def _run_decoder(model: nn.Module, inputs: dict, synthetic: torch.Tensor, routed, **extra) -> torch.Tensor:
+    """`model.model(**inputs)`; MoE layers skip the `synthetic` rows and replay `routed`."""
+    if not moe_blocks(model, strict=False):
+        return model.model(**inputs, **extra).last_hidden_state
     with moe_padding_mask(model, synthetic), routing_replay(model, routed):
-        hidden = model.model(**inputs, **extra).last_hidden_state
-    return _trim(hidden, pad)
+        return model.model(**inputs, **extra).last_hidden_state
+
+
+def _forward_slots(model: nn.Module, experience: Experience, dims, replay: bool):
+    """Per-slot `(hidden, targets, valid, restore)`: `restore` puts per-slot outputs back on
+    the layout of `action_mask` (identity without CP; `_restore_full_sequence` with it).
+
+    With context parallelism this rank runs the decoder on its zigzag shard of the token
+    axis; slot targets come from the full batch (every CP rank has it), so log-probs are
+    computed locally and only per-token outputs are gathered. EP ranks need no suffix
+    here: the all-to-all takes uneven token counts, and CP padding rows skip the experts.
+    """
+    cp = getattr(dims, "cp", 1)
+    if cp == 1:
+        hidden = _forward_backbone(model, experience, ep_group=_ep_group(dims), replay=replay)
+        hidden, targets, valid = _slots(hidden, experience)
+        return hidden, targets, valid, lambda out: out
+    _check_batch(model, experience)
+    local, layout = shard(experience, cp, dims.cp_rank)
+    routed = local.routed_experts if replay else None
+    hidden = _run_decoder(model, cp_model_inputs(local, layout, dims.cp_group), ~local.attention_mask, routed)
+    targets, valid = local_slots(experience, layout)
+
+    def restore(out: torch.Tensor) -> torch.Tensor:
+        full = _restore_full_sequence(out, layout, dims.cp_group)
+        return full if experience.is_packed else full[:, :-1]  # padded: [B, T] -> action axis [B, T-1]
+
+    return hidden, targets, valid, restore
 
 
 def _model_inputs(experience: Experience, *, pad: int = 0) -> dict:
@@ -134,7 +167,6 @@ class Actor(nn.Module):
             raise ValueError(f"Actor: temperature={temperature}, expected > 0")
         if chunk_size < 1:
             raise ValueError(f"Actor: chunk_size={chunk_size}, expected >= 1")
-        _check_dims(dims)
         self.model = model
         self.temperature = temperature
         self.chunk_size = chunk_size
@@ -145,8 +177,7 @@ class Actor(nn.Module):
         self, experience: Experience, return_entropy: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`action_log_probs` fp32 `[B, T-1]` / `[1, N]` (plus `entropy`, same shape, if asked)."""
-        hidden = _forward_backbone(self.model, experience, ep_group=_ep_group(self.dims), replay=self.replay)
-        hidden, targets, valid = _slots(hidden, experience)
+        hidden, targets, valid, restore = _forward_slots(self.model, experience, self.dims, self.replay)
         head = self.model.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise ValueError(
@@ -157,9 +188,9 @@ class Actor(nn.Module):
             temperature=self.temperature, chunk_size=self.chunk_size, return_entropy=return_entropy,
         )
         if not return_entropy:
-            return out.masked_fill(~valid, 0.0)
+            return restore(out.masked_fill(~valid, 0.0))
         log_probs, entropy = out
-        return log_probs.masked_fill(~valid, 0.0), entropy.masked_fill(~valid, 0.0)
+        return restore(log_probs.masked_fill(~valid, 0.0)), restore(entropy.masked_fill(~valid, 0.0))
 
 
 class Critic(nn.Module):
@@ -171,7 +202,6 @@ class Critic(nn.Module):
 
     def __init__(self, model: nn.Module, *, seed: int = 0, dims=None) -> None:
         super().__init__()
-        _check_dims(dims)
         self.model = model
         self.dims = dims
         size = model.config.hidden_size
@@ -184,12 +214,11 @@ class Critic(nn.Module):
 
     def forward(self, experience: Experience) -> torch.Tensor:
         # the critic routes live: replayed routing serves the policy's rollout/train agreement
-        hidden = _forward_backbone(self.model, experience, ep_group=_ep_group(self.dims), replay=False)
-        hidden, _, valid = _slots(hidden, experience)
+        hidden, _, valid, restore = _forward_slots(self.model, experience, self.dims, replay=False)
         # the head's dot product as a per-row reduction: a [M, H] x [H, 1] gemv rounds
         # differently for different M, which would make padded and packed values differ
         values = (hidden.float() * self.value_head.weight[0]).sum(-1) + self.value_head.bias
-        return values.masked_fill(~valid, 0.0)
+        return restore(values.masked_fill(~valid, 0.0))
 
 
 def _ep_group(dims):
@@ -197,15 +226,6 @@ def _ep_group(dims):
 
 
 # ----------------------------------------------------------------- validation
-def _check_dims(dims) -> None:
-    cp = getattr(dims, "cp", 1)
-    if cp > 1:
-        raise NotImplementedError(
-            f"context parallelism (cp={cp}) is not wired into the forward yet: it belongs in "
-            "model/actor.py:_model_inputs (shard the pack) and after _slots (gather the outputs)"
-        )
-
-
 def _check_batch(model: nn.Module, exp: Experience) -> None:
     """A padded batch or a pack the forward can score, else a ValueError naming what is wrong."""
     seqs = exp.sequences

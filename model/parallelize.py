@@ -2,10 +2,11 @@
 
 - `parallelize`: expert parallelism for MoE models (every MoE model gets `MoEBlock`s, an
   unsharded one with `ep_group=None`, so padding masks and routing replay always apply).
-  Context parallelism lives in the forward (it shards the batch, not the model).
+  Context parallelism lives in the forward (it shards the batch, not the model); here the
+  model only switches to the "cp_varlen" attention.
 - `sync_gradients`: the loss of each microbatch is already a share of the step's global
   mean, so gradients are SUMMED: dense parameters over every rank (dp x cp), expert
-  shards over the expert-data-parallel group (the ranks holding the same shard).
+  shards over the ranks holding the same shard (the EDP group and its CP peers).
 - `full_state_dict`: the unsharded weights (expert shards gathered) for the rollout copy.
 """
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from model.context_parallel import CP_VARLEN
 from model.moe import (
     apply_expert_parallel,
     expert_load,
@@ -30,6 +32,8 @@ def is_moe(model: nn.Module) -> bool:
 
 
 def parallelize(model: nn.Module, dims) -> nn.Module:
+    if dims.cp > 1:  # "cp_varlen" is "varlen" plus the K/V gather when a cp_context is passed
+        model.set_attn_implementation(CP_VARLEN)
     if is_moe(model) and not moe_blocks(model, strict=False):
         apply_expert_parallel(model, dims.ep_group if dims.ep > 1 else None)
     elif dims.ep > 1:
@@ -48,8 +52,10 @@ def sync_gradients(module: nn.Module, dims) -> None:
                 p.grad = torch.zeros_like(p)  # every rank must join each collective
             (experts if is_expert_param(name) and dims.ep > 1 else dense).append(p.grad)
     _all_reduce_flat(dense, None)
-    if experts and dims.edp_group is not None:
-        _all_reduce_flat(experts, dims.edp_group)
+    # an expert shard lives on every rank of its EDP group and on their CP peers
+    for group in (dims.edp_group, dims.cp_group):
+        if experts and group is not None:
+            _all_reduce_flat(experts, group)
 
 
 def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:

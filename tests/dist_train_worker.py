@@ -25,16 +25,17 @@ TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_he
             head_dim=8, intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
 
 
-def _grads(model, records, normalizer, packed):
-    actor = Actor(model)
+def _grads(model, records, normalizer, packed, dims=None):
+    actor = Actor(model, dims=dims)
     for items in records:
         batch = make_experience_batch(items, packed=packed)
         loss = aggregate(policy_loss(actor(batch), batch, PolicyLossConfig())[0], batch, "token-mean", normalizer)
         loss.backward()
 
 
-def grad_sync_checks(rank: int, world_size: int, name: str, ep: int, break_sync: bool = False) -> dict:
-    dims = init_distributed(dp=-1, cp=1, ep=ep)
+def grad_sync_checks(rank: int, world_size: int, name: str, ep: int, cp: int = 1, packed: bool = True,
+                     break_sync: bool = False) -> dict:
+    dims = init_distributed(dp=-1, cp=cp, ep=ep)
     overrides = {k: v for k, v in TINY.items() if name == "qwen3_moe" or k not in ("moe_intermediate_size", "num_experts", "num_experts_per_tok")}
     base = build_model(name, seed=0, **overrides)
     routed = (2, 2, 4) if name == "qwen3_moe" else None
@@ -47,7 +48,7 @@ def grad_sync_checks(rank: int, world_size: int, name: str, ep: int, break_sync:
 
     model = parallelize(copy.deepcopy(base), dims)
     plan = plan_microbatches([r.sequences.numel() for r in records], 64, dims.dp)
-    _grads(model, [[records[i] for i in mb] for mb in plan[dims.dp_rank]], normalizer, packed=True)
+    _grads(model, [[records[i] for i in mb] for mb in plan[dims.dp_rank]], normalizer, packed, dims)
     if not break_sync:
         sync_gradients(model, dims)
 

@@ -326,13 +326,6 @@ def test_decoding_with_a_cache_runs_stock_sdpa(dense):
     assert torch.equal(dense.generate(**args), stock.generate(**args))
 
 
-def test_context_parallel_is_refused_until_wired(dense):
-    from types import SimpleNamespace
-
-    with pytest.raises(NotImplementedError, match="cp=2"):
-        Actor(dense, dims=SimpleNamespace(cp=2, ep=1))
-
-
 def test_varlen_refuses_sliding_window_and_non_causal_attention(pack):
     sliding = build_model("qwen3", num_hidden_layers=1, use_sliding_window=True, sliding_window=8, max_window_layers=0)
     with pytest.raises(ValueError, match="sliding-window"):
