@@ -7,8 +7,10 @@ torchrun starts `world = dp * cp` ranks laid out on a `DeviceMesh` of shape `(dp
 named ("dp", "cp"): rank = dp_rank * cp + cp_rank, so the CP peers of one DP rank are
 consecutive ranks (one node's fast links carry the per-layer K/V gather). The expert
 groups are carved from the dp dim: `ep` consecutive dp ranks of the same cp coordinate
-form an EP group (they exchange tokens); the dp ranks holding the same expert shard form
-its expert-data-parallel (EDP) group (they all-reduce that shard's grads).
+form an EP group (they exchange tokens); the dp ranks of one cp coordinate holding the
+same expert shard form its expert-data-parallel (EDP) group (size `dp / ep`). With cp > 1
+the CP peers of those ranks hold the same shard and saw other tokens: an expert shard's
+grads are summed over the EDP group and over the CP group (model/parallelize.py).
 
 A group property is `None` when its dim has size 1, which means "no collective needed";
 never hand `None` to a collective (torch reads it as WORLD). Without a process group (one
@@ -78,7 +80,8 @@ class ParallelDims:
 
     @property
     def edp(self) -> int:
-        """Size of the expert-data-parallel group: dp ranks holding the same expert shard."""
+        """Size of the expert-data-parallel group: the dp ranks (of one cp coordinate) holding
+        the same expert shard. Their CP peers hold it too: sum expert grads over both groups."""
         return self.dp // self.ep
 
     # ----------------------------------------------------------------- groups
@@ -114,7 +117,8 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh | Non
 
     Needs an initialised process group of `dims.world_size` ranks (None is returned, and
     nothing is built, for a single process without one). The expert mesh `(cp, edp, ep)`
-    holds the same ranks: rank = (edp_rank * ep + ep_rank) * cp + cp_rank.
+    holds the same ranks regrouped: an "ep" group is ep consecutive dp ranks of one cp
+    coordinate, an "edp" group the dp ranks of one cp coordinate holding the same shard.
     """
     if not dist.is_initialized():
         if dims.world_size != 1:
@@ -129,9 +133,9 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh | Non
             f"world_size={dims.world_size} (dp={dims.dp} x cp={dims.cp})"
         )
     dims.mesh = init_device_mesh(device_type, (dims.dp, dims.cp), mesh_dim_names=("dp", "cp"))
-    # the expert groups are sub-groups of each dp slice: order the ranks as (cp, edp, ep)
+    # the expert groups live inside each cp coordinate: rank = (edp_rank * ep + ep_rank) * cp + cp_rank
     ranks = torch.arange(dims.world_size).view(dims.edp, dims.ep, dims.cp).permute(2, 0, 1)
-    dims.expert_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("cp_e", "edp", "ep"))
+    dims.expert_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("cp", "edp", "ep"))
     return dims.mesh
 
 

@@ -1,0 +1,145 @@
+"""Context-parallel helpers for tests/test_context_parallel.py and the gloo worker it launches.
+
+`cp_checks(rank, world_size)` runs on every rank of a cp-sized gloo group
+(tests/distributed.py), runs every CP case once and returns the outputs; the test compares
+them with a one-process reference built from stock "sdpa" on the padded batch (code that
+never touches model/context_parallel.py). Every rank builds the same seeded model and
+batches itself, so only results cross processes.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+import transformers
+
+from model.context_parallel import CP_VARLEN, CPContext, _restore_full_sequence, attention_mask, cp_model_inputs
+from model.parallel_dims import ParallelDims, build_mesh
+from packing.collate import make_experience_batch
+from packing.cp import cp_layout, local_slots, shard, unshard
+from packing.experience import Experience
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
+LENGTHS = [1, 2, 3, 11, 30, 17]  # 1, 2, 3: shorter than 2*cp; the rest uneven
+SINGLE = [23]  # a pack of one sequence
+CHANGED = 4  # the sequence the leakage case redraws
+
+
+def tiny_qwen3(attn_implementation: str) -> transformers.Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY)).float()
+    model.config._attn_implementation = attn_implementation
+    return model
+
+
+def records(lengths, seed: int = 0, *, redraw: int | None = None) -> list[Experience]:
+    """Seeded records; `redraw` gives that one sequence new token ids (same length)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(0, TINY["vocab_size"], (n,), generator=gen)
+        prompt = int(torch.randint(1, max(n, 2), (1,), generator=gen))
+        if i == redraw:
+            ids = torch.randint(0, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(999))
+        out.append(Experience(sequences=ids, action_mask=torch.arange(n - 1) >= prompt - 1))
+    return out
+
+
+def batches() -> dict[str, Experience]:
+    recs = records(LENGTHS)
+    return {
+        "packed": make_experience_batch(recs, packed=True),
+        "padded": make_experience_batch(recs, packed=False),
+        "single": make_experience_batch(records(SINGLE, seed=1), packed=True),
+        "changed": make_experience_batch(records(LENGTHS, redraw=CHANGED), packed=True),
+    }
+
+
+def token_logp(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_mean_loss(logp: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    return -(logp * action_mask).sum() / action_mask.sum()
+
+
+# ------------------------------------------------------------ the CP forward
+def cp_log_probs(model, batch: Experience, cp_group, cp: int, rank: int, *, zigzag: bool = True,
+                 control: str | None = None) -> torch.Tensor:
+    """Log-probs in the layout of `batch.action_mask`, as the actor's CP forward computes them.
+
+    control: "wrong_order" feeds contiguous chunks under the zigzag metadata; "no_gather"
+    lets each rank attend to its own keys only; "naive_restore" gathers the outputs with
+    torch.distributed.nn.functional.all_gather, whose backward sums over ranks.
+    """
+    local, layout = shard(batch, cp, rank, zigzag=zigzag)
+    inputs = cp_model_inputs(local, layout, cp_group)
+    if control == "wrong_order":
+        contiguous, _ = shard(batch, cp, rank, zigzag=False)
+        inputs.update(input_ids=contiguous.sequences, position_ids=contiguous.position_ids)
+    elif control == "no_gather":
+        s = layout.num_local
+        own_keys = attention_mask(layout)[..., rank * s:(rank + 1) * s]
+        inputs["cp_context"] = CPContext(layout=layout, group=None, mask=own_keys)
+    hidden = model.model(**inputs).last_hidden_state
+    targets, valid = local_slots(batch, layout)
+    logp = token_logp(model.lm_head(hidden), targets).masked_fill(~valid, 0.0)
+    if control == "naive_restore":
+        with warnings.catch_warnings():  # deprecated in torch 2.13, still the stock differentiable gather
+            warnings.simplefilter("ignore", FutureWarning)
+            full = unshard(torch.cat(dist_fn.all_gather(logp, group=cp_group), dim=1), layout)
+    else:
+        full = _restore_full_sequence(logp, layout, cp_group)
+    return full if batch.is_packed else full[:, :-1]
+
+
+def _grads(model, cp_group) -> dict[str, torch.Tensor]:
+    """Parameter gradients SUMmed over the CP group, as the trainer reduces them."""
+    names = [n for n, p in model.named_parameters() if p.grad is not None]
+    flat = torch.cat([model.get_parameter(n).grad.flatten() for n in names])
+    dist.all_reduce(flat, group=cp_group)
+    sizes = [model.get_parameter(n).numel() for n in names]
+    return {n: g.view_as(model.get_parameter(n)) for n, g in zip(names, flat.split(sizes))}
+
+
+def _logp_and_grads(model, batch, group, cp, rank, **kw) -> dict:
+    model.zero_grad(set_to_none=True)
+    logp = cp_log_probs(model, batch, group, cp, rank, **kw)
+    token_mean_loss(logp, batch.action_mask).backward()
+    return {"logp": logp.detach(), "grads": _grads(model, group)}
+
+
+def cp_checks(rank: int, world_size: int) -> dict:
+    dims = ParallelDims(cp=world_size, world_size=world_size)
+    build_mesh(dims, "cpu")
+    group, cp = dims.cp_group, dims.cp
+    model = tiny_qwen3(CP_VARLEN)
+    b = batches()
+    out = {
+        "packed": _logp_and_grads(model, b["packed"], group, cp, rank),
+        "padded": _logp_and_grads(model, b["padded"], group, cp, rank),
+        "naive_restore": _logp_and_grads(model, b["packed"], group, cp, rank, control="naive_restore"),
+    }
+    with torch.no_grad():
+        for name, batch, kw in [
+            ("single", b["single"], {}),
+            ("changed", b["changed"], {}),
+            ("contiguous", b["packed"], {"zigzag": False}),
+            ("wrong_order", b["packed"], {"control": "wrong_order"}),
+            ("no_gather", b["packed"], {"control": "no_gather"}),
+        ]:
+            out[name] = {"logp": cp_log_probs(model, batch, group, cp, rank, **kw)}
+    out["dims"] = {"dp": dims.dp, "cp": dims.cp, "cp_rank": dims.cp_rank, "dp_group": dims.dp_group,
+                   "cp_group_ranks": dist.get_process_group_ranks(group)}
+    out["local_tokens"] = cp_layout(b["packed"], cp, rank).num_local
+    if world_size == 4:  # the same world as dp=2 x cp=2 with ep=2: every group's ranks
+        mixed = ParallelDims(cp=2, ep=2, world_size=4)
+        build_mesh(mixed, "cpu")
+        groups = {name: getattr(mixed, f"{name}_group") for name in ("dp", "cp", "ep", "edp")}
+        out["groups_dp2_cp2_ep2"] = {name: None if g is None else dist.get_process_group_ranks(g)
+                                     for name, g in groups.items()}
+    return out

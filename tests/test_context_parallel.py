@@ -1,0 +1,285 @@
+"""Context parallelism: a CP forward gives one process's numbers, and its layout is balanced.
+
+The reference is stock transformers "sdpa" on the padded batch (attention_mask) in one
+process: independent of packing/cp.py and model/context_parallel.py. The CP runs are one
+gloo launch per cp size (cp=2, cp=4), every case inside it (tests/cp_worker.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cp_worker import CHANGED, LENGTHS, SINGLE, cp_checks, records, tiny_qwen3, token_logp, token_mean_loss
+from distributed import run_distributed
+from nemo_automodel.components.distributed.context_parallel.sharder import round_robin_local_indices
+
+from model.attention import packed_attn_kwargs, varlen_attention_forward
+from model.context_parallel import CP_VARLEN, CPContext, _attend, cp_attention_forward, flash_segments
+from model.parallel_dims import ParallelDims, build_mesh, init_distributed
+from packing.collate import make_experience_batch
+from packing.cp import attention_work, cp_layout, local_slots, shard, shard_tokens, unshard
+
+TOL = 1e-5
+
+
+# ------------------------------------------------------------------ reference
+def _reference(lengths, seed=0):
+    """One process, stock sdpa, padded batch: log-probs `[B, T-1]` (0 off real slots) and grads."""
+    model = tiny_qwen3("sdpa")
+    batch = make_experience_batch(records(lengths, seed), packed=False)
+    logits = model(input_ids=batch.sequences, attention_mask=batch.attention_mask).logits
+    valid = batch.attention_mask[:, 1:]
+    logp = token_logp(logits[:, :-1], batch.sequences[:, 1:]).masked_fill(~valid, 0.0)
+    token_mean_loss(logp, batch.action_mask).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"logp": logp.detach(), "valid": valid, "grads": grads}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {"main": _reference(LENGTHS), "single": _reference(SINGLE, seed=1)}
+
+
+def as_padded(pack_logp: torch.Tensor, lengths) -> torch.Tensor:
+    """`[1, N]` pack slots -> `[B, T-1]` (each sequence's trailing slot dropped)."""
+    rows = [s[:-1] for s in pack_logp[0].split(list(lengths))]
+    return torch.stack([F.pad(r, (0, max(lengths) - 1 - r.numel())) for r in rows])
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@functools.cache
+def launch(cp: int) -> list[dict]:
+    """One gloo launch of `cp` ranks running every case (cached: process start-up costs seconds)."""
+    return run_distributed(cp_checks, cp, timeout=240)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
+def cp_run(request):
+    return request.param, launch(request.param)
+
+
+# ------------------------------------------------------------ multi-process
+@pytest.mark.slow
+def test_cp_log_probs_and_grads_match_one_process(cp_run, reference):
+    cp, ranks = cp_run
+    ref = reference["main"]
+    for r, out in enumerate(ranks):
+        assert out["dims"] == {"dp": 1, "cp": cp, "cp_rank": r, "dp_group": None, "cp_group_ranks": list(range(cp))}
+        assert out["local_tokens"] == ranks[0]["local_tokens"]
+        for case in ("packed", "padded"):  # every rank holds the full restored outputs
+            assert torch.equal(out[case]["logp"], ranks[0][case]["logp"])
+    packed, padded = ranks[0]["packed"], ranks[0]["padded"]
+    assert packed["logp"].shape == (1, sum(LENGTHS)) and padded["logp"].shape == ref["logp"].shape
+    assert float((as_padded(packed["logp"], LENGTHS) - ref["logp"])[ref["valid"]].abs().max()) <= TOL
+    assert float((padded["logp"] - ref["logp"])[ref["valid"]].abs().max()) <= TOL
+    assert not padded["logp"][~ref["valid"]].any()  # no slot without a real next token scores
+    assert max_diff(packed["grads"], ref["grads"]) <= TOL  # exact: no factor of cp
+    assert max_diff(padded["grads"], ref["grads"]) <= TOL
+
+
+@pytest.mark.slow
+def test_sequences_shorter_than_2cp_and_a_one_sequence_pack(cp_run, reference):
+    cp, ranks = cp_run
+    assert min(LENGTHS) < 2 * cp
+    short = as_padded(ranks[0]["packed"]["logp"], LENGTHS)[:3]  # lengths 1, 2, 3
+    ref = reference["main"]
+    assert float((short - ref["logp"][:3])[ref["valid"][:3]].abs().max()) <= TOL
+    single, ref1 = ranks[0]["single"]["logp"], reference["single"]
+    assert float((as_padded(single, SINGLE) - ref1["logp"]).abs().max()) <= TOL
+
+
+@pytest.mark.slow
+def test_changing_one_sequence_leaves_the_others_unchanged(cp_run):
+    _, ranks = cp_run
+    before = ranks[0]["packed"]["logp"][0].split(LENGTHS)
+    after = ranks[0]["changed"]["logp"][0].split(LENGTHS)
+    for i, (x, y) in enumerate(zip(before, after)):
+        if i == CHANGED:
+            assert not torch.equal(x, y)
+        else:
+            assert torch.equal(x, y), f"sequence {i} changed by {float((x - y).abs().max())}"
+
+
+@pytest.mark.slow
+def test_contiguous_sharding_is_exact_too(cp_run, reference):
+    _, ranks = cp_run
+    ref = reference["main"]
+    got = as_padded(ranks[0]["contiguous"]["logp"], LENGTHS)
+    assert float((got - ref["logp"])[ref["valid"]].abs().max()) <= TOL
+
+
+@pytest.mark.slow
+def test_wrong_chunk_order_or_no_kv_gather_breaks_parity(cp_run, reference):
+    _, ranks = cp_run
+    ref = reference["main"]
+    for control in ("wrong_order", "no_gather"):
+        got = as_padded(ranks[0][control]["logp"], LENGTHS)
+        assert float((got - ref["logp"])[ref["valid"]].abs().max()) > 0.05, control
+
+
+@pytest.mark.slow
+def test_a_gather_whose_backward_sums_over_ranks_gives_cp_times_the_grads(cp_run, reference):
+    cp, ranks = cp_run
+    naive, ref = ranks[0]["naive_restore"], reference["main"]
+    assert torch.equal(naive["logp"], ranks[0]["packed"]["logp"])  # same forward
+    scaled = {k: v * cp for k, v in ref["grads"].items()}
+    assert max_diff(naive["grads"], scaled) <= cp * TOL
+    assert max_diff(naive["grads"], ref["grads"]) > 100 * TOL
+
+
+@pytest.mark.slow
+def test_process_groups_of_dp2_cp2_ep2():
+    for rank, out in enumerate(launch(4)):  # rank = dp_rank * cp + cp_rank
+        d, c = divmod(rank, 2)
+        assert out["groups_dp2_cp2_ep2"] == {
+            "dp": [c, 2 + c],  # same cp coordinate
+            "cp": [2 * d, 2 * d + 1],  # consecutive ranks
+            "ep": [c, 2 + c],  # ep=2 consecutive dp ranks of the same cp coordinate
+            "edp": None,  # dp / ep = 1: no other dp rank of this cp coordinate holds this expert shard
+        }
+
+
+# ---------------------------------------------------------------- one process
+def test_parallel_dims_reject_sizes_that_do_not_fill_the_world():
+    with pytest.raises(ValueError, match="cp=3 does not divide world_size=8"):
+        ParallelDims(cp=3, world_size=8)
+    with pytest.raises(ValueError, match=r"dp=3 x cp=2 = 6 != world_size=8"):
+        ParallelDims(dp=3, cp=2, world_size=8)
+    with pytest.raises(ValueError, match="ep=3 does not divide dp=4"):
+        ParallelDims(cp=2, ep=3, world_size=8)
+    with pytest.raises(ValueError, match="dp=0"):
+        ParallelDims(dp=0, world_size=8)
+    dims = ParallelDims(cp=2, ep=2, world_size=8)
+    assert (dims.dp, dims.cp, dims.ep, dims.edp) == (4, 2, 2, 2)
+
+
+def test_init_distributed_checks_sizes_before_joining(monkeypatch):
+    env = {"WORLD_SIZE": "8", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match="cp=3 does not divide world_size=8"):
+        init_distributed(cp=3)
+
+
+def test_one_plain_process_has_size_one_groups(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    dims = init_distributed()
+    assert (dims.world_size, dims.dp, dims.cp, dims.rank, dims.dp_rank, dims.cp_rank) == (1, 1, 1, 0, 0, 0)
+    assert dims.dp_group is dims.cp_group is dims.ep_group is dims.edp_group is None
+    assert build_mesh(dims) is None
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_shard_then_restore_is_the_identity(packed):
+    batch = make_experience_batch(records([1, 2, 3, 11, 30, 17, 8]), packed=packed)
+    x = torch.randn(*batch.sequences.shape, 3)
+    for cp in (1, 2, 3, 4):
+        layouts = [cp_layout(batch, cp, r) for r in range(cp)]
+        counts = {lay.num_local for lay in layouts}
+        assert len(counts) == 1 and counts.pop() * cp == sum(layouts[0].padded_lens)
+        assert all(n % (2 * cp) == 0 for n in layouts[0].padded_lens)
+        shards = [shard_tokens(x, lay) for lay in layouts]
+        assert torch.equal(unshard(torch.cat(shards, dim=1), layouts[0]), x)
+        for r, lay in enumerate(layouts):  # the zigzag layout of AutoModel / TE, sequence by sequence
+            start, mine = 0, []
+            for p in lay.padded_lens:
+                mesh = type("Mesh", (), {"size": lambda self: cp, "get_local_rank": lambda self: r})()
+                mine.append(start + round_robin_local_indices(mesh, p))
+                start += p
+            assert torch.equal(lay.local_index, torch.cat(mine))
+
+
+def test_local_fields_keep_slot_alignment_and_global_positions():
+    recs = records([1, 2, 3, 11, 30, 17])
+    for packed in (True, False):
+        batch = make_experience_batch(recs, packed=packed)
+        for cp in (2, 3):
+            for r in range(cp):
+                local, lay = shard(batch, cp, r)
+                targets, valid = local_slots(batch, lay)
+                src, real = lay.local_source, lay.local_real
+                assert torch.equal(real, local.attention_mask)
+                rows = range(batch.sequences.shape[0])
+                for b in rows:
+                    for i, s in enumerate(src.tolist()):
+                        if s < 0:  # CP padding: masked from everything
+                            assert not real[b, i] and not local.action_mask[b, i] and not valid[b, i]
+                            continue
+                        seq = lay.local_seq_id[i]
+                        if packed:
+                            start = sum(lay.seq_lens[:seq])
+                            assert local.position_ids[b, i] == s - start == lay.local_position[i]
+                            has_next = s + 1 < start + lay.seq_lens[seq]
+                            assert local.action_mask[b, i] == batch.action_mask[b, s]
+                        else:
+                            has_next = s + 1 < batch.sequences.shape[1] and bool(batch.attention_mask[b, s + 1])
+                            slot = batch.action_mask[b, s] if s < batch.action_mask.shape[1] else False  # [B, T-1]
+                            assert local.action_mask[b, i] == slot
+                        assert valid[b, i] == has_next
+                        if has_next:  # slot k scores token k+1, which may live on another rank
+                            assert targets[b, i] == batch.sequences[b, s + 1]
+
+
+def test_zigzag_balances_attention_work_and_contiguous_does_not():
+    batch = make_experience_batch(records([1000, 517, 2048, 301, 64]), packed=True)
+    for cp in (2, 4):
+        zigzag = [attention_work(cp_layout(batch, cp, r)) for r in range(cp)]
+        contiguous = [attention_work(cp_layout(batch, cp, r, zigzag=False)) for r in range(cp)]
+        assert sum(zigzag) == sum(contiguous) == attention_work(cp_layout(batch, 1, 0))
+        assert max(zigzag) / min(zigzag) < 1.02, zigzag
+        assert max(contiguous) / min(contiguous) > 2.5, contiguous
+
+
+def test_ep_suffix_is_more_cp_padding_on_the_last_sequence():
+    batch = make_experience_batch(records([5, 9]), packed=True)
+    natural = cp_layout(batch, 2, 0).num_local  # (8 + 12) / 2
+    layouts = [cp_layout(batch, 2, r, local_tokens=natural + 4) for r in range(2)]
+    assert [lay.num_local for lay in layouts] == [natural + 4] * 2
+    assert layouts[0].padded_lens == (8, 20)
+    assert int(layouts[0].real.sum()) == 14  # the suffix is padding
+    with pytest.raises(ValueError, match="local_tokens=11"):
+        cp_layout(batch, 2, 0, local_tokens=natural + 1)
+
+
+def test_flash_segments_select_the_keys_the_mask_allows():
+    """The GPU path's bookkeeping, on CPU: bottom-right causal sdpa per segment == the mask path."""
+    batch = make_experience_batch(records([1, 3, 11, 30]), packed=True)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    gen = torch.Generator().manual_seed(0)
+    for cp in (2, 3):
+        for r in range(cp):
+            lay = cp_layout(batch, cp, r)
+            s_local, s_full = lay.num_local, lay.num_local * cp
+            q = torch.randn(1, 4, s_local, 8, generator=gen)
+            k, v = torch.randn(2, 1, 2, s_full, 8, generator=gen)
+            ctx = CPContext(layout=lay, group=None)  # one process, as if K/V were gathered
+            want = _attend(module, q, k, v, ctx, 0.0, None)[0]  # [S_local, H, D]
+            cu_q, cu_k, _, _, kv_index = flash_segments(lay)
+            cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+            kk, vv = k[0, :, kv_index].repeat_interleave(2, 0), v[0, :, kv_index].repeat_interleave(2, 0)
+            for i in range(len(cu_q) - 1):
+                qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+                n_q, n_k = qs.stop - qs.start, ks.stop - ks.start
+                bottom_right = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
+                got = F.scaled_dot_product_attention(q[0, :, qs], kk[:, ks], vv[:, ks], attn_mask=bottom_right)
+                real = lay.local_real[0, qs]
+                assert torch.allclose(got.transpose(0, 1)[real], want[qs][real], atol=1e-6)
+
+
+def test_cp_varlen_without_a_cp_context_is_varlen():
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 9, 8, generator=gen), *torch.randn(2, 1, 2, 9, 8, generator=gen)
+    kw = packed_attn_kwargs([4, 5])
+    assert torch.equal(cp_attention_forward(module, q, k, v, None, **kw)[0],
+                       varlen_attention_forward(module, q, k, v, None, **kw)[0])
+    assert CP_VARLEN == "cp_varlen"
