@@ -3,7 +3,7 @@
 PY      := .venv/bin/python
 STAMP   := .venv/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
 NPROC   ?= 8
-PARALLEL ?= ep2
+PARALLEL ?= cp2_ep2
 ARGS    ?=
 
 .PHONY: install test test-quick train clean

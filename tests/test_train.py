@@ -86,6 +86,6 @@ def test_ppo_dense_padded_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_four_ranks_with_expert_parallelism(tmp_path):
-    metrics = train(tmp_path, "ep2", "trainer.max_steps=2", "parallel=ep2", nproc=4)
+def test_torchrun_four_ranks_with_context_and_expert_parallelism(tmp_path):
+    metrics = train(tmp_path, "cp2_ep2", "trainer.max_steps=2", "parallel=cp2_ep2", nproc=4)  # dp=2 x cp=2, ep=2
     assert len(metrics) == 2 and metrics[-1]["ep_rank_load_max_over_mean"] >= 1.0
