@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from model.actor import Actor, Critic
+from model.moe import moe_blocks, reset_expert_load
 from model.parallel_dims import ParallelDims
 from model.parallelize import expert_load_metrics, full_state_dict, sync_gradients
 from packing import Experience, ReplayBuffer, make_experience_batch, plan_microbatches
@@ -96,6 +97,8 @@ class Trainer:
         normalizer = global_tokens if algo.loss_agg == "token-mean" else global_seqs
 
         self.actor.train()
+        if moe_blocks(self.actor.model, strict=False):
+            reset_expert_load(self.actor.model)  # the load metric counts the training forward only
         stats = _Stats()
         processed = 0  # tokens the forward saw, padding included
         local_real = sum(item.sequences.numel() for items in local for item in items)
