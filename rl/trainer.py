@@ -91,7 +91,7 @@ class Trainer:
         self.buffer.append(records)
         plan = self._plan()
         local = [[self.buffer[i] for i in mb] for mb in plan[self.dims.dp_rank]]
-        local = [self._score(items) for items in local]  # old/ref log-probs, values, GAE: no grad
+        local = [self._score(items) for items in local]  # ref log-probs, values, GAE: no grad
         global_tokens = sum(float(r.action_mask.sum()) for r in records)
         global_seqs = len(records)
         normalizer = global_tokens if algo.loss_agg == "token-mean" else global_seqs
@@ -106,6 +106,9 @@ class Trainer:
             batch = make_experience_batch(items, packed=self.cfg.batch.packed)
             processed += batch.sequences.numel()
             log_probs, entropy = self.actor(batch, return_entropy=True)
+            # one optimizer step per rollout: the old policy is the current one, so its
+            # log-probs come from this forward instead of a second pass
+            batch.action_log_probs = log_probs.detach()
             pg, info = policy_loss(log_probs, batch, self.loss_cfg)
             loss = aggregate(pg, batch, algo.loss_agg, normalizer)
             terms = {"policy_loss": loss.detach()}
@@ -161,18 +164,21 @@ class Trainer:
 
     @torch.no_grad()
     def _score(self, items: list[Experience]) -> list[Experience]:
-        """Fields the losses read from before the update: old/ref log-probs, values, GAE."""
-        if not items:
+        """Fields read before the update: reference log-probs, values, KL reward penalty, GAE."""
+        algo = self.cfg.algo
+        kl_reward = bool(algo.kl_coef) and algo.kl_mode == "reward"
+        if not items or (self.reference is None and self.critic is None):
             return items
         batch = make_experience_batch(items, packed=self.cfg.batch.packed)
-        self.actor.eval()
-        updates: dict[str, torch.Tensor] = {"action_log_probs": self.actor(batch)}
-        algo = self.cfg.algo
+        updates: dict[str, torch.Tensor] = {}
+        if kl_reward:
+            self.actor.eval()
+            updates["action_log_probs"] = self.actor(batch)
         if self.reference is not None:
             updates["base_action_log_probs"] = self.reference(batch)
         if self.critic is not None:
             updates["values"] = self.critic(batch)
-        if algo.kl_coef and algo.kl_mode == "reward":
+        if kl_reward:
             updates["kl"] = kl_penalty(updates["action_log_probs"], updates["base_action_log_probs"], algo.kl_estimator)
         scored = dataclasses.replace(batch, **updates).split()
         if algo.name == "ppo":
