@@ -23,7 +23,6 @@ from model.moe import (
     gather_expert_parallel_state_dict,
     is_expert_param,
     moe_blocks,
-    reset_expert_load,
 )
 
 
@@ -76,18 +75,14 @@ def full_state_dict(model: nn.Module, dims) -> dict[str, torch.Tensor]:
 
 
 def expert_load_metrics(model: nn.Module, dims) -> dict[str, float]:
-    """Tokens dispatched per expert since the last call, summed over all ranks; then reset."""
+    """Tokens dispatched per expert since the last `reset_expert_load`, summed over all ranks."""
     if not moe_blocks(model, strict=False):
         return {}
-    load = expert_load(model, None)
+    load = expert_load(model, dist.group.WORLD if dist.is_initialized() else None)
     per_expert = load["per_expert"].double()
-    if dist.is_initialized() and dims.world_size > 1:
-        dist.all_reduce(per_expert)
-    per_rank = per_expert.view(dims.ep, -1).sum(1)
-    reset_expert_load(model)
     mean = float(per_expert.mean())
     return {
         "expert_load_max_over_mean": float(per_expert.max()) / mean if mean else 0.0,
-        "ep_rank_load_max_over_mean": float(per_rank.max() / per_rank.mean()) if mean else 0.0,
+        "ep_rank_load_max_over_mean": load["imbalance"],
         "expert_tokens": float(per_expert.sum()),
     }
