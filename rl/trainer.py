@@ -120,6 +120,7 @@ class Trainer:
             if algo.entropy_coef:
                 ent_loss = aggregate(entropy * batch.action_mask, batch, algo.loss_agg, normalizer)
                 loss = loss - algo.entropy_coef * ent_loss
+            terms["loss"] = loss.detach()  # the actor objective as optimized: every term included
             loss.backward()
             if self.critic is not None:
                 values = self.critic(batch)
@@ -152,7 +153,6 @@ class Trainer:
             microbatches=len(plan[0]),
             grad_norm=float(grad_norm),
         )
-        metrics["loss"] = metrics.get("policy_loss", 0.0) + metrics.get("kl_loss", 0.0) * algo.kl_coef
         metrics.update(expert_load_metrics(self.actor.model, self.dims))
         return metrics
 
