@@ -6,13 +6,20 @@ integration also reads). The "varlen" attention registered here enforces exactly
 boundaries:
 
 * CUDA + flash-attn importable (fp16/bf16): `flash_attn_varlen_func`.
-* otherwise: one causal sdpa call per sequence, its keys held at the pack's longest length
-  (`_per_sequence_sdpa`). Measured on CPU (torch 2.13, fp32, the batch of
-  logs/actor_parity.py, initializer_range 0.2), max |padded - packed| of log-probs:
-  dense / MoE 0.0 / 0.0 with this choice; 1.4e-6 / 9.5e-7 with a plain `[S_i]` causal sdpa
-  per sequence; 2.9e-6 / 1.4e-6 with one block-diagonal masked sdpa over the pack. torch's
-  CPU kernel reduces over the key length, so only the held key length matches the padded
-  batch's float operations.
+* otherwise: one causal sdpa call per sequence, `S_i x S_i` (`_per_sequence_sdpa`).
+  Chosen by bench/attention.py (torch 2.13, fp32, 2 threads, AVX512 kernel set, the
+  default on this machine), forward+backward of 8 heads / 4 KV heads / dim 64:
+  64 sequences (N=8381, S_max=512) 297 ms; 8 sequences (N=8288, S_max=1771) 445 ms.
+  Its predecessor, which held every sequence's keys at the pack's longest length to
+  reproduce the padded batch's rounding, took 679 / 960 ms (2.2x slower) and kept K/V
+  at `S_max` for every sequence alive for backward (memory that grows with the longest
+  sequence, not with the tokens: bench/memory.py); repeating K/V per head instead of
+  sdpa's `enable_gqa` took 501 / 550 ms. FlexAttention with a document mask has no CPU
+  backward in torch 2.13. Parity with the padded batch is a few fp32 ulps relative to
+  the values (worst 4.3 eps32 here, log-probs / entropy / grads, dense and MoE; the
+  tolerance of tests/parity_check.py holds under the default, AVX2 and AVX512 kernel
+  sets with 1 and 2 threads), not bit-exactness: which kernel set rounds alike differs
+  by machine anyway.
 * no `cu_seq_lens_q` (a padded batch, or generation with a cache): transformers' sdpa with
   the mask the model built.
 
@@ -29,7 +36,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 VARLEN = "varlen"
@@ -116,28 +123,18 @@ def varlen_attention_forward(
 def _per_sequence_sdpa(module, query, key, value, bounds: list[int], dropout, scaling) -> torch.Tensor:
     """One causal sdpa call per sequence of the pack: `[1, H, N, D]` -> `[1, N, H, D]`.
 
-    Sequence i's queries `[S_i]` attend to its own keys, zero-extended to the pack's longest
-    sequence `S_max` and masked (j <= i). The masked keys add exact zeros, so the result is
-    that of the plain `[S_i]` call up to rounding; holding the key length at `S_max`, as a
-    right-padded batch of the same sequences does, makes torch's CPU kernel run the same
-    reduction over keys as the padded path (see the module docstring for the figures).
-    Cost: `S_i x S_max` scores per sequence instead of `S_i x S_i` (at most what the padded
-    batch costs). GQA repeats K/V as transformers' sdpa does for a masked batch.
+    Sequence i's queries `[S_i]` attend to its own keys `[S_i]` (`is_causal`): `S_i x S_i`
+    scores, nothing held at the pack's longest length. GQA stays in the kernel
+    (`enable_gqa`), so K/V are never repeated per query head.
     """
-    groups = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    spans = list(zip(bounds[:-1], bounds[1:]))
-    width = max(e - s for s, e in spans)
-    causal = torch.ones(width, width, dtype=torch.bool, device=query.device).tril()
-    outs = []
-    for s, e in spans:
-        grow = (0, 0, 0, width - (e - s))
-        outs.append(
-            F.scaled_dot_product_attention(
-                query[:, :, s:e], F.pad(key[:, :, s:e], grow), F.pad(value[:, :, s:e], grow),
-                attn_mask=causal[: e - s], dropout_p=dropout, scale=scaling,
-            )
+    gqa = query.shape[1] != key.shape[1]
+    outs = [
+        F.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+            dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa,
         )
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 

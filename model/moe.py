@@ -6,10 +6,10 @@ an `ep`-sized group keeps experts [r*E/ep, (r+1)*E/ep) of `gate_up_proj [E, 2I, 
 `down_proj [E, H, I]` as its own Parameters; every token-slot pair goes to the owning rank
 and its output comes back with `all_to_all_single` (uneven splits, sizes exchanged first).
 The exchange is differentiable (its backward is the reverse exchange), so after backward
-an expert shard's grad holds the contributions of every EP rank's tokens: reduce it over
-the expert-data-parallel group only, and dense grads over all dp ranks
-(`expert_parameters` / `is_expert_param` tell them apart). `ep_group=None` keeps all experts
-local (no collectives): that is how an unsharded copy gets the contexts below.
+an expert shard's grad holds the contributions of every EP rank's tokens: FSDP reduces it
+over the ranks holding the same shard only (model/parallelize.py; `is_expert_param` tells
+expert weights apart). `ep_group=None` keeps all experts local (no collectives): that is
+how an unsharded copy (the rollout engine's) gets the contexts below.
 
 Per forward, three contexts steer the blocks (all take the model and restore on exit):
 
@@ -17,14 +17,15 @@ Per forward, three contexts steer the blocks (all take the model and restore on 
     with routing_replay(model, routed_experts):   # [1, L, K, N] / [B, L, K, T] int, -1 = live
     with record_routing(model) as rec:            # rec.routed_experts -> [B, L, K, T]
 
-The contexts are read when a block runs: with activation checkpointing the recompute runs
-inside backward, so keep `loss.backward()` inside them too (it would also count that
-recompute's load and routing a second time).
+The contexts are read when a block runs. Activation checkpointing recomputes a layer
+inside backward, after the contexts have exited: `moe_state` captures a block's state at
+forward time and puts it back for the recompute (model/parallelize.py), which then counts
+no load and records no routing.
 
 Synthetic rows (the EP-equalizing suffix, CP padding, right padding) are never dispatched:
 they get a zero MoE output and are not counted in `expert_load`, so they cannot pile up on
 one expert (prime-rl #3350). State-dict keys are the stock ones; the expert entries hold
-the local shard, `gather_expert_parallel_state_dict` rebuilds the full tensors.
+the local shard; `model.parallelize.full_parameters` rebuilds the full tensors.
 """
 
 from __future__ import annotations
@@ -195,6 +196,7 @@ class MoEBlock(nn.Module):
         self.padding_mask: torch.Tensor | None = None
         self.replay: tuple[tuple[int, ...], torch.Tensor] | None = None
         self.recorder: list[torch.Tensor] | None = None
+        self.recompute = False  # activation checkpointing's second run: count and record nothing
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         B, T, H = hidden_states.shape
@@ -208,14 +210,18 @@ class MoEBlock(nn.Module):
                 raise ValueError(f"moe padding_mask has shape {tuple(self.padding_mask.shape)}, "
                                  f"expected [{B}, {T}] like the hidden states (layer {self.layer})")
             keep = ~self.padding_mask.reshape(-1).to(x.device)
-        with torch.no_grad():
-            used = ids if keep is None else ids[keep]
-            self.load += torch.bincount(used.reshape(-1), minlength=self.num_experts)
-            if self.recorder is not None:
-                kept = ids if keep is None else torch.where(keep[:, None], ids, torch.full_like(ids, -1))
-                self.recorder.append(kept.reshape(B, T, -1).transpose(1, 2).clone())
+        if not self.recompute:
+            self._count(ids, keep, B, T)
         out = self.experts(x, ids, weights, keep)
         return out.reshape(B, T, H)
+
+    @torch.no_grad()
+    def _count(self, ids: torch.Tensor, keep: torch.Tensor | None, B: int, T: int) -> None:
+        used = ids if keep is None else ids[keep]
+        self.load += torch.bincount(used.reshape(-1), minlength=self.num_experts)
+        if self.recorder is not None:
+            kept = ids if keep is None else torch.where(keep[:, None], ids, torch.full_like(ids, -1))
+            self.recorder.append(kept.reshape(B, T, -1).transpose(1, 2).clone())
 
     def _replayed(self, logits, weights, ids, B: int, T: int):
         """Recorded ids where the record has them; gate weights from the live logits at those ids,
@@ -286,6 +292,11 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None) 
     return model
 
 
+def is_moe(model: nn.Module) -> bool:
+    """A Hugging Face MoE model (its config names experts), with or without MoEBlocks yet."""
+    return getattr(model.config, "num_experts", 0) > 0 or bool(moe_blocks(model, strict=False))
+
+
 def moe_blocks(model: nn.Module, *, strict: bool = True) -> list[MoEBlock]:
     """The model's `MoEBlock`s in layer order (the L axis of `routed_experts`)."""
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
@@ -302,34 +313,6 @@ def is_expert_param(name: str) -> bool:
     return len(parts) >= 2 and parts[-2] == "experts" and parts[-1] in EXPERT_PARAM_NAMES
 
 
-def expert_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """(name, parameter) of every expert shard; everything else in the model is dense."""
-    for name, p in model.named_parameters():
-        if is_expert_param(name):
-            yield name, p
-
-
-@torch.no_grad()
-def gather_expert_parallel_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full, unsharded state dict (stock keys and shapes): expert shards all-gathered over
-    each block's EP group. A collective: every EP rank calls it. Tensors are detached copies
-    for expert entries and detached aliases otherwise."""
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    prefix = {m: n for n, m in model.named_modules()}
-    for block in moe_blocks(model):
-        ex = block.experts
-        for name in EXPERT_PARAM_NAMES:
-            key = f"{prefix[ex]}.{name}"
-            shard = getattr(ex, name).detach().contiguous()
-            if ex.ep_size == 1:
-                state[key] = shard.clone()
-                continue
-            parts = [torch.empty_like(shard) for _ in range(ex.ep_size)]
-            dist.all_gather(parts, shard, group=ex.ep_group)
-            state[key] = torch.cat(parts)
-    return state
-
-
 # ----------------------------------------------------------------- per-forward contexts
 @contextlib.contextmanager
 def _setting(blocks: list[MoEBlock], attr: str, values: list):
@@ -341,6 +324,26 @@ def _setting(blocks: list[MoEBlock], attr: str, values: list):
     finally:
         for b, v in zip(blocks, previous):
             setattr(b, attr, v)
+
+
+_STATE = ("padding_mask", "replay", "recorder")
+
+
+def moe_state(blocks: list[MoEBlock], state: list | None = None, *, recompute: bool = False):
+    """Without `state`: a snapshot of the blocks' per-forward state. With it: a context that
+    puts that snapshot back (and sets `recompute`) for the forwards inside it."""
+    if state is None:
+        return [tuple(getattr(b, a) for a in _STATE) for b in blocks]
+    return _restored(blocks, state, recompute)
+
+
+@contextlib.contextmanager
+def _restored(blocks: list[MoEBlock], state: list, recompute: bool):
+    with contextlib.ExitStack() as stack:
+        for i, attr in enumerate(_STATE):
+            stack.enter_context(_setting(blocks, attr, [s[i] for s in state]))
+        stack.enter_context(_setting(blocks, "recompute", [recompute] * len(blocks)))
+        yield
 
 
 @contextlib.contextmanager

@@ -1,20 +1,30 @@
-"""Parallel sizes, validated once, and the process groups they name.
+"""Parallel sizes, validated once, the rank's device, and every process group the run uses.
 
-    dims = init_distributed(dp=-1, cp=2, ep=2)   # torchrun env -> process group -> mesh
-    dims.cp_group, dims.cp_rank                   # context-parallel peers (same samples)
+    dims = init_distributed(dp=-1, cp=2, ep=2, device="auto")   # torchrun env -> process group -> meshes
+    dims.device                                                  # cuda:LOCAL_RANK (NCCL) or cpu (gloo)
+    dims.mesh["cp"], dims.cp_group, dims.cp_rank                 # context-parallel peers (same samples)
 
 torchrun starts `world = dp * cp` ranks laid out on a `DeviceMesh` of shape `(dp, cp)`
 named ("dp", "cp"): rank = dp_rank * cp + cp_rank, so the CP peers of one DP rank are
-consecutive ranks (one node's fast links carry the per-layer K/V gather). The expert
-groups are carved from the dp dim: `ep` consecutive dp ranks of the same cp coordinate
-form an EP group (they exchange tokens); the dp ranks of one cp coordinate holding the
-same expert shard form its expert-data-parallel (EDP) group (size `dp / ep`). With cp > 1
-the CP peers of those ranks hold the same shard and saw other tokens: an expert shard's
-grads are summed over the EDP group and over the CP group (model/parallelize.py).
+consecutive ranks (one node's fast links carry the per-layer K/V gather).
+
+Expert parallelism is carved from the dp dim: `ep` consecutive dp ranks of one cp
+coordinate form an EP group (they exchange tokens and each keeps E/ep experts). The
+ranks holding the same expert shard are the other dp ranks of that shard (`edp = dp/ep`
+of them per cp coordinate) and their CP peers: `edp * cp` ranks. `expert_mesh` has shape
+`(ep, edp_cp)`: its "ep" dim is the EP group, its "edp_cp" dim the ranks FSDP shards an
+expert shard over. Dense parameters shard over every rank (`fsdp_mesh`, the flattened
+(dp, cp)). This class is the one place that decides which group a collective uses:
+
+    dp_group    metric sums over data-parallel ranks (CP peers hold the same values)
+    cp_group    K/V gathers and `_restore_full_sequence`
+    ep_group    the MoE all-to-all and the EP suffix all-reduce
+    fsdp_mesh / expert_fsdp_mesh   FSDP2 sharding of dense / expert parameters
+    WORLD       the records gather, the global gradient norm
 
 A group property is `None` when its dim has size 1, which means "no collective needed";
 never hand `None` to a collective (torch reads it as WORLD). Without a process group (one
-plain `python` process) every size is 1 and every group is None.
+plain `python` process) every size is 1, every group and mesh is None.
 """
 
 from __future__ import annotations
@@ -36,9 +46,11 @@ class ParallelDims:
     cp: int = 1
     ep: int = 1
     world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # set by build_mesh; a single process keeps None
     mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     expert_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    fsdp_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("cp", "ep", "world_size"):
@@ -60,11 +72,17 @@ class ParallelDims:
                 f"ParallelDims: ep={self.ep} does not divide dp={self.dp} (EP groups are carved from the dp dim; "
                 f"world_size={self.world_size}, cp={self.cp})"
             )
+        self.device = torch.device(self.device)
 
     # ------------------------------------------------------------------ ranks
     @property
+    def distributed(self) -> bool:
+        """True when the ranks run collectives (a process group of world_size > 1)."""
+        return self.world_size > 1 and dist.is_initialized()
+
+    @property
     def rank(self) -> int:
-        return dist.get_rank() if dist.is_initialized() else 0
+        return dist.get_rank() if self.distributed else 0
 
     @property
     def dp_rank(self) -> int:
@@ -80,8 +98,7 @@ class ParallelDims:
 
     @property
     def edp(self) -> int:
-        """Size of the expert-data-parallel group: the dp ranks (of one cp coordinate) holding
-        the same expert shard. Their CP peers hold it too: sum expert grads over both groups."""
+        """dp ranks (of one cp coordinate) holding the same expert shard."""
         return self.dp // self.ep
 
     # ----------------------------------------------------------------- groups
@@ -98,27 +115,30 @@ class ParallelDims:
         return self._group(self.expert_mesh, "ep", self.ep)
 
     @property
-    def edp_group(self) -> dist.ProcessGroup | None:
-        return self._group(self.expert_mesh, "edp", self.edp)
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """The 1-D mesh of the `edp * cp` ranks holding this rank's expert shard."""
+        return None if self.expert_mesh is None else self.expert_mesh["edp_cp"]
 
     def _group(self, mesh: DeviceMesh | None, name: str, size: int) -> dist.ProcessGroup | None:
         if size == 1:
             return None
         if mesh is None:
             raise RuntimeError(
-                f"ParallelDims: the {name} group (size {size}) needs build_mesh(dims, device_type) first "
+                f"ParallelDims: the {name} group (size {size}) needs build_mesh(dims) first "
                 f"(or init_distributed(...), which builds it)"
             )
         return mesh.get_group(name)
 
+    def tensor(self, data, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A tensor on this rank's device: what every collective is handed (NCCL needs CUDA)."""
+        return torch.tensor(data, dtype=dtype, device=self.device)
 
-def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh | None:
-    """The `(dp, cp)` DeviceMesh named ("dp", "cp"), stored on `dims` with the expert groups.
+
+def build_mesh(dims: ParallelDims) -> DeviceMesh | None:
+    """The `(dp, cp)` DeviceMesh named ("dp", "cp"), stored on `dims` with the expert and FSDP meshes.
 
     Needs an initialised process group of `dims.world_size` ranks (None is returned, and
-    nothing is built, for a single process without one). The expert mesh `(cp, edp, ep)`
-    holds the same ranks regrouped: an "ep" group is ep consecutive dp ranks of one cp
-    coordinate, an "edp" group the dp ranks of one cp coordinate holding the same shard.
+    nothing is built, for a single process without one).
     """
     if not dist.is_initialized():
         if dims.world_size != 1:
@@ -132,33 +152,47 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh | Non
             f"build_mesh: the process group has {dist.get_world_size()} ranks, ParallelDims has "
             f"world_size={dims.world_size} (dp={dims.dp} x cp={dims.cp})"
         )
-    dims.mesh = init_device_mesh(device_type, (dims.dp, dims.cp), mesh_dim_names=("dp", "cp"))
-    # the expert groups live inside each cp coordinate: rank = (edp_rank * ep + ep_rank) * cp + cp_rank
-    ranks = torch.arange(dims.world_size).view(dims.edp, dims.ep, dims.cp).permute(2, 0, 1)
-    dims.expert_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("cp", "edp", "ep"))
+    kind = dims.device.type
+    dims.mesh = init_device_mesh(kind, (dims.dp, dims.cp), mesh_dim_names=("dp", "cp"))
+    dims.fsdp_mesh = DeviceMesh(kind, torch.arange(dims.world_size), mesh_dim_names=("dp_cp",))
+    # rank = (edp_rank * ep + ep_rank) * cp + cp_rank; row ep_rank of (ep, edp_cp) holds one expert shard
+    ranks = torch.arange(dims.world_size).view(dims.edp, dims.ep, dims.cp).permute(1, 0, 2).reshape(dims.ep, -1)
+    dims.expert_mesh = DeviceMesh(kind, ranks, mesh_dim_names=("ep", "edp_cp"))
     return dims.mesh
 
 
-def init_distributed(dp: int = -1, cp: int = 1, ep: int = 1, *, timeout_s: float = 600.0) -> ParallelDims:
-    """Read torchrun's env (RANK, WORLD_SIZE, LOCAL_RANK), join the process group, build the mesh.
+def resolve_device(choice: str = "auto") -> torch.device:
+    """`trainer.device`: auto (CUDA when present, else CPU), cpu, or cuda (an error without CUDA)."""
+    if choice not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"trainer.device={choice!r}, expected one of auto, cpu, cuda")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but CUDA is not available on this machine (use trainer.device=auto or cpu)")
+    if choice == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
-    NCCL when CUDA is available (each rank on cuda:LOCAL_RANK), gloo otherwise. A process
-    group that already exists (a test launcher) is used as is. One process without
-    WORLD_SIZE>1 in its env initialises nothing: every group is None.
+
+def init_distributed(dp: int = -1, cp: int = 1, ep: int = 1, *, device: str = "auto",
+                     timeout_s: float = 600.0) -> ParallelDims:
+    """Read torchrun's env (RANK, WORLD_SIZE, LOCAL_RANK), join the process group, build the meshes.
+
+    NCCL on CUDA (each rank on cuda:LOCAL_RANK), gloo on CPU. A process group that already
+    exists (a test launcher) is used as is. One process without WORLD_SIZE>1 in its env
+    initialises nothing: every group is None.
     """
+    where = resolve_device(device)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world == 1:
-            return ParallelDims(dp=dp, cp=cp, ep=ep, world_size=1)
+            return ParallelDims(dp=dp, cp=cp, ep=ep, world_size=1, device=where)
         for var in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             if var not in os.environ:
                 raise RuntimeError(f"init_distributed: WORLD_SIZE={world} but {var} is not set (launch with torchrun)")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         ParallelDims(dp=dp, cp=cp, ep=ep, world_size=world)  # fail on bad sizes before joining anyone
+        backend = "nccl" if where.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    dims = ParallelDims(dp=dp, cp=cp, ep=ep, world_size=dist.get_world_size())
-    build_mesh(dims, "cuda" if dist.get_backend() == "nccl" else "cpu")
+    dims = ParallelDims(dp=dp, cp=cp, ep=ep, world_size=dist.get_world_size(), device=where)
+    build_mesh(dims)
     return dims
-

@@ -1,84 +1,167 @@
 """Applying the parallelisms to a model, and the collectives the trainer needs around it.
 
-- `parallelize`: expert parallelism for MoE models (every MoE model gets `MoEBlock`s, an
-  unsharded one with `ep_group=None`, so padding masks and routing replay always apply).
-  Context parallelism lives in the forward (it shards the batch, not the model); here the
-  model only switches to the "cp_varlen" attention.
-- `sync_gradients`: the loss of each microbatch is already a share of the step's global
-  mean, so gradients are SUMMED: dense parameters over every rank (dp x cp), expert
-  shards over the ranks holding the same shard (the EDP group and its CP peers).
-- `full_state_dict`: the unsharded weights (expert shards gathered) for the rollout copy.
+    parallelize(actor, dims, param_dtype=torch.bfloat16, activation_checkpointing=True)
+
+applies, in order (each its own small function):
+1. `cp_varlen` attention when cp > 1 (context parallelism shards the batch, not the model);
+2. expert parallelism (`apply_expert_parallel`): every MoE model gets `MoEBlock`s, so
+   padding masks and routing replay always apply; with ep > 1 each rank keeps E/ep experts;
+3. activation checkpointing per decoder layer;
+4. FSDP2 (`fully_shard`): each expert module over the ranks holding its shard
+   (`dims.expert_fsdp_mesh`, edp x cp), each decoder layer and then the wrapper itself
+   (Actor / Critic: its forward reads the lm head weight) over every rank (`dims.fsdp_mesh`).
+   Every microbatch loss is already a share of the step's global mean, so gradients are
+   SUMMED (divide factor 1): the sum over (dp, cp) of each rank's gradient is the
+   one-process gradient.
+
+`clip_grad_norm_` clips by the global norm (every dense and expert parameter counted once,
+the same value on every rank). `full_parameters` yields the unsharded weights one tensor at
+a time for the rollout copy.
 """
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from model.context_parallel import CP_VARLEN
-from model.moe import (
-    apply_expert_parallel,
-    expert_load,
-    gather_expert_parallel_state_dict,
-    is_expert_param,
-    moe_blocks,
-)
+from model.moe import (EXPERT_PARAM_NAMES, MoEBlock, apply_expert_parallel, expert_load, is_moe, moe_blocks,
+                       moe_state)
+from model.parallel_dims import ParallelDims
 
 
-def is_moe(model: nn.Module) -> bool:
-    return getattr(model.config, "num_experts", 0) > 0 or bool(moe_blocks(model, strict=False))
-
-
-def parallelize(model: nn.Module, dims) -> nn.Module:
+def parallelize(wrapper: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype | None = None,
+                activation_checkpointing: bool = False) -> nn.Module:
+    """Apply CP attention, EP, activation checkpointing and FSDP2 to `wrapper` (an Actor or
+    Critic holding a Hugging Face causal LM in `.model`) in place; returns it."""
+    model = wrapper.model
+    model.to(dims.device)
     if dims.cp > 1:  # "cp_varlen" is "varlen" plus the K/V gather when a cp_context is passed
         model.set_attn_implementation(CP_VARLEN)
     if is_moe(model) and not moe_blocks(model, strict=False):
-        apply_expert_parallel(model, dims.ep_group if dims.ep > 1 else None)
-    elif dims.ep > 1:
+        apply_expert_parallel(model, dims.ep_group)
+    elif dims.ep > 1 and not is_moe(model):
         raise ValueError(f"parallel.ep={dims.ep} but {type(model).__name__} has no experts; use ep=1 for dense models")
-    return model
+    wrapper.to(dims.device)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if dims.world_size > 1:
+        apply_fsdp(wrapper, dims, param_dtype=param_dtype)
+    return wrapper
 
 
-def sync_gradients(module: nn.Module, dims) -> None:
-    """All-reduce (sum) gradients: dense over the world, experts over their EDP group."""
-    if not dist.is_initialized() or dims.world_size == 1:
-        return
-    dense, experts = [], []
-    for name, p in module.named_parameters():
-        if p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)  # every rank must join each collective
-            (experts if is_expert_param(name) and dims.ep > 1 else dense).append(p.grad)
-    _all_reduce_flat(dense, None)
-    # an expert shard lives on every rank of its EDP group and on their CP peers
-    for group in (dims.edp_group, dims.cp_group):
-        if experts and group is not None:
-            _all_reduce_flat(experts, group)
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    return list(model.model.layers)
 
 
-def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective instead of one per tensor
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+# -------------------------------------------------------- activation checkpointing
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer in backward instead of keeping its activations.
+
+    The layer's forward (inside its `__call__`, so FSDP's hooks stay outside the
+    recomputed region) runs under a non-reentrant `checkpoint`. MoE blocks read per-forward
+    state (padding mask, routing replay); the recompute runs later, inside backward, so the
+    state of the first run is captured and put back for the recompute, which also does not
+    count the expert load or record routing a second time.
+    """
+    for layer in decoder_layers(model):
+        if getattr(layer, "_checkpointed", False):
+            continue
+        layer.forward = _checkpointed(layer.forward, moe_blocks(layer, strict=False))
+        layer._checkpointed = True
 
 
-def full_state_dict(model: nn.Module, dims) -> dict[str, torch.Tensor]:
-    if moe_blocks(model, strict=False):
-        return gather_expert_parallel_state_dict(model)
-    return {k: v.detach() for k, v in model.state_dict().items()}
+def _checkpointed(forward, blocks):
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        state, calls = moe_state(blocks), [0]
+
+        def body(*inner):
+            calls[0] += 1
+            with moe_state(blocks, state, recompute=calls[0] > 1):
+                return forward(*inner, **kwargs)
+
+        return checkpoint(body, *args, use_reentrant=False)
+
+    return run
 
 
-def expert_load_metrics(model: nn.Module, dims) -> dict[str, float]:
+# ------------------------------------------------------------------------ FSDP2
+def apply_fsdp(wrapper: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype | None = None) -> None:
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    model = wrapper.model
+    for block in moe_blocks(model, strict=False):
+        fully_shard(block.experts, mesh=dims.expert_fsdp_mesh, mp_policy=mp)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dims.fsdp_mesh, mp_policy=mp)
+    fully_shard(wrapper, mesh=dims.fsdp_mesh, mp_policy=mp)
+    for module in wrapper.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # SUM: each microbatch loss is a share of the global mean
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM collective (gloo has no PREMUL_SUM)
+
+
+# --------------------------------------------------------------- gradient norm
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, dims: ParallelDims) -> torch.Tensor:
+    """Scale gradients so their global 2-norm is at most `max_norm`; returns the norm before.
+
+    Each rank holds a disjoint piece of the model's gradients (FSDP shards; expert shards
+    of different EP ranks are different experts), so the global norm is the square root of
+    the sum over all ranks of the local squared norms: the same value on every rank.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    if dims.distributed and any(not isinstance(g, DTensor) for g in grads):
+        raise RuntimeError("clip_grad_norm_: with world_size > 1 every gradient must be an FSDP shard (DTensor)")
+    sq = torch.zeros((), dtype=torch.float64, device=dims.device)
+    for g in local:
+        sq += g.double().pow(2).sum()
+    if dims.distributed:
+        dist.all_reduce(sq)
+    norm = sq.sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in local:
+            g.mul_(coef.to(g.dtype))
+    return norm.float()
+
+
+# ---------------------------------------------------------------- weight sync
+@torch.no_grad()
+def full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, full tensor)` for every state-dict entry of `model` (stock names and shapes),
+    one tensor at a time: an FSDP shard is all-gathered (`full_tensor`), an expert shard is
+    then all-gathered over its EP group. A collective: every rank iterates it to the end.
+    Peak extra memory is one full tensor (the largest: an expert weight `[E, 2I, H]`)."""
+    experts = {f"{prefix}.experts.{w}": block.experts for prefix, block in _named_blocks(model)
+               for w in EXPERT_PARAM_NAMES}
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value.detach()
+        owner = experts.get(name)
+        if owner is not None and owner.ep_size > 1:
+            parts = [torch.empty_like(full) for _ in range(owner.ep_size)]
+            dist.all_gather(parts, full.contiguous(), group=owner.ep_group)
+            full = torch.cat(parts)
+        yield name, full
+
+
+def _named_blocks(model: nn.Module):
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoEBlock)]
+
+
+def expert_load_metrics(model: nn.Module, dims: ParallelDims) -> dict[str, float]:
     """Tokens dispatched per expert since the last `reset_expert_load`, summed over all ranks."""
     if not moe_blocks(model, strict=False):
         return {}
-    load = expert_load(model, dist.group.WORLD if dist.is_initialized() else None)
+    load = expert_load(model, dist.group.WORLD if dims.distributed else None)
     per_expert = load["per_expert"].double()
     mean = float(per_expert.mean())
     return {

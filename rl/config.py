@@ -1,19 +1,53 @@
-"""The typed config schema. Hydra merges conf/*.yaml onto it, so an unknown or mistyped
-key fails at start-up with the key's name instead of deep inside a run."""
+"""The typed config schema. Hydra merges conf/*.yaml onto it, so an unknown or mistyped key,
+or a value outside a closed choice (an `Enum` field), fails at start-up with the key's name.
+`validate` then checks what types cannot (sizes, paths, combinations) before any model is
+built, each message naming the key."""
 
 from __future__ import annotations
 
+import os
+import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from rl.advantages import AdvantageConfig, AdvantageEstimator
+from rl.choice import Choice
+from rl.losses import KLConfig, KLMode, PolicyLossConfig, check_policy_loss_config
+from rl.schedule import LRSchedule
+
+
+class ModelName(Choice):
+    QWEN3 = "qwen3"
+    QWEN3_MOE = "qwen3_moe"
+
+
+class DType(Choice):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class Device(Choice):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class OldLogProbs(Choice):
+    POLICY = "policy"  # a no-grad pass of the pre-update policy (only when the policy changes within a step)
+    ROLLOUT = "rollout"  # the rollout engine's log-probs
 
 
 @dataclass
 class ModelConfig:
-    name: str = "qwen3_moe"  # qwen3 | qwen3_moe
+    name: ModelName = ModelName.QWEN3_MOE
     pretrained_path: Optional[str] = None  # a local checkpoint folder; None = tiny random init
-    dtype: str = "float32"
+    dtype: DType = DType.FLOAT32  # the weights as built / loaded (FSDP keeps them as the fp32 master copy)
+    param_dtype: Optional[DType] = None  # FSDP2 compute dtype (MixedPrecisionPolicy); None = dtype; grads reduce in fp32
     temperature: float = 1.0  # applied to logits in training and in rollout alike
     logprob_chunk_size: int = 1024  # tokens per chunk of the fp32 log-softmax
     overrides: Dict[str, Any] = field(default_factory=dict)  # Hugging Face config fields
@@ -34,37 +68,35 @@ class BatchConfig:
 
 
 @dataclass
-class AlgoConfig:
-    name: str = "grpo"  # grpo | ppo
-    policy_loss: str = "ppo"  # ppo | gspo | cispo
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: Optional[float] = None
-    tis_cap: Optional[float] = None  # truncated IS against rollout_log_probs
-    tis_level: str = "token"
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"  # k1 | k2 | k3
-    kl_mode: str = "loss"  # loss | reward
+class AlgoConfig(PolicyLossConfig, KLConfig, AdvantageConfig):
+    """`algo.*`: the policy-loss, KL and advantage fields (one source of truth each, in
+    rl/losses.py and rl/advantages.py) plus how a step turns into updates. A critic is
+    trained when `advantage=gae`."""
+
+    mini_batches: int = 1  # optimizer steps per epoch: the step's global batch split in k
+    epochs: int = 1  # passes over the step's batch
+    old_log_probs: OldLogProbs = OldLogProbs.POLICY
     entropy_coef: float = 0.0
-    grpo_scale_by_std: bool = True
-    gamma: float = 1.0
-    lam: float = 0.95
     value_clip: Optional[float] = 0.2
     vf_coef: float = 0.5
     critic_lr: float = 1e-3
     routing_replay: bool = True  # R3: replay the rollout's routed_experts in training
 
+    @property
+    def uses_critic(self) -> bool:
+        return AdvantageEstimator(self.advantage) is AdvantageEstimator.GAE
+
 
 @dataclass
 class TaskConfig:
-    name: str = "target_token"  # a built-in task, or "file"
+    name: str = "target_token"  # a built-in task (target_token, copy_first, count_up, math) or "file"
     prompts_per_step: int = 16  # global, split over DP ranks
     samples_per_prompt: int = 8  # the GRPO group size
     max_new_tokens: int = 12
     rollout_temperature: float = 1.0
-    prompts_path: Optional[str] = None  # task=file: JSONL prompts
+    prompts_path: Optional[str] = None  # task=file|math: JSONL prompts
     reward_fn: Optional[str] = None  # task=file: "module:function"
+    tokenizer_path: Optional[str] = None  # task=math (and text prompts): a local tokenizer folder
     options: Dict[str, Any] = field(default_factory=dict)  # extra task arguments
 
 
@@ -72,11 +104,25 @@ class TaskConfig:
 class TrainerConfig:
     max_steps: int = 20
     lr: float = 3e-3
+    lr_schedule: LRSchedule = LRSchedule.CONSTANT
+    warmup_steps: int = 0
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    device: Device = Device.AUTO
+    activation_checkpointing: bool = False
+    max_bad_steps: int = 3  # consecutive non-finite updates skipped before the run stops
+    min_entropy: Optional[float] = None  # warn when the mean entropy falls below it
     tensorboard: bool = False
     plot: bool = True
     progress: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every k steps (0 = only the final checkpoint)
+    keep: int = 2  # newest k complete checkpoints kept
+    dir: Optional[str] = None  # None = <run folder>/checkpoints
+    final: bool = True
 
 
 @dataclass
@@ -87,8 +133,82 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: str = "never"  # never | auto (newest complete checkpoint of checkpoint.dir) | a checkpoint path
     seed: int = 0
 
 
 def register() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
+    if not OmegaConf.has_resolver("run_id"):
+        OmegaConf.register_new_resolver("run_id", run_id, use_cache=True)
+
+
+def run_id() -> str:
+    """The run folder's name: torchrun's run id (shared by every rank and kept across
+    restarts), else a timestamp plus a random suffix, so two runs never share a folder."""
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    if elastic and elastic != "none":
+        return elastic
+    from datetime import datetime
+
+    return f"{datetime.now():%Y-%m-%d_%H-%M-%S}_{uuid.uuid4().hex[:6]}"
+
+
+# ----------------------------------------------------------------- validation
+def load(dict_cfg: Any) -> Config:
+    """The Hydra config as a typed `Config`; a value left at '???' is an error naming its key
+    (OmegaConf would otherwise hand the schema's default to an Optional field)."""
+    missing = sorted(OmegaConf.missing_keys(dict_cfg))
+    if missing:
+        raise ValueError(f"{', '.join(missing)}: required but not set (left at '???' by the chosen config group); "
+                         f"pass {missing[0]}=...")
+    return OmegaConf.to_object(dict_cfg)
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Everything checkable before a model is built; each error names its key."""
+    positive = {
+        "task.prompts_per_step": cfg.task.prompts_per_step, "task.samples_per_prompt": cfg.task.samples_per_prompt,
+        "task.max_new_tokens": cfg.task.max_new_tokens, "batch.max_tokens": cfg.batch.max_tokens,
+        "algo.mini_batches": cfg.algo.mini_batches, "algo.epochs": cfg.algo.epochs,
+        "trainer.max_steps": cfg.trainer.max_steps, "trainer.max_bad_steps": cfg.trainer.max_bad_steps,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ValueError(f"{key}={value}: expected a positive number")
+    if cfg.batch.micro_batch_size is not None and cfg.batch.micro_batch_size <= 0:
+        raise ValueError(f"batch.micro_batch_size={cfg.batch.micro_batch_size}: expected a positive number or null")
+    cp = cfg.parallel.cp
+    dp = cfg.parallel.dp if cfg.parallel.dp != -1 else max(world_size // max(cp, 1), 1)
+    if cfg.task.prompts_per_step % dp:
+        raise ValueError(f"task.prompts_per_step={cfg.task.prompts_per_step} does not divide over dp={dp} ranks "
+                         f"(world_size={world_size}, parallel.cp={cp})")
+    samples = cfg.task.prompts_per_step * cfg.task.samples_per_prompt
+    if cfg.algo.mini_batches > samples:
+        raise ValueError(f"algo.mini_batches={cfg.algo.mini_batches} exceeds the step's {samples} samples "
+                         f"(task.prompts_per_step x task.samples_per_prompt)")
+    check_policy_loss_config(cfg.algo, prefix="algo.")
+    advantage = AdvantageEstimator(cfg.algo.advantage)
+    if advantage in (AdvantageEstimator.GRPO, AdvantageEstimator.RLOO) and cfg.task.samples_per_prompt < 2:
+        raise ValueError(f"algo.advantage={advantage.value} with task.samples_per_prompt={cfg.task.samples_per_prompt}: "
+                         "a group of one sample has advantage 0 everywhere (nothing to learn); use >= 2")
+    if cfg.algo.kl_coef and KLMode(cfg.algo.kl_mode) is KLMode.REWARD and advantage in (
+            AdvantageEstimator.GRPO, AdvantageEstimator.RLOO):
+        raise ValueError(f"algo.kl_mode=reward with algo.advantage={advantage.value}: the group baseline ignores "
+                         "per-token rewards, so the KL penalty would change nothing; use algo.kl_mode=loss, or "
+                         "algo.advantage=gae / reinforce_pp")
+    if cfg.model.pretrained_path is not None and not Path(cfg.model.pretrained_path).is_dir():
+        raise ValueError(f"model.pretrained_path={cfg.model.pretrained_path!r}: folder not found (a local "
+                         "checkpoint folder is expected; nothing is downloaded)")
+    for key in ("prompts_path",):
+        value = getattr(cfg.task, key)
+        if value is not None and not Path(value).is_file():
+            raise ValueError(f"task.{key}={value!r}: file not found")
+    if cfg.task.tokenizer_path is not None and not Path(cfg.task.tokenizer_path).is_dir():
+        raise ValueError(f"task.tokenizer_path={cfg.task.tokenizer_path!r}: folder not found")
+    if cfg.model.pretrained_path is None:
+        limit = cfg.model.overrides.get("max_position_embeddings")
+        if limit is not None and cfg.task.max_new_tokens >= limit:
+            raise ValueError(f"task.max_new_tokens={cfg.task.max_new_tokens} leaves no room for a prompt within "
+                             f"model.overrides.max_position_embeddings={limit}")

@@ -7,20 +7,68 @@ row as one sequence.
 
 Normalizers are passed in, not computed here: a token-mean over an optimizer step
 divides by the step's global action-token count (all microbatches, all DP ranks), so the
-sum of the per-microbatch losses is the same number however the step was cut.
+sum of the per-microbatch losses is the same number however the step was cut
+(`loss_normalizer` counts it from the step's records).
+
+Numeric guards (as in verl and OpenRLHF), each a `PolicyLossConfig` field or a
+`kl_penalty` argument, `None` = off:
+
+* `log_ratio_clamp` (20): the token log-ratio log(pi/pi_old) is clamped to [-20, 20]
+  before `exp` in PPO and CISPO, and log(pi_old/pi_rollout) likewise in TIS (for
+  sequence TIS: the sequence's summed log-ratio);
+* `gspo_log_ratio_max` (10): GSPO's sequence log-ratio is clamped to <= 10;
+* `kl_penalty(..., log_ratio_clamp=20, clamp=10)`: k3's log-ratio to [-20, 20] before
+  `exp`, and every estimator's output (k1, k2, k3) to [-10, 10].
+
+A clamped value has no gradient beyond its bound: an outlier token stops pushing instead
+of dominating the loss with an `exp` that overflows fp32.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import torch
 
 from packing import Experience
+from rl.choice import Choice
 
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+
+class PolicyLoss(Choice):
+    PPO = "ppo"  # clipped surrogate (+ dual-clip)
+    GSPO = "gspo"  # sequence-level ratio: geometric mean of the token ratios
+    CISPO = "cispo"  # clipped, detached IS weight times log-prob (MiniMax-M1)
+
+
+class LossAgg(Choice):
+    TOKEN_MEAN = "token-mean"
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"  # Dr. GRPO: token sum / a constant
+
+
+class KLEstimator(Choice):
+    K1 = "k1"  # log r
+    K2 = "k2"  # (log r)^2 / 2
+    K3 = "k3"  # 1/r - 1 + log r, r = pi / pi_ref (unbiased, >= 0, low variance)
+
+
+class KLMode(Choice):
+    LOSS = "loss"  # kl_coef * KL(pi || pi_ref) added to the actor loss
+    REWARD = "reward"  # -kl_coef * KL per token folded into the reward (the advantage)
+
+
+class TISLevel(Choice):
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+
+
+# Kept for callers that iterate the choices as strings.
+POLICY_LOSSES = tuple(PolicyLoss.values())
+AGGREGATIONS = tuple(LossAgg.values())
+KL_ESTIMATORS = tuple(KLEstimator.values())
 
 
 # --------------------------------------------------------------- segmentation
@@ -57,40 +105,128 @@ def broadcast_to_tokens(per_seq: torch.Tensor, experience: Experience) -> torch.
 
 
 # ---------------------------------------------------------------- aggregation
-def aggregate(loss: torch.Tensor, experience: Experience, mode: str, normalizer: float | None = None) -> torch.Tensor:
-    """Reduce a per-token loss to a scalar.
+def aggregate(
+    loss: torch.Tensor,
+    experience: Experience,
+    mode: LossAgg | str,
+    normalizer: float | None = None,
+    *,
+    token_sum_norm: float | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss (laid out like action_mask) to a scalar.
 
-    `normalizer` is the global count this microbatch's share is divided by: action tokens
-    for token-mean, sequences for the seq-mean modes. None = this batch's own count.
+    * `token-mean`: sum over action tokens / `normalizer` (action tokens).
+    * `seq-mean-token-mean`: per sequence, the mean over its action tokens; summed / `normalizer`
+      (sequences).
+    * `seq-mean-token-sum`: per sequence, the sum over its action tokens; summed / `normalizer`
+      (sequences).
+    * `seq-mean-token-sum-norm` (Dr. GRPO): per sequence, the sum over its action tokens
+      divided by the constant `token_sum_norm` (required; the trainer passes the response
+      budget, `task.max_new_tokens`, unless configured); summed / `normalizer` (sequences).
+      A constant, not a per-sequence length, so long and short responses weigh each token alike.
+
+    `normalizer` is the global count this microbatch's share is divided by (see
+    `loss_normalizer`): action tokens for token-mean, sequences for the seq-mean modes.
+    None = this batch's own count.
     """
+    mode = LossAgg.parse(mode, "loss_agg")
     mask = experience.action_mask.to(loss.dtype)
-    if mode == "token-mean":
+    if mode is LossAgg.TOKEN_MEAN:
         total = (loss * mask).sum()
         return total / (normalizer if normalizer is not None else mask.sum().clamp(min=1))
-    if mode == "seq-mean-token-mean":
+    if mode is LossAgg.SEQ_MEAN_TOKEN_MEAN:
         per_seq = per_sequence_mean(loss, experience)
-    elif mode == "seq-mean-token-sum":
+    elif mode is LossAgg.SEQ_MEAN_TOKEN_SUM:
         per_seq = per_sequence_sum(loss * mask, experience)
     else:
-        raise ValueError(f"loss aggregation '{mode}' is not one of {AGGREGATIONS}")
+        if token_sum_norm is None or not token_sum_norm > 0:
+            raise ValueError(
+                f"loss_agg='{mode}' divides each sequence's token sum by a constant: token_sum_norm "
+                f"(algo.loss_agg_norm, default task.max_new_tokens) must be > 0, got {token_sum_norm!r}"
+            )
+        per_seq = per_sequence_sum(loss * mask, experience) / token_sum_norm
     return per_seq.sum() / (normalizer if normalizer is not None else num_sequences(experience))
+
+
+def loss_normalizer(records: Sequence[Experience], mode: LossAgg | str) -> float:
+    """The global count `aggregate` divides by for these records (one optimizer step's, or
+    one mini-batch's): their action tokens for token-mean, their number otherwise."""
+    if LossAgg.parse(mode, "loss_agg") is LossAgg.TOKEN_MEAN:
+        return float(sum(int(r.action_mask.sum()) for r in records))
+    return float(len(records))
 
 
 # --------------------------------------------------------------------- losses
 @dataclass
 class PolicyLossConfig:
-    name: str = "ppo"  # ppo | gspo | cispo
+    """Every policy-loss field, flat: an `AlgoConfig` inherits it, so the YAML keys are
+    `algo.policy_loss`, `algo.clip_low`, ... (plain dataclass: an OmegaConf structured config)."""
+
+    policy_loss: PolicyLoss = PolicyLoss.PPO
+    # PPO/GSPO: the ratio is clipped to [1 - clip_low, 1 + clip_high].
+    # CISPO: the IS weight is clipped above at 1 + clip_high; clip_low is not used (see cispo_clip_low).
     clip_low: float = 0.2
     clip_high: float = 0.2
-    dual_clip: float | None = None  # c > 1: bounds the loss of negative-advantage tokens (dual-clip PPO)
-    tis_cap: float | None = None  # truncated IS against rollout_log_probs; None = off
-    tis_level: str = "token"  # token | sequence
+    # c > 1: bounds the loss of negative-advantage tokens at c * |A| (dual-clip PPO; ppo/gspo only).
+    dual_clip: Optional[float] = None
+    # CISPO's lower bound on the IS weight, as an epsilon: weight >= 1 - cispo_clip_low.
+    # None (default) = no lower bound, as in the MiniMax-M1 paper. A separate field from
+    # clip_low so that PPO's default 0.2 does not silently bound CISPO.
+    cispo_clip_low: Optional[float] = None
+    # Truncated IS against experience.rollout_log_probs: weight min(pi_old / pi_rollout, tis_cap); None = off.
+    tis_cap: Optional[float] = None
+    # token: each token's own ratio; sequence: the product of the sequence's token ratios
+    # (exp of the summed log-ratios), one weight for all its tokens.
+    tis_level: TISLevel = TISLevel.TOKEN
+    # |log-ratio| bound before exp in PPO, CISPO and TIS (None = off).
+    log_ratio_clamp: Optional[float] = 20.0
+    # Upper bound on GSPO's sequence log-ratio (None = off).
+    gspo_log_ratio_max: Optional[float] = 10.0
+    loss_agg: LossAgg = LossAgg.TOKEN_MEAN
+    # seq-mean-token-sum-norm's constant (each sequence's token sum is divided by it);
+    # None = the response budget (task.max_new_tokens), filled in by the trainer.
+    loss_agg_norm: Optional[float] = None
+
+
+def check_policy_loss_config(cfg: Any, prefix: str = "") -> None:
+    """Raise a ValueError naming the key (`prefix` + field) of the first invalid field.
+
+    Takes a `PolicyLossConfig`, a subclass, or an OmegaConf node with the same keys, so
+    the trainer can check `cfg.algo` at start-up with `prefix="algo."`."""
+    PolicyLoss.parse(cfg.policy_loss, f"{prefix}policy_loss")
+    TISLevel.parse(cfg.tis_level, f"{prefix}tis_level")
+    LossAgg.parse(cfg.loss_agg, f"{prefix}loss_agg")
+    checks = [
+        ("clip_low", cfg.clip_low, 0 <= cfg.clip_low < 1, "in [0, 1)"),
+        ("clip_high", cfg.clip_high, cfg.clip_high >= 0, ">= 0"),
+        ("dual_clip", cfg.dual_clip, cfg.dual_clip is None or cfg.dual_clip > 1, "> 1 or null"),
+        ("cispo_clip_low", cfg.cispo_clip_low, cfg.cispo_clip_low is None or 0 <= cfg.cispo_clip_low <= 1,
+         "in [0, 1] or null"),
+        ("tis_cap", cfg.tis_cap, cfg.tis_cap is None or cfg.tis_cap > 0, "> 0 or null"),
+        ("log_ratio_clamp", cfg.log_ratio_clamp, cfg.log_ratio_clamp is None or cfg.log_ratio_clamp > 0,
+         "> 0 or null"),
+        ("gspo_log_ratio_max", cfg.gspo_log_ratio_max, cfg.gspo_log_ratio_max is None or cfg.gspo_log_ratio_max > 0,
+         "> 0 or null"),
+        ("loss_agg_norm", cfg.loss_agg_norm, cfg.loss_agg_norm is None or cfg.loss_agg_norm > 0, "> 0 or null"),
+    ]
+    for name, value, ok, expected in checks:
+        if not ok:
+            raise ValueError(f"{prefix}{name}={value!r}: expected {expected}")
 
 
 def policy_loss(
     log_probs: torch.Tensor, experience: Experience, cfg: PolicyLossConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token policy loss (unreduced) and per-token diagnostics."""
+    """Per-token policy loss (unreduced, 0 on masked slots) and per-token diagnostics.
+
+    `log_probs` are the current policy's, laid out like `experience.action_mask`;
+    `experience.action_log_probs` are the old policy's. Diagnostics (detached, not masked):
+    `clip_ratio` (1 where the ratio or IS weight was clipped), `ratio` (the ratio each
+    token's loss used: GSPO's is its sequence's), `approx_kl` (k3 estimate of
+    KL(pi_old || pi) per token: r - 1 - log r, r = pi / pi_old).
+    """
+    check_policy_loss_config(cfg)
+    kind = PolicyLoss.parse(cfg.policy_loss, "policy_loss")
     old = experience.action_log_probs
     adv = experience.advantages
     if old is None or adv is None:
@@ -98,26 +234,35 @@ def policy_loss(
     mask = experience.action_mask
     log_ratio = (log_probs - old) * mask
 
-    if cfg.name == "ppo":
-        ratio = log_ratio.exp()
+    if kind is PolicyLoss.PPO:
+        ratio = _clamp(log_ratio, cfg.log_ratio_clamp).exp()
         loss, clipped = _clipped_surrogate(ratio, adv, cfg)
-    elif cfg.name == "gspo":
+    elif kind is PolicyLoss.GSPO:
         # sequence ratio (geometric mean of token ratios), with the token's own gradient path
         seq_log_ratio = broadcast_to_tokens(per_sequence_mean(log_ratio, experience), experience)
-        ratio = (seq_log_ratio.detach() + log_probs - log_probs.detach()).exp()
+        log_seq_ratio = seq_log_ratio.detach() + log_probs - log_probs.detach()
+        if cfg.gspo_log_ratio_max is not None:
+            log_seq_ratio = log_seq_ratio.clamp(max=cfg.gspo_log_ratio_max)
+        ratio = log_seq_ratio.exp()
         loss, clipped = _clipped_surrogate(ratio, adv, cfg)
-    elif cfg.name == "cispo":
-        # clip the (detached) IS weight, keep every token's gradient: -sg(min(r, 1+eps)) * A * logp
-        ratio = log_ratio.exp()
-        weight = ratio.clamp(max=1 + cfg.clip_high).detach()
+    else:  # CISPO: clip the (detached) IS weight, keep every token's gradient: -sg(clip(r)) * A * logp
+        ratio = _clamp(log_ratio, cfg.log_ratio_clamp).exp()
+        low = None if cfg.cispo_clip_low is None else 1 - cfg.cispo_clip_low
+        weight = ratio.clamp(min=low, max=1 + cfg.clip_high).detach()
         loss = -weight * adv * log_probs
         clipped = ratio > 1 + cfg.clip_high
-    else:
-        raise ValueError(f"policy loss '{cfg.name}' is not one of {POLICY_LOSSES}")
+        if low is not None:
+            clipped = clipped | (ratio < low)
 
     if cfg.tis_cap is not None:
-        loss = loss * _tis_weight(experience, cfg)
-    return loss * mask, {"clip_ratio": clipped.float(), "ratio": ratio.detach()}
+        loss = loss * tis_weight(experience, cfg)
+    r = _clamp(log_ratio.detach(), cfg.log_ratio_clamp).exp()
+    approx_kl = r - 1 - _clamp(log_ratio.detach(), cfg.log_ratio_clamp)
+    return loss * mask, {"clip_ratio": clipped.float(), "ratio": ratio.detach(), "approx_kl": approx_kl}
+
+
+def _clamp(x: torch.Tensor, bound: float | None) -> torch.Tensor:
+    return x if bound is None else x.clamp(-bound, bound)
 
 
 def _clipped_surrogate(ratio, adv, cfg):
@@ -126,35 +271,55 @@ def _clipped_surrogate(ratio, adv, cfg):
     loss = torch.maximum(unclipped, clipped_obj)
     clipped = clipped_obj > unclipped
     if cfg.dual_clip is not None:
-        if cfg.dual_clip <= 1:
-            raise ValueError(f"dual_clip must be > 1, got {cfg.dual_clip}")
         bounded = torch.minimum(loss, -adv * cfg.dual_clip)
         loss = torch.where(adv < 0, bounded, loss)
     return loss, clipped
 
 
-def _tis_weight(experience: Experience, cfg: PolicyLossConfig) -> torch.Tensor:
-    """min(pi_old / pi_rollout, cap), detached: corrects for the rollout engine's numerics."""
+def tis_weight(experience: Experience, cfg: PolicyLossConfig) -> torch.Tensor:
+    """Truncated IS weight against the rollout engine's numerics, detached, laid out like action_mask.
+
+    token:    w_t = min(exp(clamp(log pi_old(y_t) - log pi_rollout(y_t))), tis_cap)
+    sequence: w   = min(exp(clamp(sum_t of those log-ratios over the sequence's action
+              tokens)), tis_cap) = min(pi_old(y) / pi_rollout(y), tis_cap), the product of
+              the token ratios, broadcast to the sequence's tokens.
+    The clamp is `log_ratio_clamp` ([-20, 20] by default).
+    """
+    if cfg.tis_cap is None:
+        raise ValueError("tis_weight: tis_cap is None (truncated IS is off)")
     if experience.rollout_log_probs is None:
         raise ValueError("tis_cap is set but experience.rollout_log_probs is None")
     log_w = (experience.action_log_probs - experience.rollout_log_probs) * experience.action_mask
-    if cfg.tis_level == "sequence":
-        log_w = broadcast_to_tokens(per_sequence_mean(log_w, experience), experience)
-    elif cfg.tis_level != "token":
-        raise ValueError(f"tis_level '{cfg.tis_level}' is not one of ('token', 'sequence')")
-    return log_w.exp().clamp(max=cfg.tis_cap).detach()
+    if TISLevel.parse(cfg.tis_level, "tis_level") is TISLevel.SEQUENCE:
+        log_w = broadcast_to_tokens(per_sequence_sum(log_w, experience), experience)
+    return _clamp(log_w, cfg.log_ratio_clamp).exp().clamp(max=cfg.tis_cap).detach()
 
 
-def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3)."""
+def kl_penalty(
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    estimator: KLEstimator | str = KLEstimator.K3,
+    *,
+    clamp: float | None = 10.0,
+    log_ratio_clamp: float | None = 20.0,
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3).
+
+    With log r = log_probs - ref_log_probs: k1 = log r, k2 = (log r)^2 / 2,
+    k3 = exp(-log r) - 1 + log r with log r first clamped to [-log_ratio_clamp, log_ratio_clamp]
+    (unclamped, exp overflows fp32 once pi_ref/pi > e^88). Every output is then clamped to
+    [-clamp, clamp]. None = that clamp off.
+    """
+    estimator = KLEstimator.parse(estimator, "kl_estimator")
     log_ratio = log_probs - ref_log_probs
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":
-        return (-log_ratio).exp() - 1 + log_ratio
-    raise ValueError(f"kl estimator '{estimator}' is not one of {KL_ESTIMATORS}")
+    if estimator is KLEstimator.K1:
+        kl = log_ratio
+    elif estimator is KLEstimator.K2:
+        kl = 0.5 * log_ratio**2
+    else:
+        log_ratio = _clamp(log_ratio, log_ratio_clamp)
+        kl = (-log_ratio).exp() - 1 + log_ratio
+    return _clamp(kl, clamp)
 
 
 def value_loss(values: torch.Tensor, experience: Experience, clip: float | None = 0.2) -> torch.Tensor:
@@ -167,3 +332,60 @@ def value_loss(values: torch.Tensor, experience: Experience, clip: float | None 
         clipped = old + (values - old).clamp(-clip, clip)
         loss = torch.maximum(loss, (clipped - returns) ** 2)
     return 0.5 * loss * experience.action_mask
+
+
+# ---------------------------------------------------------------- KL control
+@dataclass
+class KLConfig:
+    """KL-to-reference fields, flat (an `AlgoConfig` may inherit it beside `PolicyLossConfig`)."""
+
+    kl_coef: float = 0.0  # the (initial) coefficient; 0 = no KL term
+    kl_estimator: KLEstimator = KLEstimator.K3
+    kl_mode: KLMode = KLMode.LOSS
+    # Adaptive coefficient (Ziegler et al. 2019) when set: steer the measured KL toward kl_target.
+    kl_target: Optional[float] = None
+    kl_horizon: float = 10000.0  # samples over which a 20% KL error moves the coefficient by 20%
+    kl_clamp: Optional[float] = 10.0  # |KL estimate| bound per token (None = off)
+    kl_log_ratio_clamp: Optional[float] = 20.0  # k3's |log-ratio| bound before exp (None = off)
+
+
+class FixedKLController:
+    """A constant KL coefficient with the adaptive controller's interface."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+
+class AdaptiveKLController:
+    """The KL coefficient of Ziegler et al. (2019), "Fine-Tuning Language Models from Human Preferences".
+
+    After each step, with e = clip(current_kl / target - 1, -0.2, 0.2):
+        value <- value * (1 + e * n_steps / horizon)
+    `n_steps` is how many samples (in `horizon`'s unit) the step's `current_kl` was
+    measured over; a KL above target raises the coefficient, below lowers it.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
+        if not init_kl_coef > 0:
+            raise ValueError(f"AdaptiveKLController: init_kl_coef (algo.kl_coef) must be > 0, got {init_kl_coef}")
+        if not target > 0:
+            raise ValueError(f"AdaptiveKLController: target (algo.kl_target) must be > 0, got {target}")
+        if not horizon > 0:
+            raise ValueError(f"AdaptiveKLController: horizon (algo.kl_horizon) must be > 0, got {horizon}")
+        self.value, self.target, self.horizon = float(init_kl_coef), float(target), float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        if not math.isfinite(current_kl):
+            raise ValueError(f"AdaptiveKLController.update: current_kl is {current_kl}")
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+def build_kl_controller(kl_coef: float, target: float | None = None, horizon: float = 10000.0):
+    """`AdaptiveKLController` when `target` is set (and kl_coef > 0), else `FixedKLController`."""
+    if target is None or not kl_coef:
+        return FixedKLController(kl_coef)
+    return AdaptiveKLController(kl_coef, target, horizon)

@@ -1,5 +1,5 @@
 """Run output on rank 0: metrics.jsonl (one JSON object per step), optional TensorBoard,
-and a PNG of the reward and loss curves at the end of the run."""
+and curves.png at the end of the run: the panels a run is read by (`CURVES`)."""
 
 from __future__ import annotations
 
@@ -44,19 +44,45 @@ class MetricsWriter:
         return None
 
 
+# panel title -> the metrics.jsonl keys drawn in it (a key absent from every step is skipped,
+# and so is a panel with none of its keys)
+CURVES: dict[str, tuple[str, ...]] = {
+    "reward": ("reward_mean",),
+    "loss": ("loss", "policy_loss", "value_loss"),
+    "entropy": ("entropy",),
+    "grad norm": ("grad_norm",),
+    "KL to reference": ("kl", "kl_loss"),
+    "response length": ("response_length",),
+    "clip fraction": ("clip_ratio",),
+    "throughput (tokens/s)": ("tokens_per_s", "rollout_tokens_per_s", "train_tokens_per_s"),
+}
+
+
 def plot_curves(history: list[dict], path: Path) -> Path:
+    """A grid of one subplot per `CURVES` panel that has data in `history`, against step."""
+    import math
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [m["step"] for m in history]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for ax, key in zip(axes, ("reward_mean", "loss")):
-        ax.plot(steps, [m.get(key, float("nan")) for m in history], marker=".")
+    panels = {title: [k for k in keys if any(k in m for m in history)] for title, keys in CURVES.items()}
+    panels = {title: keys for title, keys in panels.items() if keys}
+    cols = min(4, max(len(panels), 1))
+    rows = max(math.ceil(len(panels) / cols), 1)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.9 * rows), squeeze=False)
+    for ax, (title, keys) in zip(axes.flat, panels.items()):
+        for key in keys:
+            ax.plot(steps, [m.get(key, float("nan")) for m in history], marker=".", label=key)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
         ax.set_xlabel("step")
-        ax.set_title(key)
+        ax.set_title(title)
         ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

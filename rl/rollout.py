@@ -7,7 +7,7 @@ The engine only generates; it never sees the task. One RL step reads:
                               temperature=..., seed=...)   # one record per sample
     score(task, records, [m for _, m in prompts])          # rl.tasks: sets rec.rewards
     ... buffer -> plan -> collate -> train -> optimizer step ...
-    engine.load_weights(full_state_dict)                   # weight sync after every step
+    engine.load_weights(full_parameters(policy))           # weight sync, one tensor at a time
 
 What a record holds (contract of packing/experience.py, no batch axis, no padding):
 `sequences [T]` (prompt + response), `action_mask [T-1]` True on the slots whose target
@@ -27,9 +27,9 @@ chunk are left-padded; the attention mask hides pad keys and per-row `position_i
 at 0 at each prompt's first real token, so pad tokens change no real token's numbers
 (beyond float rounding, ~1e-7 in fp32).
 
-Routing (MoE): forward hooks on every MoE layer's router (`mlp.gate`, which returns
-`(router_logits, routing_weights, top_k_indices)` in transformers 5.18) capture the
-top-k ids the live forward chose: prompt tokens at prefill, response token j at the
+Routing (MoE): the engine's copy runs the training forward's `MoEBlock`s (unsharded,
+model/moe.py) and records routing with the same `record_routing` context training uses:
+the top-k ids the live forward chose, prompt tokens at prefill, response token j at the
 decode step that feeds it. The last response token is never fed to sample a successor,
 so MoE generation runs one extra decode step that only feeds it (its logits are dropped).
 The recorded routing is thus exactly the routing the generation used, which is what
@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Iterator, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from model.moe import apply_expert_parallel, is_moe, moe_blocks, record_routing
 from packing.experience import Experience
 
 _MASK64 = (1 << 64) - 1
@@ -71,8 +72,8 @@ class RolloutEngine(abc.ABC):
         `prompt_indices[i]` its GRPO group id (repeat a prompt to draw several samples)."""
 
     @abc.abstractmethod
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Replace all policy weights (strict: the full state dict, same names and shapes)."""
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace all policy weights (strict: every state-dict entry, same names and shapes)."""
 
 
 def sample_seed(seed: int, prompt_index: int, k: int) -> int:
@@ -155,7 +156,8 @@ class HFRolloutEngine(RolloutEngine):
         if attn_implementation is not None and model.config._attn_implementation != attn_implementation:
             model.set_attn_implementation(attn_implementation)
         model.eval().requires_grad_(False)
-        self._routers = _moe_routers(model)
+        if is_moe(model) and not moe_blocks(model, strict=False):
+            apply_expert_parallel(model, None)  # the training forward's blocks, every expert local
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
 
     @property
@@ -164,25 +166,30 @@ class HFRolloutEngine(RolloutEngine):
 
     @property
     def is_moe(self) -> bool:
-        return bool(self._routers)
+        return bool(moe_blocks(self.model, strict=False))
 
     # ------------------------------------------------------------- weights
     @torch.no_grad()
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy every weight in, one `(name, tensor)` at a time (a generator such as
+        `model.parallelize.full_parameters` never holds the whole model). Strict: the same
+        names and shapes as the rollout model's state dict; a name or shape error is raised
+        as soon as it is seen, a missing name after the last tensor (the tensors copied
+        before an error stay copied: reload the full weights after fixing the source)."""
         own = self.model.state_dict()
-        missing = sorted(set(own) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(own))
-        if missing or unexpected:
-            raise KeyError(
-                f"load_weights: the state dict does not match the rollout model "
-                f"({len(missing)} missing: {_head(missing)}; {len(unexpected)} unexpected: {_head(unexpected)})"
-            )
-        wrong = [f"{k} {tuple(v.shape)} (expected {tuple(own[k].shape)})"
-                 for k, v in state_dict.items() if tuple(v.shape) != tuple(own[k].shape)]
-        if wrong:
-            raise ValueError(f"load_weights: {len(wrong)} tensors have the wrong shape: {_head(wrong)}")
-        for k, v in state_dict.items():
-            own[k].copy_(v)  # state_dict() tensors alias the parameters: copy_ updates them in place
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        seen = set()
+        for name, value in items:
+            if name not in own:
+                raise KeyError(f"load_weights: unexpected tensor {name!r}: the rollout model has no such state-dict entry")
+            if tuple(value.shape) != tuple(own[name].shape):
+                raise ValueError(f"load_weights: {name} has shape {tuple(value.shape)}, "
+                                 f"expected {tuple(own[name].shape)}")
+            own[name].copy_(value)  # state_dict() tensors alias the parameters: copy_ updates them in place
+            seen.add(name)
+        missing = sorted(set(own) - seen)
+        if missing:
+            raise KeyError(f"load_weights: {len(missing)} state-dict entries were not given: {_head(missing)}")
 
     # ---------------------------------------------------------- generation
     @torch.no_grad()
@@ -251,13 +258,11 @@ class HFRolloutEngine(RolloutEngine):
 
         tokens: list[torch.Tensor] = []  # [B] per step
         log_probs: list[torch.Tensor] = []  # [B] per step
-        routing: list[torch.Tensor] = []  # [B, L, K, S] per forward
         n_new = torch.full((B,), max_new_tokens)  # response length per row
         done = torch.zeros(B, dtype=torch.bool)
-        with _tap_routing(self._routers) as tap:
+        record = record_routing(self.model) if self.is_moe else contextlib.nullcontext()
+        with record as rec:
             logits = self._forward(ids, mask, position, cache, device)
-            if self.is_moe:
-                routing.append(tap.take(B, P))
             for step in range(max_new_tokens):
                 logp = F.log_softmax(logits.float().cpu() / temperature, dim=-1)  # [B, V]
                 probs = logp.exp()
@@ -277,14 +282,12 @@ class HFRolloutEngine(RolloutEngine):
                 mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=1)
                 position = position[:, -1:] + 1
                 logits = self._forward(tok[:, None], mask, position, cache, device)
-                if self.is_moe:
-                    routing.append(tap.take(B, 1))
                 if last:
                     break  # MoE: that extra forward only recorded the last tokens' routing
 
         tokens_bt = torch.stack(tokens, dim=1)  # [B, S]
         log_probs_bt = torch.stack(log_probs, dim=1)  # [B, S]
-        routing_all = torch.cat(routing, dim=-1) if self.is_moe else None  # [B, L, K, P + S]
+        routing_all = rec.routed_experts.cpu() if self.is_moe else None  # [B, L, K, P + S]
         out = []
         for i in range(B):
             n, p = int(n_new[i]), int(lens[i])
@@ -299,46 +302,6 @@ class HFRolloutEngine(RolloutEngine):
             past_key_values=cache, use_cache=True, logits_to_keep=1,
         )
         return out.logits[:, -1]
-
-
-# ------------------------------------------------------------------ routing
-def _moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The router (`mlp.gate`) of every MoE decoder layer, in layer order."""
-    layers = model.get_decoder().layers
-    return [layer.mlp.gate for layer in layers if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
-
-
-class _RoutingTap:
-    def __init__(self, n_layers: int) -> None:
-        self.last: list[torch.Tensor | None] = [None] * n_layers
-
-    def take(self, batch: int, seq: int) -> torch.Tensor:
-        """Top-k ids of the latest forward as `[B, L, K, S]` (`[B, 0, 0, S]` for a dense model)."""
-        if not self.last:
-            return torch.empty(batch, 0, 0, seq, dtype=torch.int64)
-        if any(ids is None for ids in self.last):
-            raise RuntimeError("routing capture: a MoE layer's router did not run in the last forward")
-        per_layer = [ids.reshape(batch, seq, -1) for ids in self.last]  # [B, S, K] each
-        self.last = [None] * len(self.last)
-        return torch.stack(per_layer, dim=1).permute(0, 1, 3, 2).to("cpu", torch.int64)  # [B, L, K, S]
-
-
-@contextlib.contextmanager
-def _tap_routing(routers: list[torch.nn.Module]) -> Iterator[_RoutingTap]:
-    """Capture each router's top-k ids (its output's third element) on every forward."""
-    tap = _RoutingTap(len(routers))
-
-    def hook(layer: int):
-        def fn(module, args, output):
-            tap.last[layer] = output[2].detach()
-        return fn
-
-    handles = [router.register_forward_hook(hook(i)) for i, router in enumerate(routers)]
-    try:
-        yield tap
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _head(items: list[str], n: int = 8) -> str:

@@ -22,9 +22,16 @@ are left to special tokens), of length 4..12, from a generator seeded by `seed`:
                    successor in the alphabet (wrapping; the first token's predecessor is the
                    last prompt token); 8 symbols (0.003 -> ~0.06 in 20 steps, ~0.6 in 40).
 
-`FileTask` is the user's task: a JSONL file of prompts and a `module:function` reward.
+`FileTask` is the user's task: a JSONL file of prompts and a `module:function` reward
+on token ids. `MathTask` (`math`) is a text task: a JSONL of `{"prompt", "answer"}`, a
+local tokenizer folder, an optional chat template, and a reward on the decoded response
+text, `fn(response_text, **meta)`; the default reward is the rule-based answer checker
+`math_reward` (the last `\\boxed{...}`, else the last number, against `answer`).
 `build_task(name, **kwargs)` builds any of them by name; None-valued kwargs are dropped,
 so a caller can pass every task option and each task takes the ones it knows.
+
+A reward must be a finite real number: `score` rejects NaN, inf, None, bools and strings
+with a ValueError naming the reward function, the record, its prompt index and the value.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import json
 import math
 import numbers
 import os
+import re
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -55,16 +63,34 @@ class Task(Protocol):
 
 
 def score(task: Task, records: Sequence[Experience], metas: Sequence[dict]) -> list[Experience]:
-    """Set `rec.rewards` (0-d fp32) on each record from `task.reward`; returns the records."""
+    """Set `rec.rewards` (0-d fp32) on each record from `task.reward`; returns the records.
+
+    A reward that is not a finite real number (NaN, inf, None, a bool, a string such as
+    "0.5") is a ValueError naming the reward function, the record, its prompt index and
+    the value. A 0-d real tensor is taken as its value.
+    """
     if len(records) != len(metas):
         raise ValueError(f"score: {len(records)} records but {len(metas)} metas (one per record)")
     for i, (rec, meta) in enumerate(zip(records, metas)):
         n_prompt = rec.sequences.numel() - int(rec.response_length)
         value = task.reward(rec.sequences[:n_prompt], rec.sequences[n_prompt:], meta)
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool \
+                and not value.is_complex():
+            value = value.item()
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise TypeError(f"score: the reward of record {i} is {value!r}; a task's reward must be a finite float")
+            prompt = "?" if rec.prompt_index is None else int(rec.prompt_index)
+            raise ValueError(
+                f"score: reward function {reward_name(task)} returned {value!r} ({type(value).__name__}) for "
+                f"record {i} (prompt index {prompt}); a reward must be a finite real number (float or int), "
+                f"not NaN, inf, None, a bool or a string"
+            )
         rec.rewards = torch.tensor(float(value), dtype=torch.float32)
     return list(records)
+
+
+def reward_name(task: Task) -> str:
+    """How errors name a task's reward: its `reward_name` (`module:function`), else `Class.reward`."""
+    return getattr(task, "reward_name", None) or f"{type(task).__name__}.reward"
 
 
 def _ids(x: Any) -> list[int]:
@@ -147,28 +173,29 @@ class FileTask:
     """Prompts from a JSONL file, reward from a `module:function`.
 
     Each non-blank line is a JSON object holding `prompt_ids` (a list of ints) or `prompt`
-    (text, tokenized with `tokenizer`: a Hugging Face tokenizer or a local pretrained path);
-    every other key goes to the reward as a keyword: `fn(prompt_ids: list[int],
-    response_ids: list[int], **meta) -> float`. `prompts(n, seed)` takes n prompts in an
-    order shuffled by `seed` (cycling if n exceeds the file). `stop_token_id` defaults to
-    the tokenizer's EOS when a tokenizer is given.
+    (text, tokenized with the tokenizer: `tokenizer_path`, a local tokenizer folder, or
+    `tokenizer`, a Hugging Face tokenizer object or such a folder); every other key goes
+    to the reward as a keyword: `fn(prompt_ids: list[int], response_ids: list[int], **meta)
+    -> float`. `prompts(n, seed)` takes n prompts in an order shuffled by `seed` (cycling
+    if n exceeds the file). `stop_token_id` defaults to the tokenizer's EOS when a
+    tokenizer is given.
     """
 
     def __init__(self, prompts_path: str | os.PathLike, reward_fn: str | Callable, tokenizer: Any = None, *,
-                 vocab_size: int | None = None, stop_token_id: int | None = None) -> None:
-        self.reward_fn = load_callable(reward_fn) if isinstance(reward_fn, str) else reward_fn
-        if not callable(self.reward_fn):
-            raise TypeError(f"FileTask: reward_fn {reward_fn!r} is not callable")
-        if isinstance(tokenizer, (str, os.PathLike)):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer), local_files_only=True)
+                 tokenizer_path: str | os.PathLike | None = None, vocab_size: int | None = None,
+                 stop_token_id: int | None = None) -> None:
+        self.reward_fn, self.reward_name = _reward_callable(reward_fn)
+        if tokenizer is not None and tokenizer_path is not None:
+            raise ValueError("FileTask: give tokenizer or tokenizer_path (task.tokenizer_path), not both")
+        if tokenizer_path is not None:
+            tokenizer = load_tokenizer(tokenizer_path)
+        elif isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = load_tokenizer(tokenizer, key="tokenizer")
         self.tokenizer = tokenizer
-        self.items = _read_prompts(prompts_path, tokenizer, vocab_size)
-        self.min_vocab_size = 1 + max(max(ids) for ids, _ in self.items)
-        if stop_token_id is None and tokenizer is not None:
-            stop_token_id = getattr(tokenizer, "eos_token_id", None)
-        self.stop_token_id = stop_token_id
+        encode = None if tokenizer is None else (lambda text: list(tokenizer.encode(text)))
+        self.items = _read_prompts(prompts_path, encode, vocab_size, reserved=("response_ids",))
+        self.stop_token_id = stop_token_id if stop_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+        self.min_vocab_size = 1 + max(max(max(ids) for ids, _ in self.items), self.stop_token_id or 0)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -179,8 +206,138 @@ class FileTask:
         picks = [order[i % len(order)] for i in range(n)]
         return [(torch.tensor(self.items[j][0], dtype=torch.int64), dict(self.items[j][1])) for j in picks]
 
-    def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> float:
-        return float(self.reward_fn(_ids(prompt_ids), _ids(response_ids), **meta))
+    def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> Any:
+        """The reward function's value as returned (`score` checks it is a finite real number)."""
+        return self.reward_fn(_ids(prompt_ids), _ids(response_ids), **meta)
+
+
+# ------------------------------------------------------------------- text tasks
+class MathTask(FileTask):
+    """`math`: text prompts with a reference answer, rewarded on the decoded response text.
+
+    `prompts_path` is a JSONL of `{"prompt": str, "answer": str | number, ...}` (every key
+    but `prompt` goes to the reward). `tokenizer_path` is a local tokenizer folder (as
+    written by `save_pretrained`; nothing is downloaded). `chat_template`: None = the
+    prompt text is tokenized as is; "tokenizer" = wrapped as one user message (after
+    `system_prompt`, if any) with the tokenizer's own chat template and its generation
+    prompt; any other string = a Jinja chat template used the same way.
+    The reward is `fn(response_text, **meta) -> float` on the response decoded without
+    special tokens; `reward_fn` (a callable or "module:function") defaults to `math_reward`.
+    """
+
+    def __init__(self, prompts_path: str | os.PathLike, tokenizer_path: str | os.PathLike, *,
+                 reward_fn: str | Callable | None = None, chat_template: str | None = None,
+                 system_prompt: str | None = None, vocab_size: int | None = None,
+                 stop_token_id: int | None = None) -> None:
+        self.reward_fn, self.reward_name = _reward_callable(reward_fn if reward_fn is not None else math_reward)
+        self.tokenizer = tokenizer = load_tokenizer(tokenizer_path)
+        if chat_template == "tokenizer" and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"task.chat_template='tokenizer' but the tokenizer at '{tokenizer_path}' "
+                             f"has no chat template")
+        if chat_template is None and system_prompt is not None:
+            raise ValueError("task.system_prompt needs task.chat_template (a system message only exists in a chat)")
+
+        def encode(text: str) -> list[int]:
+            if chat_template is None:
+                return list(tokenizer.encode(text))
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
+            messages.append({"role": "user", "content": text})
+            rendered = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True,
+                chat_template=None if chat_template == "tokenizer" else chat_template,
+            )
+            return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+        self.items = _read_prompts(prompts_path, encode, vocab_size, required=("prompt", "answer"),
+                                   reserved=("response_text",))
+        self.stop_token_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
+        self.min_vocab_size = 1 + max(max(max(ids) for ids, _ in self.items), self.stop_token_id or 0)
+
+    def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> Any:
+        text = self.tokenizer.decode(_ids(response_ids), skip_special_tokens=True)
+        return self.reward_fn(text, **meta)
+
+
+def load_tokenizer(path: str | os.PathLike, key: str = "task.tokenizer_path") -> Any:
+    """A Hugging Face tokenizer from a local folder; never the hub."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{key}: folder not found: '{path}' (a local tokenizer folder, as written by "
+                                f"save_pretrained; nothing is downloaded)")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{key}: '{path}' holds no loadable tokenizer ({type(e).__name__}: {e})") from e
+
+
+# ---------------------------------------------------------- the answer checker
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?")
+
+
+def extract_answer(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (braces balanced), else the last number in
+    `text` (`-12`, `1,234.5`, `3/4`), else None."""
+    last = None
+    for m in _BOXED.finditer(text):
+        depth, start = 1, m.end()
+        for j in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                last = text[start:j]
+                break
+    if last is not None:
+        return last.strip()
+    numbers_found = _NUMBER.findall(text)
+    return numbers_found[-1] if numbers_found else None
+
+
+def normalize_answer(answer: Any) -> str:
+    """A canonical string: no spaces, `$`, `\\left`/`\\right`, `\\!`, trailing `.`;
+    `\\dfrac{a}{b}`/`\\frac{a}{b}` -> `a/b`; thousands separators dropped from numbers."""
+    s = str(answer).strip()
+    for junk in ("$", "\\left", "\\right", "\\!", "\\,", " "):
+        s = s.replace(junk, "")
+    s = re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", s)
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
+    s = s.rstrip(".")
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    return re.sub(r"\((-?[\d.]+)\)", r"\1", s)
+
+
+def _as_number(s: str) -> float | None:
+    m = re.fullmatch(r"(-?\d+(?:\.\d+)?)(?:/(-?\d+(?:\.\d+)?))?", s)
+    if m is None:
+        return None
+    num, den = float(m.group(1)), (float(m.group(2)) if m.group(2) else 1.0)
+    return None if den == 0 else num / den
+
+
+def answers_match(predicted: Any, reference: Any) -> bool:
+    """Equal after `normalize_answer`, or equal as numbers (fractions allowed) to 1e-6 relative."""
+    a, b = normalize_answer(predicted), normalize_answer(reference)
+    if a == b:
+        return True
+    x, y = _as_number(a), _as_number(b)
+    return x is not None and y is not None and abs(x - y) <= 1e-6 * max(1.0, abs(y))
+
+
+def math_reward(response_text: str, answer: Any, **meta: Any) -> float:
+    """1.0 if the response's answer (`extract_answer`) matches `answer`, else 0.0."""
+    predicted = extract_answer(response_text)
+    return float(predicted is not None and answers_match(predicted, answer))
+
+
+def _reward_callable(reward_fn: str | Callable) -> tuple[Callable, str]:
+    """(fn, its name for errors): a "module:function" spec is loaded and names itself."""
+    if isinstance(reward_fn, str):
+        return load_callable(reward_fn), reward_fn
+    if not callable(reward_fn):
+        raise TypeError(f"reward_fn {reward_fn!r} is not callable")
+    name = f"{getattr(reward_fn, '__module__', '?')}:{getattr(reward_fn, '__qualname__', type(reward_fn).__name__)}"
+    return reward_fn, name
 
 
 def load_callable(spec: str) -> Callable:
@@ -202,9 +359,12 @@ def load_callable(spec: str) -> Callable:
     return obj
 
 
-def _read_prompts(path: str | os.PathLike, tokenizer: Any, vocab_size: int | None) -> list[tuple[list[int], dict]]:
+def _read_prompts(path: str | os.PathLike, encode: Callable[[str], list[int]] | None, vocab_size: int | None, *,
+                  required: Sequence[str] = (), reserved: Sequence[str] = ()) -> list[tuple[list[int], dict]]:
+    """[(prompt ids, meta)] from a JSONL file; `encode` tokenizes a `prompt` text (None: no
+    tokenizer). Every line must hold the `required` keys and none of the `reserved` ones."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"FileTask: prompts file '{path}' does not exist")
+        raise FileNotFoundError(f"task.prompts_path: prompts file '{path}' does not exist")
     items = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -217,6 +377,9 @@ def _read_prompts(path: str | os.PathLike, tokenizer: Any, vocab_size: int | Non
                 raise ValueError(f"FileTask: {where} is not valid JSON ({e.msg})") from e
             if not isinstance(obj, dict):
                 raise ValueError(f"FileTask: {where} is a JSON {type(obj).__name__}, expected an object")
+            missing = [k for k in required if k not in obj]
+            if missing:
+                raise ValueError(f"FileTask: {where} has no {missing} (keys: {sorted(obj)})")
             if "prompt_ids" in obj:
                 ids = obj.pop("prompt_ids")
                 obj.pop("prompt", None)
@@ -224,20 +387,22 @@ def _read_prompts(path: str | os.PathLike, tokenizer: Any, vocab_size: int | Non
                     raise ValueError(f"FileTask: {where}: 'prompt_ids' must be a non-empty list of ints")
             elif "prompt" in obj:
                 text = obj.pop("prompt")
-                if tokenizer is None:
+                if encode is None:
                     raise ValueError(
-                        f"FileTask: {where} gives 'prompt' text but no tokenizer was given; pass "
-                        f"tokenizer=<local pretrained path> or give 'prompt_ids'"
+                        f"FileTask: {where} gives 'prompt' text but no tokenizer was given; set "
+                        f"task.tokenizer_path=<local tokenizer folder> or give 'prompt_ids'"
                     )
                 if not isinstance(text, str):
                     raise ValueError(f"FileTask: {where}: 'prompt' must be a string, got {type(text).__name__}")
-                ids = list(tokenizer.encode(text))
+                ids = encode(text)
                 if not ids:
                     raise ValueError(f"FileTask: {where}: 'prompt' tokenizes to no tokens")
             else:
                 raise ValueError(f"FileTask: {where} has neither 'prompt_ids' nor 'prompt' (keys: {sorted(obj)})")
-            if "response_ids" in obj:
-                raise ValueError(f"FileTask: {where}: 'response_ids' is reserved (the reward receives the response under that name)")
+            for key in reserved:
+                if key in obj:
+                    raise ValueError(f"FileTask: {where}: '{key}' is reserved "
+                                     f"(the reward receives the response under that name)")
             bad = [v for v in ids if v < 0 or (vocab_size is not None and v >= vocab_size)]
             if bad:
                 raise ValueError(f"FileTask: {where}: prompt id {bad[0]} is outside the vocabulary [0, {vocab_size})")
@@ -253,6 +418,7 @@ TASKS: dict[str, Callable[..., Task]] = {
     "copy_first": CopyFirst,
     "count_up": CountUp,
     "file": FileTask,
+    "math": MathTask,
 }
 
 

@@ -1,17 +1,29 @@
-"""The body of one RL step: rollout -> buffer -> plan -> collate -> forward -> loss -> step -> sync.
+"""One RL step, top to bottom:
 
-Data flow across ranks: each DP rank rolls out its share of the step's prompts (CP
-peers of one DP rank generate the same samples from the same seed); the records are
-all-gathered, so every rank holds the step's global batch, computes GRPO advantages and
-the global token normalizer locally, and runs the planner identically. Each DP rank
-then trains on its own plan entry. Records are small (token ids and a few per-token
-floats); at cluster scale an all-to-all of just the planned records replaces the gather.
+    collect   rollout on this DP rank's prompts, rewards, gather the step's global batch
+    advantages that need no model (GRPO, RLOO, REINFORCE++ without KL shaping)
+    plan      split into `algo.mini_batches`; each planned into microbatches balanced over DP
+    collate   each of this rank's microbatches, once, onto the rank's device
+    score     no grad, in place on the collated batches: old-policy log-probs (when the
+              policy changes within the step), reference log-probs, values, KL; GAE
+    train     for each epoch, for each mini-batch: forward/backward per microbatch,
+              then one optimizer step (global-norm clipping)
+    sync      the rollout copy gets the new weights, one tensor at a time
+    log       every metric reduced in one collective
+
+Data flow across ranks: each DP rank rolls out its slice of the step's prompts (CP peers
+of one DP rank generate the same samples); the records are all-gathered, so every rank
+holds the step's global batch, computes advantages and the token normalizers locally, and
+runs the planner identically. Each DP rank then trains on its own plan entry.
+The step's prompts and samples depend only on the seed, the step and the global prompt
+index, never on the DP rank or the world size, so a layout change does not change the
+experiment.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,12 +32,26 @@ import torch.distributed as dist
 from model.actor import Actor, Critic
 from model.moe import moe_blocks, reset_expert_load
 from model.parallel_dims import ParallelDims
-from model.parallelize import expert_load_metrics, full_state_dict, sync_gradients
-from packing import Experience, ReplayBuffer, make_experience_batch, plan_microbatches
-from rl.advantages import gae_advantages, grpo_advantages
+from model.parallelize import clip_grad_norm_, expert_load_metrics, full_parameters
+from packing import Experience, make_experience_batch, plan_microbatches
+from rl.advantages import (WHITEN_BY_DEFAULT, AdvantageEstimator, compute_advantages, gae_advantages_batch,
+                           masked_moments, whiten_with_moments)
 from rl.config import Config
+from rl.losses import LossAgg, aggregate, build_kl_controller, kl_penalty, policy_loss, value_loss
+from rl.schedule import make_lr_scheduler
 from rl.tasks import score
-from rl.losses import PolicyLossConfig, aggregate, kl_penalty, num_sequences, policy_loss, value_loss
+
+
+@dataclass
+class MiniBatch:
+    """This rank's collated microbatches of one mini-batch, and the global counts its loss
+    shares are divided by. `weights[i]` is 0 for a padding microbatch (a rank with fewer
+    samples than the lockstep count runs a zero-weight forward/backward)."""
+
+    batches: list[Experience]
+    weights: list[float]
+    tokens: float  # global action tokens of the mini-batch
+    sequences: int  # global samples of the mini-batch
 
 
 class Trainer:
@@ -34,188 +60,241 @@ class Trainer:
         self.cfg, self.dims = cfg, dims
         self.actor, self.critic, self.reference = actor, critic, reference
         self.engine, self.task = engine, task
-        self.buffer = ReplayBuffer()
-        self.optimizer = torch.optim.AdamW(
-            actor.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
-        )
+        self.optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
         self.critic_optimizer = (
             torch.optim.AdamW(critic.parameters(), lr=cfg.algo.critic_lr) if critic is not None else None
         )
         algo = cfg.algo
-        self.loss_cfg = PolicyLossConfig(
-            name=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high,
-            dual_clip=algo.dual_clip, tis_cap=algo.tis_cap, tis_level=algo.tis_level,
-        )
+        updates = cfg.trainer.max_steps * algo.mini_batches * algo.epochs
+        self.scheduler = make_lr_scheduler(self.optimizer, cfg.trainer.warmup_steps, updates, cfg.trainer.lr_schedule)
+        self.kl_ctl = build_kl_controller(algo.kl_coef, algo.kl_target, algo.kl_horizon)
+        self.token_sum_norm = algo.loss_agg_norm or float(cfg.task.max_new_tokens)
 
-    # ----------------------------------------------------------------- rollout
-    def rollout(self, step: int) -> list[Experience]:
-        """This DP rank's samples, then the global batch gathered from every DP rank."""
+    def _kl(self, log_probs: torch.Tensor, ref: torch.Tensor, estimator=None) -> torch.Tensor:
+        algo = self.cfg.algo
+        return kl_penalty(log_probs, ref, estimator or algo.kl_estimator, clamp=algo.kl_clamp,
+                          log_ratio_clamp=algo.kl_log_ratio_clamp)
+
+    def _aggregate(self, loss: torch.Tensor, batch: Experience, normalizer: float) -> torch.Tensor:
+        return aggregate(loss, batch, self.cfg.algo.loss_agg, normalizer, token_sum_norm=self.token_sum_norm)
+
+    # ---------------------------------------------------------------- the step
+    def step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        records = self.collect(step)
+        t_rollout = time.perf_counter() - t0
+        self.record_advantages(records)
+        minibatches = self.plan(records)
+        self.score(minibatches)
+        stats = Stats()
+        if moe_blocks(self.actor.model, strict=False):
+            reset_expert_load(self.actor.model)  # the load metric counts the training forwards only
+        for _ in range(self.cfg.algo.epochs):
+            for mb in minibatches:
+                for batch, weight in zip(mb.batches, mb.weights):
+                    self.train_microbatch(batch, weight, mb, stats)
+                stats.add_step(self.optimizer_step())
+        self.engine.load_weights(full_parameters(self.actor.model))
+        elapsed = time.perf_counter() - t0
+        return self.metrics(step, records, minibatches, stats, t_rollout=t_rollout, elapsed=elapsed)
+
+    # ----------------------------------------------------------------- collect
+    def collect(self, step: int) -> list[Experience]:
+        """The step's global batch: this DP rank's samples, then every DP rank's, gathered.
+
+        Every rank draws the step's global prompt list from the same seed and takes its
+        slice, so which prompt a sample comes from never depends on the layout."""
         task, dims = self.cfg.task, self.dims
-        if task.prompts_per_step % dims.dp:
-            raise ValueError(f"task.prompts_per_step={task.prompts_per_step} must divide over dp={dims.dp} ranks")
         per_rank = task.prompts_per_step // dims.dp
-        first = step * task.prompts_per_step + dims.dp_rank * per_rank
-        prompts = self.task.prompts(per_rank, seed=self.cfg.seed * 1_000_003 + step * dims.dp + dims.dp_rank)
-        ids = [p for p, _ in prompts for _ in range(task.samples_per_prompt)]
-        index = [first + i for i in range(per_rank) for _ in range(task.samples_per_prompt)]
+        first = dims.dp_rank * per_rank
+        prompts = self.task.prompts(task.prompts_per_step, seed=self.cfg.seed * 1_000_003 + step)[first:first + per_rank]
+        index = [step * task.prompts_per_step + first + i for i in range(per_rank) for _ in range(task.samples_per_prompt)]
         records = self.engine.generate(
-            ids, prompt_indices=index, max_new_tokens=task.max_new_tokens,
-            temperature=task.rollout_temperature, seed=self.cfg.seed * 7919 + step,
+            [p for p, _ in prompts for _ in range(task.samples_per_prompt)], prompt_indices=index,
+            max_new_tokens=task.max_new_tokens, temperature=task.rollout_temperature, seed=self.cfg.seed * 7919 + step,
         )
         score(self.task, records, [m for _, m in prompts for _ in range(task.samples_per_prompt)])
         if not self.cfg.algo.routing_replay:
             for rec in records:
                 rec.routed_experts = None
-        return self._gather_over_dp(records)
-
-    def _gather_over_dp(self, records: list[Experience]) -> list[Experience]:
-        if not dist.is_initialized() or self.dims.world_size == 1:
+        if not dims.distributed:
             return records
-        gathered: list[Any] = [None] * self.dims.world_size
-        mine = records if self.dims.cp_rank == 0 else None  # CP peers hold the same samples
-        dist.all_gather_object(gathered, mine)
+        gathered: list[Any] = [None] * dims.world_size
+        dist.all_gather_object(gathered, records if dims.cp_rank == 0 else None)  # CP peers hold the same samples
         return [rec for part in gathered if part is not None for rec in part]
 
-    # -------------------------------------------------------------------- step
-    def step(self, step: int) -> dict[str, float]:
-        t0 = time.perf_counter()
-        records = self.rollout(step)
-        t_rollout = time.perf_counter() - t0
+    def record_advantages(self, records: list[Experience]) -> None:
+        """Advantages computed from rewards alone, on the records (GAE waits for the values
+        of the scoring pass). Every rank holds the whole step, so whitening is global."""
         algo = self.cfg.algo
-        if algo.name == "grpo":
-            grpo_advantages(records, scale_by_std=algo.grpo_scale_by_std)
-        elif algo.name != "ppo":
-            raise ValueError(f"algo.name '{algo.name}' is not one of ('grpo', 'ppo')")
+        if not algo.uses_critic:
+            compute_advantages(records, algo.advantage, whiten=algo.whiten_advantages,
+                               scale_by_std=algo.grpo_scale_by_std, gamma=algo.gamma)
 
-        self.buffer.clear()
-        self.buffer.append(records)
-        plan = self._plan()
-        local = [[self.buffer[i] for i in mb] for mb in plan[self.dims.dp_rank]]
-        local = [self._score(items) for items in local]  # ref log-probs, values, GAE: no grad
-        global_tokens = sum(float(r.action_mask.sum()) for r in records)
-        global_seqs = len(records)
-        normalizer = global_tokens if algo.loss_agg == "token-mean" else global_seqs
+    # -------------------------------------------------------------------- plan
+    def plan(self, records: list[Experience]) -> list[MiniBatch]:
+        """Mini-batches (contiguous slices of the global batch, whole prompt groups when
+        `mini_batches` divides the prompt count), each planned over DP ranks and collated."""
+        k, dims, b = self.cfg.algo.mini_batches, self.dims, self.cfg.batch
+        bounds = [round(i * len(records) / k) for i in range(k + 1)]
+        out = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            part = records[lo:hi]
+            plan = plan_microbatches([r.sequences.numel() for r in part], b.max_tokens, dims.dp,
+                                     micro_batch_size=b.micro_batch_size)
+            batches, weights = [], []
+            for items in plan[dims.dp_rank]:
+                weights.append(1.0 if items else 0.0)
+                chosen = [part[i] for i in items] if items else [part[0]]  # zero-weight stand-in
+                batches.append(make_experience_batch(chosen, packed=b.packed).to(dims.device))
+            tokens = float(sum(int(r.action_mask.sum()) for r in part))
+            out.append(MiniBatch(batches, weights, tokens, len(part)))
+        return out
 
+    # ------------------------------------------------------------------- score
+    @torch.no_grad()
+    def score(self, minibatches: list[MiniBatch]) -> None:
+        """Fields read before the update, in place on the collated batches."""
+        algo = self.cfg.algo
+        kl_reward = bool(algo.kl_coef) and algo.kl_mode == "reward"
+        updates = algo.mini_batches * algo.epochs > 1
+        for mb in minibatches:
+            for batch in mb.batches:
+                if algo.old_log_probs == "rollout":
+                    batch.action_log_probs = batch.rollout_log_probs
+                elif updates or kl_reward:
+                    self.actor.eval()
+                    batch.action_log_probs = self.actor(batch)
+                if self.reference is not None:
+                    batch.base_action_log_probs = self.reference(batch)
+                if self.critic is not None:
+                    batch.values = self.critic(batch)
+                if kl_reward:
+                    batch.kl = self._kl(batch.action_log_probs, batch.base_action_log_probs)
+                if algo.uses_critic:
+                    gae_advantages_batch(batch, gamma=algo.gamma, lam=algo.lam,
+                                         kl_coef=self.kl_ctl.value if kl_reward else 0.0)
+        if algo.uses_critic and (WHITEN_BY_DEFAULT[AdvantageEstimator.GAE] if algo.whiten_advantages is None
+                                 else algo.whiten_advantages):
+            self._whiten(minibatches)
         self.actor.train()
-        if moe_blocks(self.actor.model, strict=False):
-            reset_expert_load(self.actor.model)  # the load metric counts the training forward only
-        stats = _Stats()
-        processed = 0  # tokens the forward saw, padding included
-        local_real = sum(item.sequences.numel() for items in local for item in items)
-        for items in local:
-            batch = make_experience_batch(items, packed=self.cfg.batch.packed)
-            processed += batch.sequences.numel()
-            log_probs, entropy = self.actor(batch, return_entropy=True)
-            # one optimizer step per rollout: the old policy is the current one, so its
-            # log-probs come from this forward instead of a second pass
+
+    def _whiten(self, minibatches: list[MiniBatch]) -> None:
+        """Whiten GAE advantages over every action token of the step (all DP ranks)."""
+        real = [b for mb in minibatches for b, w in zip(mb.batches, mb.weights) if w]
+        moments = sum((masked_moments(b.advantages, b.action_mask) for b in real),
+                      torch.zeros(3, dtype=torch.float64)).to(self.dims.device)
+        if self.dims.dp_group is not None:
+            dist.all_reduce(moments, group=self.dims.dp_group)
+        for mb in minibatches:
+            for b in mb.batches:
+                b.advantages = whiten_with_moments(b.advantages, b.action_mask, moments)
+
+    # ------------------------------------------------------------------- train
+    def train_microbatch(self, batch: Experience, weight: float, mb: MiniBatch, stats: "Stats") -> None:
+        algo = self.cfg.algo
+        normalizer = mb.tokens if LossAgg(algo.loss_agg) is LossAgg.TOKEN_MEAN else float(mb.sequences)
+        log_probs, entropy = self.actor(batch, return_entropy=True)
+        if batch.action_log_probs is None:  # one update per rollout: the old policy is this one
             batch.action_log_probs = log_probs.detach()
-            pg, info = policy_loss(log_probs, batch, self.loss_cfg)
-            loss = aggregate(pg, batch, algo.loss_agg, normalizer)
-            terms = {"policy_loss": loss.detach()}
-            if algo.kl_coef and algo.kl_mode == "loss":
-                kl = kl_penalty(log_probs, batch.base_action_log_probs, algo.kl_estimator) * batch.action_mask
-                kl_loss = aggregate(kl, batch, algo.loss_agg, normalizer)
-                loss = loss + algo.kl_coef * kl_loss
-                terms["kl_loss"] = kl_loss.detach()
-            if algo.entropy_coef:
-                ent_loss = aggregate(entropy * batch.action_mask, batch, algo.loss_agg, normalizer)
-                loss = loss - algo.entropy_coef * ent_loss
-            terms["loss"] = loss.detach()  # the actor objective as optimized: every term included
-            loss.backward()
-            if self.critic is not None:
-                values = self.critic(batch)
-                vloss = algo.vf_coef * aggregate(value_loss(values, batch, algo.value_clip), batch, algo.loss_agg, normalizer)
-                vloss.backward()
-                terms["value_loss"] = vloss.detach()
-            m = batch.action_mask
-            terms["entropy"] = (entropy.detach() * m).sum() / global_tokens
-            terms["clip_ratio"] = (info["clip_ratio"] * m).sum() / global_tokens
-            if batch.base_action_log_probs is not None:
-                terms["kl"] = (kl_penalty(log_probs.detach(), batch.base_action_log_probs, "k3") * m).sum() / global_tokens
-            stats.add(terms)
+        pg, info = policy_loss(log_probs, batch, algo)
+        loss = self._aggregate(pg, batch, normalizer)
+        terms = {"policy_loss": loss.detach()}
+        if algo.kl_coef and algo.kl_mode == "loss":
+            kl_loss = self._aggregate(self._kl(log_probs, batch.base_action_log_probs) * batch.action_mask, batch,
+                                      normalizer)
+            loss = loss + self.kl_ctl.value * kl_loss
+            terms["kl_loss"] = kl_loss.detach()
+        if algo.entropy_coef:
+            loss = loss - algo.entropy_coef * self._aggregate(entropy * batch.action_mask, batch, normalizer)
+        terms["loss"] = loss.detach()  # the actor objective as optimized: every term included
+        (loss * weight).backward()
+        if self.critic is not None:
+            values = self.critic(batch)
+            vloss = algo.vf_coef * self._aggregate(value_loss(values, batch, algo.value_clip), batch, normalizer)
+            (vloss * weight).backward()
+            terms["value_loss"] = vloss.detach()
+        m = batch.action_mask
+        terms["entropy"] = (entropy.detach() * m).sum() / mb.tokens
+        terms["clip_ratio"] = (info["clip_ratio"] * m).sum() / mb.tokens
+        log_ratio = (log_probs.detach() - batch.action_log_probs) * m
+        terms["approx_kl"] = ((log_ratio.exp() - 1) - log_ratio).sum() / mb.tokens  # k3 of old -> new
+        if batch.base_action_log_probs is not None:
+            terms["kl"] = (self._kl(log_probs.detach(), batch.base_action_log_probs, "k3") * m).sum() / mb.tokens
+        stats.add({k: v * weight for k, v in terms.items()})
 
-        grad_norm = self._optimizer_step()
-        self.engine.load_weights(full_state_dict(self.actor.model, self.dims))
-        elapsed = time.perf_counter() - t0
+    def optimizer_step(self) -> dict[str, torch.Tensor]:
+        clip = self.cfg.trainer.grad_clip
+        lr = self.optimizer.param_groups[0]["lr"]
+        grad_norm = clip_grad_norm_(self.actor.parameters(), clip, self.dims)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        out = {"grad_norm": grad_norm, "lr": lr}
+        if self.critic is not None:
+            out["critic_grad_norm"] = clip_grad_norm_(self.critic.parameters(), clip, self.dims)
+            self.critic_optimizer.step()
+            self.critic_optimizer.zero_grad(set_to_none=True)
+        return out
 
-        metrics = stats.reduce(self.dims)
+    # --------------------------------------------------------------------- log
+    def metrics(self, step: int, records: list[Experience], minibatches: list[MiniBatch], stats: "Stats", *,
+                t_rollout: float, elapsed: float) -> dict[str, float]:
+        dims = self.dims
         real = sum(r.sequences.numel() for r in records)
+        local_real = sum(b.sequences.numel() * w if b.is_packed else int(b.attention_mask.sum()) * w
+                         for mb in minibatches for b, w in zip(mb.batches, mb.weights))
+        processed = sum(b.sequences.numel() for mb in minibatches for b in mb.batches)
+        sums = stats.sums | {"_real": torch.tensor(float(local_real)), "_processed": torch.tensor(float(processed))}
+        reduced = reduce_sums(sums, dims)
+        per_update = 1.0 / (self.cfg.algo.epochs * len(minibatches))  # loss terms: averages over updates
+        metrics = {k: v * per_update for k, v in reduced.items() if not k.startswith("_")}
+        metrics.update({k: v / stats.steps for k, v in stats.step_sums.items()})  # grad_norm, lr: mean over updates
+        train_s = elapsed - t_rollout
         metrics.update(
             step=step,
             reward_mean=float(torch.stack([r.rewards for r in records]).mean()),
             response_length=float(torch.stack([torch.as_tensor(r.response_length) for r in records]).float().mean()),
             tokens=real,
-            action_tokens=int(global_tokens),
+            action_tokens=int(sum(mb.tokens for mb in minibatches)),
             tokens_per_s=real / elapsed,
+            rollout_tokens_per_s=real / max(t_rollout, 1e-9),
+            train_tokens_per_s=real * self.cfg.algo.epochs / max(train_s, 1e-9),
             rollout_s=t_rollout,
             step_s=elapsed,
-            padding_efficiency=_all_sum(float(local_real), self.dims) / max(_all_sum(float(processed), self.dims), 1.0),
-            microbatches=len(plan[0]),
-            grad_norm=float(grad_norm),
+            padding_efficiency=reduced["_real"] / max(reduced["_processed"], 1.0),
+            microbatches=sum(len(mb.batches) for mb in minibatches),
+            optimizer_steps=stats.steps,
         )
-        metrics.update(expert_load_metrics(self.actor.model, self.dims))
-        return metrics
-
-    def _plan(self) -> list[list[list[int]]]:
-        b = self.cfg.batch
-        if b.micro_batch_size is not None:
-            return plan_microbatches(self.buffer.lengths, b.max_tokens, self.dims.dp, micro_batch_size=b.micro_batch_size)
-        return plan_microbatches(self.buffer.lengths, b.max_tokens, self.dims.dp)
-
-    @torch.no_grad()
-    def _score(self, items: list[Experience]) -> list[Experience]:
-        """Fields read before the update: reference log-probs, values, KL reward penalty, GAE."""
-        algo = self.cfg.algo
-        kl_reward = bool(algo.kl_coef) and algo.kl_mode == "reward"
-        if not items or (self.reference is None and self.critic is None):
-            return items
-        batch = make_experience_batch(items, packed=self.cfg.batch.packed)
-        updates: dict[str, torch.Tensor] = {}
-        if kl_reward:
-            self.actor.eval()
-            updates["action_log_probs"] = self.actor(batch)
-        if self.reference is not None:
-            updates["base_action_log_probs"] = self.reference(batch)
-        if self.critic is not None:
-            updates["values"] = self.critic(batch)
-        if kl_reward:
-            updates["kl"] = kl_penalty(updates["action_log_probs"], updates["base_action_log_probs"], algo.kl_estimator)
-        scored = dataclasses.replace(batch, **updates).split()
-        if algo.name == "ppo":
-            gae_advantages(scored, gamma=algo.gamma, lam=algo.lam, kl_coef=algo.kl_coef if algo.kl_mode == "reward" else 0.0)
-        return scored
-
-    def _optimizer_step(self) -> torch.Tensor:
-        sync_gradients(self.actor, self.dims)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), self.cfg.trainer.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.critic is not None:
-            sync_gradients(self.critic, self.dims)
-            torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.trainer.grad_clip)
-            self.critic_optimizer.step()
-            self.critic_optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        metrics.update(expert_load_metrics(self.actor.model, dims))
+        if self.cfg.algo.kl_coef:
+            metrics["kl_coef"] = self.kl_ctl.value
+            self.kl_ctl.update(metrics.get("kl", 0.0), len(records))
+        return dict(sorted(metrics.items()))
 
 
-class _Stats:
-    """Sums of per-microbatch terms; each term is already divided by a global count."""
+class Stats:
+    """Per-microbatch terms (each already a share of a global mean) and per-update values."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, torch.Tensor] = {}
+        self.step_sums: dict[str, float] = {}
+        self.steps = 0
 
     def add(self, terms: dict[str, torch.Tensor]) -> None:
         for k, v in terms.items():
-            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+            self.sums[k] = self.sums.get(k, 0.0) + v.detach().double().cpu()
 
-    def reduce(self, dims: ParallelDims) -> dict[str, float]:
-        # every term is a share of a global mean: sum over DP ranks (CP peers hold the same value)
-        return {k: _all_sum(v, dims) for k, v in sorted(self.sums.items())}
+    def add_step(self, values: dict[str, torch.Tensor]) -> None:
+        self.steps += 1
+        for k, v in values.items():
+            self.step_sums[k] = self.step_sums.get(k, 0.0) + float(v)
 
 
-def _all_sum(value: float, dims: ParallelDims) -> float:
-    if not dist.is_initialized() or dims.dp == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, group=dims.dp_group)
-    return float(t)
+def reduce_sums(sums: dict[str, torch.Tensor], dims: ParallelDims) -> dict[str, float]:
+    """Sum every value over the DP ranks in one all-reduce (CP peers hold the same values)."""
+    keys = sorted(sums)
+    flat = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64).reshape(()) for k in keys]).to(dims.device)
+    if dims.dp_group is not None:
+        dist.all_reduce(flat, group=dims.dp_group)
+    return dict(zip(keys, flat.tolist()))

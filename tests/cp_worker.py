@@ -16,10 +16,11 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import transformers
 
-from model.context_parallel import CP_VARLEN, CPContext, _restore_full_sequence, attention_mask, cp_model_inputs
+from model.actor import _slot_targets
+from model.context_parallel import (CP_VARLEN, CPContext, _restore_full_sequence, attention_mask, cp_layout,
+                                    cp_model_inputs, shard, shard_tokens, unshard)
 from model.parallel_dims import ParallelDims, build_mesh
 from packing.collate import make_experience_batch
-from packing.cp import cp_layout, local_slots, shard, unshard
 from packing.experience import Experience
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -68,6 +69,12 @@ def token_mean_loss(logp: torch.Tensor, action_mask: torch.Tensor) -> torch.Tens
 
 
 # ------------------------------------------------------------ the CP forward
+def local_slots(batch: Experience, layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slot targets and validity, as the actor's CP forward shards them."""
+    targets, valid = _slot_targets(batch)
+    return shard_tokens(targets, layout), shard_tokens(valid, layout, fill=False)
+
+
 def cp_log_probs(model, batch: Experience, cp_group, cp: int, rank: int, *, zigzag: bool = True,
                  control: str | None = None) -> torch.Tensor:
     """Log-probs in the layout of `batch.action_mask`, as the actor's CP forward computes them.
@@ -115,7 +122,7 @@ def _logp_and_grads(model, batch, group, cp, rank, **kw) -> dict:
 
 def cp_checks(rank: int, world_size: int) -> dict:
     dims = ParallelDims(cp=world_size, world_size=world_size)
-    build_mesh(dims, "cpu")
+    build_mesh(dims)
     group, cp = dims.cp_group, dims.cp
     model = tiny_qwen3(CP_VARLEN)
     b = batches()
@@ -138,8 +145,10 @@ def cp_checks(rank: int, world_size: int) -> dict:
     out["local_tokens"] = cp_layout(b["packed"], cp, rank).num_local
     if world_size == 4:  # the same world as dp=2 x cp=2 with ep=2: every group's ranks
         mixed = ParallelDims(cp=2, ep=2, world_size=4)
-        build_mesh(mixed, "cpu")
-        groups = {name: getattr(mixed, f"{name}_group") for name in ("dp", "cp", "ep", "edp")}
+        build_mesh(mixed)
+        groups = {name: getattr(mixed, f"{name}_group") for name in ("dp", "cp", "ep")}
         out["groups_dp2_cp2_ep2"] = {name: None if g is None else dist.get_process_group_ranks(g)
                                      for name, g in groups.items()}
+        out["groups_dp2_cp2_ep2"]["expert_fsdp"] = mixed.expert_fsdp_mesh.mesh.tolist()
+        out["groups_dp2_cp2_ep2"]["fsdp"] = mixed.fsdp_mesh.mesh.tolist()
     return out

@@ -14,11 +14,11 @@ import torch.distributed as dist
 import transformers
 
 from model import moe
+from model.parallelize import full_parameters
 from model.moe import (
     apply_expert_parallel,
     ep_suffix_length,
     expert_load,
-    gather_expert_parallel_state_dict,
     is_expert_param,
     moe_padding_mask,
     record_routing,
@@ -193,7 +193,7 @@ def ep_checks(rank: int, world_size: int) -> dict:
     out["routing_matches_unsharded"] = torch.equal(rec_ep.routed_experts, rec_local.routed_experts)
 
     # the gathered state dict is the stock one, key for key and bit for bit
-    gathered = gather_expert_parallel_state_dict(ep_model)
+    gathered = dict(full_parameters(ep_model))
     ref_state = stock.state_dict()
     out["gathered_keys_match"] = sorted(gathered) == sorted(ref_state)
     out["gathered_equal"] = all(torch.equal(gathered[k], ref_state[k]) for k in ref_state)

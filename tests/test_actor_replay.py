@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import make_records
+from parity_check import assert_control_fails, assert_parity
 from model.actor import Actor
 from model.models import build_model
 from model.moe import apply_expert_parallel, record_routing
@@ -52,8 +53,9 @@ def test_training_routes_with_the_rollout_record_in_both_layouts(models):
     padded = make_experience_batch(records, packed=False)
     lp_pad, _ = routing_used(b, padded, replay=True)
     mask = padded.action_mask
-    assert (lp_pad[mask] - lp_pack[pack.action_mask]).abs().max() <= 1e-6
-    assert (lp_live - lp_pack).abs().max() > 1e-4
+    scale = lp_pad[mask].abs().max()
+    assert_parity("replayed log-probs packed vs padded", (lp_pad[mask] - lp_pack[pack.action_mask]).abs().max(), scale)
+    assert_control_fails("live vs replayed routing", (lp_live - lp_pack).abs().max(), scale)
 
 
 def test_minus_one_records_keep_live_routing(models):

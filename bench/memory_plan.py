@@ -1,0 +1,217 @@
+"""Will it fit? Per-GPU memory of one policy-training step for Qwen3-8B, Qwen3-30B-A3B and
+Qwen3-235B-A22B on 8 and 64 GPUs of 80 GB, for a few dp x cp x ep layouts and pack sizes.
+
+Parameter counts are exact: each model is built on the meta device from its real config
+(below; no weights, nothing downloaded) and its parameters are counted, dense apart from
+expert (the fused `mlp.experts.gate_up_proj` / `down_proj`, `model.moe.is_expert_param`).
+The rest is a stated model of memory, not a measurement:
+
+Precision policy (FSDP2 as model/parallelize.py applies it, at scale):
+    sharded fp32 parameters (master copy)             4 B / param
+    sharded fp32 gradients (reduce-scatter in fp32)   4 B / param
+    AdamW exp_avg + exp_avg_sq, fp32, sharded         8 B / param
+    -> state = 16 B x (dense / (dp*cp) + experts / ep / ((dp/ep)*cp)) = 16 B x params / world
+  Dense parameters shard over the dp*cp ranks; experts are first split over the EP group
+  (E/ep per rank), then each shard over the (dp/ep)*cp ranks holding it. The per-rank state
+  is therefore params/world whatever ep is; ep sets the size of the unsharded transients.
+  Compute runs on bf16 copies gathered just in time (MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)):
+    root unit (embeddings, final norm, lm head): gathered for the whole forward+backward:
+        bf16 params + bf16 grads = 4 B x root params
+    decoder layers: two in flight (current + prefetched), each its dense params + its
+        experts / ep: bf16 params + bf16 grads + fp32 grads for the reduce-scatter = 2 x 8 B x layer params
+
+Activations, one microbatch of T = max_tokens tokens, T/cp per rank, bf16 (2 B), with
+activation checkpointing per decoder layer (trainer.activation_checkpointing):
+    checkpointed layer inputs       L x H x 2 B per token
+    one layer recomputed in backward, its activations and their gradients (x 2):
+        attention  (3H + 4q + 4kv) x 2 B + 4 B x heads (softmax statistics)
+                   q = heads x head_dim, kv = kv_heads x head_dim; with cp > 1 plus the
+                   gathered K/V of the full sequence (2 kv x 2 B per token of T)
+        dense MLP  (4I) x 2 B
+        MoE MLP    k x (2H + 4I_moe) x 2 B x skew + 8 B x E (fp32 router logits, probabilities)
+                   (k routed copies per token; skew = 1: balanced routing)
+    lm head: one chunk of model.logprob_chunk_size tokens: 12 B x chunk x V (fp32 logits,
+        log-softmax, their gradient; model/logprobs.py recomputes chunk by chunk)
+A layout fits when state + transients + activations <= GPU memory - reserve (CUDA context,
+NCCL buffers, allocator fragmentation). Not counted: the rollout engine's copy of the policy
+(the HF engine keeps an unsharded bf16 replica, 2 B x params, shown as `rollout` and as a
+second verdict), a reference model (kl_coef > 0: 2 B x params / world more), a critic (PPO:
+the state again), the KV cache of generation.
+
+    python bench/memory_plan.py [--gpu-gib 80] [--reserve-gib 8]
+
+Prints the table, then one JSON line: which layouts fit (bench/results/memory_plan.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit  # noqa: E402  (puts the repo on sys.path)
+
+import torch  # noqa: E402
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+
+from model.moe import is_expert_param  # noqa: E402
+
+GIB = 2**30
+BF16, FP32 = 2, 4
+STATE_BYTES = FP32 + FP32 + 2 * FP32  # master params, grads, AdamW moments
+LOGPROB_CHUNK = 1024  # ModelConfig.logprob_chunk_size
+
+# The models' config.json on the Hugging Face hub (Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B,
+# Qwen/Qwen3-235B-A22B); the same numbers appear in Megatron launch scripts for these models
+# (e.g. THUDM/slime scripts/models/qwen3-*.sh). `published` is the total parameter count
+# (Qwen3-8B: the hub's safetensors total; the MoE models: keras-hub's presets, whose converter
+# asserts equality with transformers' num_parameters()); the meta count must equal it.
+_COMMON = dict(vocab_size=151936, head_dim=128, tie_word_embeddings=False, max_position_embeddings=40960,
+               rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+_MOE = dict(num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+MODELS = {
+    "Qwen3-8B": (Qwen3Config, Qwen3ForCausalLM, 8_190_735_360, dict(
+        _COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8)),
+    "Qwen3-30B-A3B": (Qwen3MoeConfig, Qwen3MoeForCausalLM, 30_532_122_624, dict(
+        _COMMON, **_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4)),
+    "Qwen3-235B-A22B": (Qwen3MoeConfig, Qwen3MoeForCausalLM, 235_093_634_560, dict(
+        _COMMON, **_MOE, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+        num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4)),
+}
+
+# (model, GPUs, dp, cp, ep): world = dp * cp, ep divides dp and the expert count
+LAYOUTS = [
+    ("Qwen3-8B", 8, 8, 1, 1), ("Qwen3-8B", 8, 4, 2, 1), ("Qwen3-8B", 64, 64, 1, 1), ("Qwen3-8B", 64, 32, 2, 1),
+    ("Qwen3-30B-A3B", 8, 8, 1, 1), ("Qwen3-30B-A3B", 8, 8, 1, 8), ("Qwen3-30B-A3B", 8, 4, 2, 4),
+    ("Qwen3-30B-A3B", 64, 64, 1, 8), ("Qwen3-30B-A3B", 64, 32, 2, 8),
+    ("Qwen3-235B-A22B", 8, 8, 1, 8), ("Qwen3-235B-A22B", 64, 64, 1, 8), ("Qwen3-235B-A22B", 64, 64, 1, 64),
+    ("Qwen3-235B-A22B", 64, 32, 2, 32), ("Qwen3-235B-A22B", 64, 16, 4, 16),
+]
+MAX_TOKENS = (8192, 32768)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Parameter counts of one model, from its meta-device build."""
+
+    total: int
+    experts: int
+    layer_dense: int  # one decoder layer (all layers are alike in these models)
+    layer_experts: int
+    root: int  # embeddings, final norm, lm head
+    config: object
+
+    @property
+    def active(self) -> int:  # per token: dense + k of E experts
+        c = self.config
+        return self.total - self.experts + self.experts * getattr(c, "num_experts_per_tok", 0) // max(getattr(c, "num_experts", 1), 1)
+
+
+def count(name: str) -> Counts:
+    config_cls, model_cls, published, fields = MODELS[name]
+    config = config_cls(**fields)
+    with torch.device("meta"):
+        lm = model_cls(config)
+    params = dict(lm.named_parameters())  # tied weights would appear once
+    total = sum(p.numel() for p in params.values())
+    if total != published:
+        raise AssertionError(f"{name}: the meta model has {total:,} parameters, the published count is {published:,}")
+    layers = lm.model.layers
+    per_layer = [(sum(p.numel() for n, p in layer.named_parameters() if not is_expert_param(n)),
+                  sum(p.numel() for n, p in layer.named_parameters() if is_expert_param(n))) for layer in layers]
+    if len(set(per_layer)) != 1:
+        raise AssertionError(f"{name}: decoder layers differ in size {sorted(set(per_layer))}; the plan assumes alike layers")
+    layer_dense, layer_experts = per_layer[0]
+    return Counts(total=total, experts=sum(p.numel() for n, p in params.items() if is_expert_param(n)),
+                  layer_dense=layer_dense, layer_experts=layer_experts,
+                  root=total - len(layers) * (layer_dense + layer_experts), config=config)
+
+
+def activation_bytes(c, tokens: int, cp: int, skew: float = 1.0) -> float:
+    """Peak activation bytes of one rank for a microbatch of `tokens` tokens (see the module docstring)."""
+    H, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    local = tokens / cp
+    attention = (3 * H + 4 * q + 4 * kv) * BF16 + FP32 * c.num_attention_heads
+    if getattr(c, "num_experts", 0):
+        mlp = c.num_experts_per_tok * (2 * H + 4 * c.moe_intermediate_size) * BF16 * skew + 2 * FP32 * c.num_experts
+    else:
+        mlp = 4 * c.intermediate_size * BF16
+    gathered_kv = (2 * kv * BF16 * tokens) if cp > 1 else 0.0  # the full sequence's K/V on every CP rank
+    checkpoints = L * H * BF16 * local
+    one_layer = 2 * ((attention + mlp) * local + gathered_kv)  # activations + their gradients
+    head = 12 * LOGPROB_CHUNK * V
+    return checkpoints + one_layer + head
+
+
+def plan(counts: dict[str, Counts], gpu_gib: float, reserve_gib: float, skew: float) -> list[dict]:
+    rows = []
+    for name, gpus, dp, cp, ep in LAYOUTS:
+        c = counts[name]
+        if dp * cp != gpus or dp % ep or (c.experts == 0 and ep > 1):
+            raise ValueError(f"layout {name} gpus={gpus} dp={dp} cp={cp} ep={ep}: need dp*cp == gpus, ep | dp, ep=1 for dense")
+        dense, experts = c.total - c.experts, c.experts
+        per_rank = dense / (dp * cp) + experts / ep / ((dp // ep) * cp)  # == total / gpus
+        transient = 4 * c.root + 2 * 8 * (c.layer_dense + c.layer_experts / ep)
+        for tokens in MAX_TOKENS:
+            act = activation_bytes(c.config, tokens, cp, skew)
+            parts = {"params": FP32 * per_rank, "grads": FP32 * per_rank, "adam": 2 * FP32 * per_rank,
+                     "transient": transient, "activations": act}
+            total = sum(parts.values())
+            rollout = BF16 * c.total
+            budget = (gpu_gib - reserve_gib) * GIB
+            rows.append({"model": name, "gpus": gpus, "dp": dp, "cp": cp, "ep": ep, "max_tokens": tokens,
+                         **{k: v / GIB for k, v in parts.items()}, "total": total / GIB, "rollout": rollout / GIB,
+                         "fits": total <= budget, "fits_with_rollout": total + rollout <= budget})
+    return rows
+
+
+def layout_id(r: dict) -> str:
+    return f"{r['model']}@{r['gpus']}:dp{r['dp']}xcp{r['cp']}xep{r['ep']},T{r['max_tokens'] // 1024}k"
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["model", "gpus", "dp", "cp", "ep", "max_tokens", "params", "grads", "adam", "transient",
+            "activations", "total", "fits", "rollout", "fits_with_rollout"]
+    head = ["model", "GPUs", "dp", "cp", "ep", "tokens", "params", "grads", "adam", "transient",
+            "activ.", "total GiB", "fits", "+rollout", "fits w/ rollout"]
+    cells = [[f"{r[k]:.1f}" if isinstance(r[k], float) else ("yes" if r[k] is True else "no" if r[k] is False else str(r[k]))
+              for k in cols] for r in rows]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(head)]
+    fmt = lambda row: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, cells)])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description="Per-GPU memory plan (see the module docstring for the model).")
+    p.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU, GiB")
+    p.add_argument("--reserve-gib", type=float, default=8.0, help="CUDA context, NCCL buffers, fragmentation")
+    p.add_argument("--routing-skew", type=float, default=1.0, help="busiest rank's routed tokens over the mean")
+    args = p.parse_args(argv)
+
+    counts = {name: count(name) for name in MODELS}
+    for name, c in counts.items():
+        print(f"{name}: {c.total:,} parameters (= published), {c.experts:,} expert, {c.total - c.experts:,} dense, "
+              f"{c.active:,} active per token; one layer {c.layer_dense:,} dense + {c.layer_experts:,} expert; "
+              f"root {c.root:,}")
+    rows = plan(counts, args.gpu_gib, args.reserve_gib, args.routing_skew)
+    print(f"\nGiB per GPU; fits: total <= {args.gpu_gib:g} - {args.reserve_gib:g} reserve GiB "
+          f"(state 16 B/param sharded, bf16 compute, activation checkpointing per layer)")
+    print(table(rows))
+    summary = {
+        "gpu_gib": args.gpu_gib, "reserve_gib": args.reserve_gib,
+        "params": {name: c.total for name, c in counts.items()},
+        "fits": [layout_id(r) for r in rows if r["fits"]],
+        "does_not_fit": [layout_id(r) for r in rows if not r["fits"]],
+        "fits_with_rollout_copy": [layout_id(r) for r in rows if r["fits_with_rollout"]],
+    }
+    return emit("memory_plan", summary, {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()

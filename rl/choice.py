@@ -1,0 +1,59 @@
+"""`Choice`: the base of every closed config choice (policy loss, aggregation, estimator ...).
+
+A `Choice` is a `str`-valued `Enum`, so a member compares equal to its string value and a
+function can take either: `PolicyLoss("gspo") is PolicyLoss.GSPO`, `PolicyLoss(PolicyLoss.GSPO)`
+too. Each enum lives in the module that owns its concept; this module only gives them
+the shared behaviour:
+
+* an unknown value raises a `ValueError` listing the values (`Choice.parse(value, key)`
+  names the config key as well);
+* lookup by *value* through `Enum[...]`, which is how OmegaConf converts a YAML string
+  into an Enum-typed structured-config field: `loss_agg: token-mean` works although the
+  member is named `TOKEN_MEAN` (OmegaConf's own check rejects anything else, naming the
+  full key).
+"""
+
+from __future__ import annotations
+
+from enum import Enum, EnumMeta
+from typing import Any, TypeVar
+
+C = TypeVar("C", bound="Choice")
+
+
+class _ChoiceMeta(EnumMeta):
+    def __getitem__(cls, name: str):  # noqa: D105 - by member name, then by value
+        try:
+            return super().__getitem__(name)
+        except KeyError:
+            try:
+                return cls(name)
+            except ValueError:
+                raise KeyError(name) from None
+
+
+class Choice(str, Enum, metaclass=_ChoiceMeta):
+    """A closed set of string choices (see the module docstring)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def values(cls) -> list[str]:
+        return [m.value for m in cls]
+
+    @classmethod
+    def _missing_(cls, value: Any):
+        if isinstance(value, str):  # case-insensitive: "PPO" -> ppo
+            for member in cls:
+                if member.value == value.lower():
+                    return member
+        raise ValueError(f"{value!r} is not a {cls.__name__}; expected one of {cls.values()}")
+
+    @classmethod
+    def parse(cls: type[C], value: Any, key: str) -> C:
+        """`value` (a member or its string) as a member; else a ValueError naming `key`."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{key}={value!r} is not one of {cls.values()}") from None

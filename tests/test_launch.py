@@ -1,0 +1,205 @@
+"""Launch scripts print the exact command they run; the GPU check and the memory plan work on CPU.
+
+- launch/slurm.sbatch --dry-run: the `srun ... torchrun ...` line from fake SLURM variables
+  (2 nodes of 8 GPUs), with and without `scontrol` on PATH.
+- launch/local.sh --dry-run / DRY_RUN=1: the torchrun line, `--max-restarts` included.
+- launch/gpu_check.sh is valid bash; launch/gpu_check.py assembles its JSON line, records a
+  failing section and runs its parity / CP sections on CPU (gloo) as a rehearsal.
+- bench/memory_plan.py counts the published parameters from meta models and says what fits.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SLURM_2x8 = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]",
+             "SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_ID": "4242", "SLURM_SUBMIT_DIR": str(ROOT)}
+
+
+def _bash(script: str, *args: str, env: dict | None = None, path: str = "/usr/bin:/bin") -> subprocess.CompletedProcess:
+    """Run a launch script with only `env` set (no inherited SLURM_*, MAX_RESTARTS, ...)."""
+    return subprocess.run(["bash", str(ROOT / script), *args], capture_output=True, text=True, timeout=30,
+                          env={"PATH": path, "HOME": os.environ.get("HOME", "/tmp"), **(env or {})})
+
+
+def _dry_run(script: str, *args: str, **kw) -> list[str]:
+    done = _bash(script, *args, **kw)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1, done.stdout
+    return shlex.split(lines[0])
+
+
+def _srun_line(head: str = "gpu07", restarts: str = "3", nproc: str = "8", port: str = "29500") -> list[str]:
+    return ["srun", "--ntasks-per-node=1", ".venv/bin/torchrun", "--nnodes", "2", "--nproc-per-node", nproc,
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head}:{port}", "--rdzv-id", "4242",
+            "--max-restarts", restarts, "train.py", "trainer.max_steps=3"]
+
+
+# ------------------------------------------------------------------- SLURM
+def test_slurm_dry_run_prints_srun_torchrun_with_rendezvous_on_the_first_node():
+    assert _dry_run("launch/slurm.sbatch", "--dry-run", "trainer.max_steps=3", env=SLURM_2x8) == _srun_line()
+
+
+def test_slurm_dry_run_reads_overrides_from_the_environment():
+    env = {**SLURM_2x8, "MAX_RESTARTS": "1", "NPROC": "4", "RDZV_PORT": "29601"}
+    del env["SLURM_JOB_NUM_NODES"]  # older SLURM: only SLURM_NNODES
+    line = _dry_run("launch/slurm.sbatch", "--dry-run", "trainer.max_steps=3", env=env)
+    assert line == _srun_line(restarts="1", nproc="4", port="29601")
+
+
+def test_slurm_dry_run_keeps_an_override_with_spaces_as_one_argument():
+    line = _dry_run("launch/slurm.sbatch", "--dry-run", "task.options={a: 1}", env=SLURM_2x8)
+    assert line[-2:] == ["train.py", "task.options={a: 1}"]
+
+
+def test_slurm_first_node_comes_from_scontrol_when_it_is_on_path(tmp_path):
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[07-08]" ] && printf "head-a\\nhead-b\\n"\n')
+    fake.chmod(0o755)
+    line = _dry_run("launch/slurm.sbatch", "--dry-run", "trainer.max_steps=3", env=SLURM_2x8,
+                    path=f"{tmp_path}:/usr/bin:/bin")
+    assert line == _srun_line(head="head-a")
+
+
+@pytest.mark.parametrize("nodelist,first", [("gpu[07-08]", "gpu07"), ("gpu[11,13-14],cpu01", "gpu11"),
+                                            ("node7", "node7"), ("node7,node9", "node7"), ("a-b[3-4]", "a-b3")])
+def test_slurm_first_node_without_scontrol(nodelist, first):
+    line = _dry_run("launch/slurm.sbatch", "--dry-run", env={**SLURM_2x8, "SLURM_JOB_NODELIST": nodelist})
+    assert line[line.index("--rdzv-endpoint") + 1] == f"{first}:29500"
+
+
+@pytest.mark.parametrize("missing", ["SLURM_JOB_NODELIST", "SLURM_JOB_ID", "SLURM_GPUS_ON_NODE"])
+def test_slurm_without_its_variables_fails_naming_the_variable(missing):
+    env = {k: v for k, v in SLURM_2x8.items() if k != missing}
+    done = _bash("launch/slurm.sbatch", "--dry-run", env=env)
+    assert done.returncode != 0 and missing in done.stderr and not done.stdout
+
+
+# ------------------------------------------------------------------- local
+def test_local_dry_run_prints_torchrun_with_max_restarts_0_by_default():
+    line = _dry_run("launch/local.sh", "4", "trainer.max_steps=3", env={"DRY_RUN": "1"})
+    assert line == [".venv/bin/torchrun", "--standalone", "--nproc-per-node", "4", "--max-restarts", "0",
+                    "train.py", "trainer.max_steps=3"]
+
+
+def test_local_dry_run_flag_and_max_restarts_and_default_nproc():
+    assert _dry_run("launch/local.sh", "--dry-run", env={"MAX_RESTARTS": "1"}) == [
+        ".venv/bin/torchrun", "--standalone", "--nproc-per-node", "8", "--max-restarts", "1", "train.py"]
+
+
+def test_local_rejects_an_override_in_place_of_nproc():
+    done = _bash("launch/local.sh", "--dry-run", "trainer.max_steps=3")
+    assert done.returncode == 2 and "NPROC=trainer.max_steps=3" in done.stderr
+
+
+# --------------------------------------------------------------- GPU check
+def _load(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    return _load("launch/gpu_check.py", "gpu_check")
+
+
+def test_gpu_check_script_is_valid_bash():
+    for script in ("launch/gpu_check.sh", "launch/local.sh", "launch/slurm.sbatch"):
+        done = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True)
+        assert done.returncode == 0, f"{script}: {done.stderr}"
+
+
+def test_gpu_check_records_a_failed_section_runs_the_rest_and_exits_1(gpu_check, monkeypatch, tmp_path, capsys):
+    def broken(check):
+        raise RuntimeError("flash-attn kernel exploded")
+
+    monkeypatch.setattr(gpu_check, "section_parity", broken)
+    monkeypatch.setattr(gpu_check, "section_cp", lambda check: {"ok": True, "dense_float32": {"packed": 1e-7}})
+    rc = gpu_check.main(["--device", "cpu", "--sections", "parity,cp", "--work", str(tmp_path)])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 1 and report["ok"] is False and report["failed"] == ["parity"]
+    assert "flash-attn kernel exploded" in report["parity"]["error"]
+    assert report["cp"]["ok"] is True and report["cp"]["dense_float32"] == {"packed": 1e-7}
+    assert json.loads((tmp_path / "gpu_check.json").read_text()) == report
+
+
+def test_gpu_check_skips_sections_without_enough_gpus_and_out_of_time(gpu_check, tmp_path):
+    assert gpu_check.needs_gpus("cp", 1, "cuda") == "needs 2 GPUs, found 1"
+    assert gpu_check.needs_gpus("train", 1, "cuda") is None
+    report = gpu_check.assemble({"parity": {"ok": True}, "cp": {"skipped": "needs 2 GPUs, found 1"}}, {}, 1.0)
+    assert report["ok"] is True and report["skipped"] == ["cp"] and report["failed"] == []
+
+
+def test_gpu_check_subprocess_failure_names_the_exit_code_and_log(gpu_check, tmp_path):
+    check = gpu_check.Check("cpu", tmp_path, deadline=float("inf"), ngpu=0)
+    with pytest.raises(gpu_check.SectionFailed, match="exit 3"):
+        check.run("x", [sys.executable, "-c", "print('last words'); raise SystemExit(3)"], limit=30)
+    assert "last words" in (tmp_path / "x.log").read_text()
+
+
+def test_gpu_check_timeout_kills_the_whole_process_tree(gpu_check, tmp_path):
+    check = gpu_check.Check("cpu", tmp_path, deadline=float("inf"), ngpu=0)
+    pid_file = tmp_path / "grandchild.pid"
+    spawn = (f"import subprocess, time; p = subprocess.Popen(['sleep', '60']); "
+             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    with pytest.raises(gpu_check.SectionFailed, match="timeout"):
+        check.run("slow", [sys.executable, "-c", spawn], limit=3)
+    stat = Path(f"/proc/{pid_file.read_text()}/stat")  # like torchrun's ranks: gone, or a zombie awaiting reaping
+    assert not stat.exists() or stat.read_text().split(")")[-1].split()[0] in ("Z", "X")
+
+
+def test_gpu_check_compares_layouts_and_summarizes_training(gpu_check):
+    one = [{"reward_mean": 0.1 * i, "loss": 1.0, "grad_norm": 2.0} for i in range(3)]
+    close = [{**r, "loss": r["loss"] + 5e-5} for r in one]
+    assert gpu_check.compare_layouts(one, close)["ok"] is True
+    far = [{**r, "grad_norm": 2.1} for r in one]
+    assert gpu_check.compare_layouts(one, far)["ok"] is False
+    rows = [{"reward_mean": 0.02 + 0.04 * i} for i in range(20)]
+    assert gpu_check.summarize_train(rows, 20) == {"ok": True, "steps": 20, "reward_first": 0.02,
+                                                    "reward_last": pytest.approx(0.78)}
+    assert gpu_check.summarize_train(rows[:5], 20)["ok"] is False
+
+
+@pytest.mark.slow
+def test_gpu_check_rehearsal_on_cpu_parity_and_cp_over_gloo(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "launch/gpu_check.py"), "--device", "cpu",
+                           "--sections", "parity,cp", "--work", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 0 and report["ok"] is True, json.dumps(report, indent=1)
+    for kind in ("dense", "moe"):
+        assert report["parity"][kind]["logp_rel"] <= report["parity"]["tolerance"] < report["parity"][kind]["control_rel"]
+    assert report["cp"]["backend"] == "gloo" and report["cp"]["dense_float32"]["packed"] <= 1e-5
+
+
+# ------------------------------------------------------------- memory plan
+def test_memory_plan_counts_published_parameters_and_says_what_fits(monkeypatch, tmp_path, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    common = importlib.import_module("common")  # bench/common.py: its result writer
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    plan = _load("bench/memory_plan.py", "memory_plan")
+    summary = plan.main([])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(out[-1]) == summary and (tmp_path / "memory_plan.json").exists()
+    assert summary["params"] == {"Qwen3-8B": 8_190_735_360, "Qwen3-30B-A3B": 30_532_122_624,
+                                 "Qwen3-235B-A22B": 235_093_634_560}
+    assert "Qwen3-8B@8:dp8xcp1xep1,T8k" in summary["fits"]
+    assert "Qwen3-235B-A22B@8:dp8xcp1xep8,T8k" in summary["does_not_fit"]  # 16 B x 235e9 / 8 alone is 440 GiB
+    # the sharded state is params / world whatever ep is; ep only shrinks the gathered layer
+    rows = {plan.layout_id(r): r for r in json.loads((tmp_path / "memory_plan.json").read_text())["details"]["rows"]}
+    ep1, ep8 = rows["Qwen3-30B-A3B@8:dp8xcp1xep1,T8k"], rows["Qwen3-30B-A3B@8:dp8xcp1xep8,T8k"]
+    assert ep1["adam"] == ep8["adam"] == pytest.approx(8 * 30_532_122_624 / 8 / 2**30)
+    assert ep8["transient"] < ep1["transient"]
