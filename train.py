@@ -15,15 +15,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from model.actor import Actor, Critic
-from model.models import build_model
 from model.parallel_dims import init_distributed
-from model.parallelize import full_parameters, parallelize
 from rl.config import Config, load, register, validate
 from rl.metrics import MetricsWriter
-from rl.rollout import HFRolloutEngine
-from rl.tasks import build_task
-from rl.trainer import Trainer
+from rl.trainer import build_trainer
 
 register()
 log = logging.getLogger("train")
@@ -39,29 +34,7 @@ def main(dict_cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1 if dims.world_size > 1 else torch.get_num_threads())
 
-    m = cfg.model
-    dtype = getattr(torch, m.dtype.value)
-    param_dtype = getattr(torch, m.param_dtype.value) if m.param_dtype is not None else None
-
-    def new_model():
-        return build_model(m.name.value, pretrained_path=m.pretrained_path, seed=cfg.seed, dtype=dtype, **m.overrides)
-
-    def shard(module):
-        return parallelize(module, dims, param_dtype=param_dtype,
-                           activation_checkpointing=cfg.trainer.activation_checkpointing)
-
-    actor = shard(Actor(new_model(), temperature=m.temperature, chunk_size=m.logprob_chunk_size, dims=dims))
-    critic = shard(Critic(new_model(), dims=dims)) if cfg.algo.uses_critic else None
-    reference = None
-    if cfg.algo.kl_coef:
-        reference = shard(Actor(new_model().requires_grad_(False), temperature=m.temperature, dims=dims))
-
-    task = build_task(cfg.task.name, prompts_path=cfg.task.prompts_path, reward_fn=cfg.task.reward_fn,
-                      tokenizer_path=cfg.task.tokenizer_path, vocab_size=actor.model.config.vocab_size,
-                      **cfg.task.options)
-    engine = HFRolloutEngine(new_model().to(dims.device), stop_token_id=getattr(task, "stop_token_id", None))
-    engine.load_weights(full_parameters(actor.model))
-    trainer = Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine, task=task)
+    trainer = build_trainer(cfg, dims)
 
     out_dir = HydraConfig.get().runtime.output_dir
     writer = MetricsWriter(out_dir, enabled=dims.rank == 0, tensorboard=cfg.trainer.tensorboard)

@@ -30,16 +30,45 @@ import torch
 import torch.distributed as dist
 
 from model.actor import Actor, Critic
+from model.models import build_model
 from model.moe import moe_blocks, reset_expert_load
 from model.parallel_dims import ParallelDims
-from model.parallelize import clip_grad_norm_, expert_load_metrics, full_parameters
+from model.parallelize import clip_grad_norm_, expert_load_metrics, full_parameters, parallelize
 from packing import Experience, make_experience_batch, plan_microbatches
 from rl.advantages import (WHITEN_BY_DEFAULT, AdvantageEstimator, compute_advantages, gae_advantages_batch,
                            masked_moments, whiten_with_moments)
 from rl.config import Config
 from rl.losses import LossAgg, aggregate, build_kl_controller, kl_penalty, policy_loss, value_loss
 from rl.schedule import make_lr_scheduler
-from rl.tasks import score
+from rl.rollout import HFRolloutEngine
+from rl.tasks import build_task, score
+
+
+def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
+    """Policy, critic, reference (each parallelized: EP, activation checkpointing, FSDP2),
+    task and rollout engine (an unsharded copy on the rank's device, synced from the policy)."""
+    m = cfg.model
+    dtype = getattr(torch, m.dtype.value)
+    param_dtype = getattr(torch, m.param_dtype.value) if m.param_dtype is not None else None
+
+    def new_model():
+        return build_model(m.name.value, pretrained_path=m.pretrained_path, seed=cfg.seed, dtype=dtype, **m.overrides)
+
+    def shard(module):
+        return parallelize(module, dims, param_dtype=param_dtype,
+                           activation_checkpointing=cfg.trainer.activation_checkpointing)
+
+    actor = shard(Actor(new_model(), temperature=m.temperature, chunk_size=m.logprob_chunk_size, dims=dims))
+    critic = shard(Critic(new_model(), dims=dims)) if cfg.algo.uses_critic else None
+    reference = None
+    if cfg.algo.kl_coef:
+        reference = shard(Actor(new_model().requires_grad_(False), temperature=m.temperature, dims=dims))
+    task = build_task(cfg.task.name, prompts_path=cfg.task.prompts_path, reward_fn=cfg.task.reward_fn,
+                      tokenizer_path=cfg.task.tokenizer_path, vocab_size=actor.model.config.vocab_size,
+                      **cfg.task.options)
+    engine = HFRolloutEngine(new_model().to(dims.device), stop_token_id=getattr(task, "stop_token_id", None))
+    engine.load_weights(full_parameters(actor.model))
+    return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine, task=task)
 
 
 @dataclass

@@ -68,7 +68,7 @@ def fsdp_checks(rank: int, world_size: int, name: str, ep: int, cp: int = 1, pac
     routed = (2, 2, 4) if name == "qwen3_moe" else None
     records = make_records(LENGTHS, vocab=64, seed=3, routed=routed)
     sharded = train(name, dims, records, packed, mean_reduction=mean_reduction)
-    one = train(name, ParallelDims(), records, packed=True)
+    one = train(name, ParallelDims(device=dims.device), records, packed=True)
     scale = max(float(v.abs().max()) for v in one["params"].values())
     diff = max(float((sharded["params"][k] - v).abs().max()) for k, v in one["params"].items())
     return {"param_diff": diff / scale, "norms": sharded["norms"], "one_norms": one["norms"],
