@@ -1,0 +1,184 @@
+"""model/parallelize.py on one process: activation checkpointing keeps the numbers (MoE state
+included), and every tensor the step hands to a collective is placed on the rank's device."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from conftest import make_records
+from distributed import run_distributed
+from parity_check import assert_control_fails, assert_parity
+from model import parallelize as par
+from model.actor import Actor
+from model.models import build_model
+from model.moe import expert_load, moe_blocks, reset_expert_load
+from model.parallel_dims import ParallelDims
+from packing import make_experience_batch
+
+LENGTHS = [6, 19, 11, 4, 23]
+
+
+# ------------------------------------------------------------ activation checkpointing
+def _logp_grads_load(actor: Actor, batch):
+    actor.zero_grad(set_to_none=True)
+    reset_expert_load(actor.model)
+    lp = actor(batch)
+    (lp * batch.action_mask).sum().backward()
+    grads = {n: p.grad.clone() for n, p in actor.named_parameters() if p.grad is not None}
+    return lp.detach(), grads, expert_load(actor.model)["per_layer"].clone()
+
+
+@pytest.fixture(scope="module")
+def moe_pack():
+    base = build_model("qwen3_moe", seed=0, initializer_range=0.2)
+    records = make_records(LENGTHS, vocab=256, seed=1, routed=(2, 2, 8))  # recorded routing unlike the live one
+    return base, make_experience_batch(records, packed=True)
+
+
+def _pair(base, ac_kwargs=None):
+    plain = par.parallelize(Actor(copy.deepcopy(base)), ParallelDims())
+    ckpt = par.parallelize(Actor(copy.deepcopy(base)), ParallelDims(), activation_checkpointing=True)
+    return plain, ckpt
+
+
+def test_activation_checkpointing_gives_the_same_log_probs_grads_and_load(moe_pack):
+    base, pack = moe_pack
+    plain, ckpt = _pair(base)
+    lp0, g0, load0 = _logp_grads_load(plain, pack)
+    lp1, g1, load1 = _logp_grads_load(ckpt, pack)
+    assert_parity("log-probs with vs without activation checkpointing", (lp1 - lp0).abs().max(), lp0.abs().max())
+    scale = max(float(g.abs().max()) for g in g0.values())
+    diff = max(float((g1[n] - g).abs().max()) for n, g in g0.items())
+    assert_parity("grads with vs without activation checkpointing", diff, scale)
+    assert torch.equal(load0, load1)  # the recompute counts nothing a second time
+
+
+def test_control_recompute_without_the_moe_state_routes_differently(moe_pack, monkeypatch):
+    base, pack = moe_pack
+    plain, _ = _pair(base)
+    _, g0, _ = _logp_grads_load(plain, pack)
+    # the control: the recompute runs with whatever MoE state is set then (none: live routing)
+    monkeypatch.setattr(par, "moe_state", lambda blocks, state=None, recompute=False:
+                        [] if state is None else torch.enable_grad())
+    ckpt = par.parallelize(Actor(copy.deepcopy(base)), ParallelDims(), activation_checkpointing=True)
+    assert moe_blocks(ckpt.model)
+    try:
+        _, g1, _ = _logp_grads_load(ckpt, pack)
+    except torch.utils.checkpoint.CheckpointError as e:  # torch saw the recompute run another graph
+        assert "recomputed" in str(e) or "checkpoint" in str(e).lower()
+        return
+    scale = max(float(g.abs().max()) for g in g0.values())
+    diff = max(float((g1[n] - g).abs().max()) for n, g in g0.items())
+    assert_control_fails("grads when the recompute forgets routing replay", diff, scale)
+
+
+# ------------------------------------------------------------------ device placement
+class DeviceAudit(TorchFunctionMode):
+    """Tags tensors built by a factory without an explicit `device=` (and not moved by
+    `.to(device)` afterwards): on a GPU such a tensor would sit on the CPU."""
+
+    FACTORIES = {torch.tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.rand,
+                 torch.randn, torch.randint, torch.eye}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._implicit: dict[int, weakref.ref] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            if func in self.FACTORIES and kwargs.get("device") is None:
+                self._implicit[id(out)] = weakref.ref(out)
+            elif func is torch.Tensor.to:
+                self._implicit.pop(id(out), None)
+        return out
+
+    def implicit(self, t: torch.Tensor) -> bool:
+        ref = self._implicit.get(id(t))
+        return ref is not None and ref() is t
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "reduce_scatter_tensor",
+               "broadcast", "all_gather_single", "reduce_scatter_single")
+
+
+def audited_step(rank: int, world_size: int, control: bool = False) -> dict:
+    """One trainer step at world 4 (dp2 x cp2, ep2) with every collective, model move and
+    collated batch watched."""
+    import traceback
+
+    from model.parallel_dims import init_distributed
+    from packing import Experience
+    from rl.config import Config
+    from rl.trainer import build_trainer
+
+    cfg = Config()
+    cfg.parallel.cp, cfg.parallel.ep = 2, 2
+    cfg.task.prompts_per_step, cfg.task.samples_per_prompt = 4, 2
+    dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep)
+    audit, problems, moved_batches, moved_modules, seen = DeviceAudit(), [], set(), set(), []
+
+    def watch(name, fn):
+        def wrapper(*args, **kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+            for t in tensors:
+                if audit.implicit(t) or t.device != dims.device:
+                    where = [f for f in traceback.extract_stack()[:-1] if "/work/main/" in f.filename and
+                             "/.venv/" not in f.filename and "tests/" not in f.filename]
+                    origin = f" from {where[-1].filename.split('main/')[-1]}:{where[-1].lineno}" if where else ""
+                    problems.append(f"{name}: {tuple(t.shape)} on {t.device}{origin}")
+            return fn(*args, **kwargs)
+        return wrapper
+
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    for name, fn in originals.items():
+        setattr(dist, name, watch(name, fn))
+    to_experience, to_module = Experience.to, torch.nn.Module.to
+
+    def experience_to(self, device, *a, **k):
+        out = to_experience(self, device, *a, **k)
+        if torch.device(device) == dims.device:
+            moved_batches.add(id(out))
+        return out
+
+    def module_to(self, *a, **k):
+        device = k.get("device", a[0] if a else None)
+        if device is not None and not isinstance(device, torch.dtype) and torch.device(device) == dims.device:
+            moved_modules.add(id(self))
+        return to_module(self, *a, **k)
+
+    Experience.to, torch.nn.Module.to = experience_to, module_to
+    forward = Actor.forward
+    Actor.forward = lambda self, experience, *a, **k: (seen.append(id(experience)), forward(self, experience, *a, **k))[1]
+    try:
+        trainer = build_trainer(cfg, dims)
+        with audit:
+            trainer.step(0)
+            if control:  # a collective on a tensor built without device=: the audit must catch it
+                dist.all_reduce(torch.zeros(1))
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        Experience.to, torch.nn.Module.to, Actor.forward = to_experience, to_module, forward
+    models = {"policy": trainer.actor.model, "rollout copy": trainer.engine.model}
+    return {"problems": sorted(set(problems)), "unmoved_batches": sum(i not in moved_batches for i in seen),
+            "batches": len(seen), "unmoved_models": [k for k, m in models.items() if id(m) not in moved_modules]}
+
+
+@pytest.mark.slow
+def test_every_collective_model_and_batch_is_on_the_rank_device():
+    results = run_distributed(audited_step, 4, False, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["problems"] == [], f"rank {rank}: {r['problems']}"
+        assert r["batches"] > 0 and r["unmoved_batches"] == 0
+        assert r["unmoved_models"] == []
+    control = run_distributed(audited_step, 4, True, timeout=300)
+    assert all(any("all_reduce: (1,)" in p for p in r["problems"]) for r in control)
