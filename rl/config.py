@@ -81,6 +81,15 @@ class AlgoConfig(PolicyLossConfig, KLConfig, AdvantageConfig):
     vf_coef: float = 0.5
     critic_lr: float = 1e-3
     routing_replay: bool = True  # R3: replay the rollout's routed_experts in training
+    # DAPO dynamic sampling: drop prompt groups whose rewards are all equal (zero advantage)
+    # and roll out more prompts until the step has task.prompts_per_step groups, at most
+    # max_sampling_rounds rollouts per step (then train on what was kept; logged).
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
+    # DAPO overlong shaping: the last overlong_buffer tokens before task.max_new_tokens cost
+    # up to overlong_penalty_factor of reward, linearly (None = off).
+    overlong_buffer: Optional[int] = None
+    overlong_penalty_factor: float = 1.0
 
     @property
     def uses_critic(self) -> bool:
@@ -173,6 +182,7 @@ def validate(cfg: Config, world_size: int) -> None:
         "task.max_new_tokens": cfg.task.max_new_tokens, "batch.max_tokens": cfg.batch.max_tokens,
         "algo.mini_batches": cfg.algo.mini_batches, "algo.epochs": cfg.algo.epochs,
         "trainer.max_steps": cfg.trainer.max_steps, "trainer.max_bad_steps": cfg.trainer.max_bad_steps,
+        "algo.max_sampling_rounds": cfg.algo.max_sampling_rounds,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -189,6 +199,9 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ValueError(f"algo.mini_batches={cfg.algo.mini_batches} exceeds the step's {samples} samples "
                          f"(task.prompts_per_step x task.samples_per_prompt)")
     check_policy_loss_config(cfg.algo, prefix="algo.")
+    if cfg.algo.overlong_buffer is not None and not 0 < cfg.algo.overlong_buffer <= cfg.task.max_new_tokens:
+        raise ValueError(f"algo.overlong_buffer={cfg.algo.overlong_buffer}: expected 1..task.max_new_tokens="
+                         f"{cfg.task.max_new_tokens} or null")
     advantage = AdvantageEstimator(cfg.algo.advantage)
     if advantage in (AdvantageEstimator.GRPO, AdvantageEstimator.RLOO) and cfg.task.samples_per_prompt < 2:
         raise ValueError(f"algo.advantage={advantage.value} with task.samples_per_prompt={cfg.task.samples_per_prompt}: "

@@ -37,9 +37,11 @@ from model.parallelize import clip_grad_norm_, expert_load_metrics, full_paramet
 from packing import Experience, make_experience_batch, plan_microbatches
 from rl.advantages import (WHITEN_BY_DEFAULT, AdvantageEstimator, compute_advantages, gae_advantages_batch,
                            masked_moments, whiten_with_moments)
+from rl.checkpoint import load_sharded_state, sharded_state
 from rl.config import Config
 from rl.losses import LossAgg, aggregate, build_kl_controller, kl_penalty, policy_loss, value_loss
 from rl.schedule import make_lr_scheduler
+from rl.reward import apply_overlong_penalty, filter_uniform_groups
 from rl.rollout import HFRolloutEngine
 from rl.tasks import build_task, score
 
@@ -129,21 +131,44 @@ class Trainer:
 
     # ----------------------------------------------------------------- collect
     def collect(self, step: int) -> list[Experience]:
-        """The step's global batch: this DP rank's samples, then every DP rank's, gathered.
+        """The step's global batch, gathered from every DP rank. With dynamic sampling,
+        groups whose rewards are all equal are dropped and more prompts rolled out until
+        the step holds `task.prompts_per_step` groups (at most `algo.max_sampling_rounds`)."""
+        algo, want = self.cfg.algo, self.cfg.task.prompts_per_step
+        records = self._rollout(step, 0)
+        self.sampling = {}
+        if not algo.dynamic_sampling:
+            return records
+        kept, dropped = filter_uniform_groups(records)
+        rounds = 1
+        while _groups(kept) < want and rounds < algo.max_sampling_rounds:
+            more, lost = filter_uniform_groups(self._rollout(step, rounds))
+            kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
+        first = sorted({int(r.prompt_index) for r in kept})[:want]
+        kept = [r for r in kept if int(r.prompt_index) in set(first)]
+        self.sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
+        return kept or records  # every group uniform in every round: train on the last rollout (advantages 0)
 
-        Every rank draws the step's global prompt list from the same seed and takes its
-        slice, so which prompt a sample comes from never depends on the layout."""
-        task, dims = self.cfg.task, self.dims
+    def _rollout(self, step: int, round_: int) -> list[Experience]:
+        """One rollout round. Every rank draws the round's global prompt list from the same
+        seed and takes its DP slice, so which prompt a sample comes from (and its seed)
+        never depends on the layout; prompt indices are unique within the step."""
+        task, dims, algo = self.cfg.task, self.dims, self.cfg.algo
         per_rank = task.prompts_per_step // dims.dp
         first = dims.dp_rank * per_rank
-        prompts = self.task.prompts(task.prompts_per_step, seed=self.cfg.seed * 1_000_003 + step)[first:first + per_rank]
-        index = [step * task.prompts_per_step + first + i for i in range(per_rank) for _ in range(task.samples_per_prompt)]
+        seed = self.cfg.seed * 1_000_003 + step + round_ * 1_000_000_007
+        prompts = self.task.prompts(task.prompts_per_step, seed=seed)[first:first + per_rank]
+        rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
+        base = (step * rounds + round_) * task.prompts_per_step + first
+        index = [base + i for i in range(per_rank) for _ in range(task.samples_per_prompt)]
         records = self.engine.generate(
             [p for p, _ in prompts for _ in range(task.samples_per_prompt)], prompt_indices=index,
             max_new_tokens=task.max_new_tokens, temperature=task.rollout_temperature, seed=self.cfg.seed * 7919 + step,
         )
         score(self.task, records, [m for _, m in prompts for _ in range(task.samples_per_prompt)])
-        if not self.cfg.algo.routing_replay:
+        if algo.overlong_buffer is not None:
+            apply_overlong_penalty(records, task.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
+        if not algo.routing_replay:
             for rec in records:
                 rec.routed_experts = None
         if not dims.distributed:
@@ -296,10 +321,38 @@ class Trainer:
             optimizer_steps=stats.steps,
         )
         metrics.update(expert_load_metrics(self.actor.model, dims))
+        metrics.update(self.sampling)
         if self.cfg.algo.kl_coef:
             metrics["kl_coef"] = self.kl_ctl.value
             self.kl_ctl.update(metrics.get("kl", 0.0), len(records))
         return dict(sorted(metrics.items()))
+
+    # -------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds of the trainer (rl/checkpoint.py): the policy and critic,
+        each `{"weights", "optimizer"}` as sharded DTensors of their global shapes, the LR
+        schedule and the KL coefficient. The reference is frozen (rebuilt from the seed or
+        pretrained path), so it is not part of the state. `dcp.load` fills this dict in place;
+        `load_state_dict` then puts it back."""
+        state = {"actor": sharded_state(self.actor, self.optimizer, self.dims),
+                 "scheduler": self.scheduler.state_dict(), "kl_coef": self.kl_ctl.value}
+        if self.critic is not None:
+            state["critic"] = sharded_state(self.critic, self.critic_optimizer, self.dims)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put a loaded `state_dict` back; the rollout engine gets the loaded policy weights."""
+        load_sharded_state(self.actor, self.optimizer, state["actor"], self.dims)
+        if self.critic is not None:
+            load_sharded_state(self.critic, self.critic_optimizer, state["critic"], self.dims)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.kl_ctl.value = float(state["kl_coef"])
+        if self.engine is not None:
+            self.engine.load_weights(full_parameters(self.actor.model))
+
+
+def _groups(records: list[Experience]) -> int:
+    return len({int(r.prompt_index) for r in records})
 
 
 class Stats:
