@@ -116,8 +116,11 @@ def _local_view(experience: Experience, targets: torch.Tensor, valid: torch.Tens
 
 
 def _action_axis(out: torch.Tensor, experience: Experience) -> torch.Tensor:
-    """Token axis -> action axis: `[1, N]` stays; `[B, T]` drops its last column -> `[B, T-1]`."""
-    return out if experience.is_packed else out[:, :-1]
+    """Token axis -> action axis: `[1, N]` stays; `[B, T]` drops its last column -> `[B, T-1]`.
+    Never a view: FSDP's pre-backward hook on the wrapper's output would not survive an
+    in-place op on a view."""
+    out = out if experience.is_packed else out[:, :-1]
+    return out.clone() if out._is_view() else out
 
 
 # ---------------------------------------------------------------- the modules

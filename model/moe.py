@@ -197,6 +197,7 @@ class MoEBlock(nn.Module):
         self.replay: tuple[tuple[int, ...], torch.Tensor] | None = None
         self.recorder: list[torch.Tensor] | None = None
         self.recompute = False  # activation checkpointing's second run: count and record nothing
+        self.aux: list | None = None  # router_aux_loss: (loss, real rows) per forward
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         B, T, H = hidden_states.shape
@@ -212,8 +213,25 @@ class MoEBlock(nn.Module):
             keep = ~self.padding_mask.reshape(-1).to(x.device)
         if not self.recompute:
             self._count(ids, keep, B, T)
+        if self.aux is not None:
+            aux = self._balance_loss(logits, ids, keep)
+            if not self.recompute:
+                self.aux.append(aux)
         out = self.experts(x, ids, weights, keep)
         return out.reshape(B, T, H)
+
+    def _balance_loss(self, logits: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor | None):
+        """Switch-style load-balancing loss over the real rows: E * sum_e f_e * P_e, with f_e the
+        share of top-k slots routed to expert e and P_e its mean router probability. Returns
+        (loss, real rows): synthetic rows (suffix, CP and right padding) never count."""
+        if keep is not None:
+            logits, ids = logits[keep], ids[keep]
+        n = ids.shape[0]
+        if n == 0:
+            return logits.sum() * 0.0, 0
+        share = torch.bincount(ids.reshape(-1), minlength=self.num_experts).to(torch.float32) / ids.numel()
+        prob = F.softmax(logits, dim=-1, dtype=torch.float32).mean(0)
+        return self.num_experts * (share * prob).sum(), n
 
     @torch.no_grad()
     def _count(self, ids: torch.Tensor, keep: torch.Tensor | None, B: int, T: int) -> None:
@@ -326,7 +344,7 @@ def _setting(blocks: list[MoEBlock], attr: str, values: list):
             setattr(b, attr, v)
 
 
-_STATE = ("padding_mask", "replay", "recorder")
+_STATE = ("padding_mask", "replay", "recorder", "aux")
 
 
 def moe_state(blocks: list[MoEBlock], state: list | None = None, *, recompute: bool = False):
@@ -415,6 +433,17 @@ def record_routing(model: nn.Module):
     rec = RoutingRecord(len(blocks))
     with _setting(blocks, "recorder", rec.per_layer):
         yield rec
+
+
+@contextlib.contextmanager
+def router_aux_loss(model: nn.Module, enabled: bool = True):
+    """`with router_aux_loss(model) as aux: model(...)`; then `aux` holds one (loss, real rows)
+    per MoE layer and forward: the load-balancing loss of `MoEBlock._balance_loss`, with
+    gradients to the routers. Weight each by its real rows to average over tokens."""
+    blocks = moe_blocks(model, strict=False) if enabled else []
+    found: list = []
+    with _setting(blocks, "aux", [found] * len(blocks)):
+        yield found
 
 
 # -------------------------------------------------------------------------- load

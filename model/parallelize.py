@@ -164,7 +164,11 @@ def expert_load_metrics(model: nn.Module, dims: ParallelDims) -> dict[str, float
     load = expert_load(model, dist.group.WORLD if dims.distributed else None)
     per_expert = load["per_expert"].double()
     mean = float(per_expert.mean())
+    per_layer = load["per_layer"].double()
+    layers = {f"expert_load_max_over_mean_layer{i}": float(row.max() / row.mean()) if row.mean() > 0 else 0.0
+              for i, row in enumerate(per_layer)}
     return {
+        **layers,
         "expert_load_max_over_mean": float(per_expert.max()) / mean if mean else 0.0,
         "ep_rank_load_max_over_mean": load["imbalance"],
         "expert_tokens": float(per_expert.sum()),

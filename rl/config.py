@@ -5,6 +5,7 @@ built, each message naming the key."""
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Any, Dict, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from model.parallel_dims import resolve_device
 from rl.advantages import AdvantageConfig, AdvantageEstimator
 from rl.choice import Choice
 from rl.losses import KLConfig, KLMode, PolicyLossConfig, check_policy_loss_config
@@ -81,6 +83,9 @@ class AlgoConfig(PolicyLossConfig, KLConfig, AdvantageConfig):
     vf_coef: float = 0.5
     critic_lr: float = 1e-3
     routing_replay: bool = True  # R3: replay the rollout's routed_experts in training
+    # MoE load-balancing loss (Switch / Qwen3-MoE's router_aux_loss_coef) over real tokens;
+    # 0 = off (the default: measured on the default run, see README)
+    router_aux_loss_coef: float = 0.0
     # DAPO dynamic sampling: drop prompt groups whose rewards are all equal (zero advantage)
     # and roll out more prompts until the step has task.prompts_per_step groups, at most
     # max_sampling_rounds rollouts per step (then train on what was kept; logged).
@@ -151,6 +156,18 @@ def register() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
     if not OmegaConf.has_resolver("run_id"):
         OmegaConf.register_new_resolver("run_id", run_id, use_cache=True)
+    if not OmegaConf.has_resolver("required"):
+        OmegaConf.register_new_resolver("required", _required)
+
+
+# A config group marks a key the user must set with `${required:}`, not `???`: Hydra merges
+# the group onto the schema, and OmegaConf keeps the schema's default (None) when merging
+# '???' onto it, so a `???` would silently become None (a random model, no prompts file).
+REQUIRED = "${required:}"
+
+
+def _required(*, _node_: Any) -> None:
+    raise ValueError(f"{_node_._get_full_key(None)}: required but not set (pass it on the command line)")
 
 
 def run_id() -> str:
@@ -166,13 +183,25 @@ def run_id() -> str:
 
 # ----------------------------------------------------------------- validation
 def load(dict_cfg: Any) -> Config:
-    """The Hydra config as a typed `Config`; a value left at '???' is an error naming its key
-    (OmegaConf would otherwise hand the schema's default to an Optional field)."""
-    missing = sorted(OmegaConf.missing_keys(dict_cfg))
+    """The Hydra config as a typed `Config`; a key left unset (`${required:}` from the chosen
+    config group, or '???' where the schema has no default) is an error naming every such key."""
+    missing = _unset_required(dict_cfg) or sorted(OmegaConf.missing_keys(dict_cfg))  # (the latter resolves)
     if missing:
-        raise ValueError(f"{', '.join(missing)}: required but not set (left at '???' by the chosen config group); "
+        raise ValueError(f"{', '.join(missing)}: required but not set (the chosen config group needs it); "
                          f"pass {missing[0]}=...")
     return OmegaConf.to_object(dict_cfg)
+
+
+def _unset_required(node: Any, prefix: str = "") -> list[str]:
+    """Dotted keys still holding `REQUIRED`."""
+    raw = OmegaConf.to_container(node, resolve=False) if not isinstance(node, dict) else node
+    out = []
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            out += _unset_required(value, f"{prefix}{key}.")
+        elif value == REQUIRED:
+            out.append(f"{prefix}{key}")
+    return out
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -225,3 +254,59 @@ def validate(cfg: Config, world_size: int) -> None:
         if limit is not None and cfg.task.max_new_tokens >= limit:
             raise ValueError(f"task.max_new_tokens={cfg.task.max_new_tokens} leaves no room for a prompt within "
                              f"model.overrides.max_position_embeddings={limit}")
+    _check_layout(cfg, world_size, dp)
+    _check_device(cfg)
+
+
+def _check_layout(cfg: Config, world_size: int, dp: int) -> None:
+    """cp divides the world, ep divides dp and the expert count (what ParallelDims and
+    apply_expert_parallel would refuse later, named by config key here)."""
+    cp, ep = cfg.parallel.cp, cfg.parallel.ep
+    if cp < 1 or ep < 1 or world_size % cp:
+        raise ValueError(f"parallel.cp={cp}, parallel.ep={ep}: expected cp >= 1 dividing world_size={world_size}, "
+                         f"ep >= 1")
+    if dp * cp != world_size:
+        raise ValueError(f"parallel.dp={cfg.parallel.dp} x parallel.cp={cp} = {dp * cp} != world_size={world_size} "
+                         f"(parallel.dp=-1 fills the world)")
+    if dp % ep:
+        raise ValueError(f"parallel.ep={ep} does not divide dp={dp} (EP groups are carved from the data-parallel "
+                         f"ranks; world_size={world_size}, parallel.cp={cp})")
+    if ep > 1 and cfg.model.name is ModelName.QWEN3_MOE:
+        experts, key = _num_experts(cfg)
+        if experts is not None and experts % ep:
+            raise ValueError(f"parallel.ep={ep} does not divide {key}={experts}: each EP rank holds "
+                             f"num_experts / ep experts")
+
+
+def _num_experts(cfg: Config) -> tuple[int | None, str]:
+    """The MoE expert count and the key it comes from, read without building the model."""
+    if "num_experts" in cfg.model.overrides:
+        return int(cfg.model.overrides["num_experts"]), "model.overrides.num_experts"
+    if cfg.model.pretrained_path is not None:
+        config = Path(cfg.model.pretrained_path) / "config.json"
+        experts = json.loads(config.read_text()).get("num_experts") if config.is_file() else None
+        return experts, f"num_experts of {config}"
+    from model.models import MODELS  # the tiny defaults (imports transformers: only when needed)
+
+    return MODELS[cfg.model.name.value][2].get("num_experts"), "model.overrides.num_experts (default)"
+
+
+def _check_device(cfg: Config) -> None:
+    """`trainer.device` exists here, and the model dtypes run on it: float16 on CPU does not
+    (measured: the fp16 rollout samples from NaN probabilities)."""
+    device = resolve_device(cfg.trainer.device.value)  # trainer.device=cuda without CUDA: an error naming it
+    if device.type == "cpu":
+        for key, value in (("model.dtype", cfg.model.dtype), ("model.param_dtype", cfg.model.param_dtype)):
+            if value is DType.FLOAT16:
+                raise ValueError(f"{key}=float16 on cpu: CPU float16 kernels are not usable for training or "
+                                 f"sampling; use float32 or bfloat16 (or run on CUDA)")
+
+
+def check_task_fits(cfg: Config, task: Any) -> None:
+    """After the task is built: its longest prompt plus `task.max_new_tokens` fits in one
+    microbatch of `batch.max_tokens` (else the planner would refuse a sample mid-run)."""
+    prompt = getattr(task, "max_prompt_len", None)
+    if prompt is not None and prompt + cfg.task.max_new_tokens > cfg.batch.max_tokens:
+        raise ValueError(f"batch.max_tokens={cfg.batch.max_tokens} is below the longest possible sample: task "
+                         f"{cfg.task.name!r} has prompts of up to {prompt} tokens, plus task.max_new_tokens="
+                         f"{cfg.task.max_new_tokens} = {prompt + cfg.task.max_new_tokens}")

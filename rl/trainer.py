@@ -22,6 +22,7 @@ experiment.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,14 +32,15 @@ import torch.distributed as dist
 
 from model.actor import Actor, Critic
 from model.models import build_model
-from model.moe import moe_blocks, reset_expert_load
+from model.moe import moe_blocks, reset_expert_load, router_aux_loss
 from model.parallel_dims import ParallelDims
 from model.parallelize import clip_grad_norm_, expert_load_metrics, full_parameters, parallelize
 from packing import Experience, make_experience_batch, plan_microbatches
 from rl.advantages import (WHITEN_BY_DEFAULT, AdvantageEstimator, compute_advantages, gae_advantages_batch,
                            masked_moments, whiten_with_moments)
 from rl.checkpoint import load_sharded_state, sharded_state
-from rl.config import Config
+from rl.config import Config, check_task_fits
+from rl.guard import DivergenceGuard, poison
 from rl.losses import LossAgg, aggregate, build_kl_controller, kl_penalty, policy_loss, value_loss
 from rl.schedule import make_lr_scheduler
 from rl.reward import apply_overlong_penalty, filter_uniform_groups
@@ -68,6 +70,7 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
     task = build_task(cfg.task.name, prompts_path=cfg.task.prompts_path, reward_fn=cfg.task.reward_fn,
                       tokenizer_path=cfg.task.tokenizer_path, vocab_size=actor.model.config.vocab_size,
                       **cfg.task.options)
+    check_task_fits(cfg, task)  # batch.max_tokens holds the task's longest prompt + task.max_new_tokens
     engine = HFRolloutEngine(new_model().to(dims.device), stop_token_id=getattr(task, "stop_token_id", None))
     engine.load_weights(full_parameters(actor.model))
     return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine, task=task)
@@ -83,6 +86,7 @@ class MiniBatch:
     weights: list[float]
     tokens: float  # global action tokens of the mini-batch
     sequences: int  # global samples of the mini-batch
+    all_tokens: int  # global tokens (prompt + response) of the mini-batch
 
 
 class Trainer:
@@ -100,6 +104,7 @@ class Trainer:
         self.scheduler = make_lr_scheduler(self.optimizer, cfg.trainer.warmup_steps, updates, cfg.trainer.lr_schedule)
         self.kl_ctl = build_kl_controller(algo.kl_coef, algo.kl_target, algo.kl_horizon)
         self.token_sum_norm = algo.loss_agg_norm or float(cfg.task.max_new_tokens)
+        self.guard = DivergenceGuard(cfg.trainer.max_bad_steps, cfg.trainer.min_entropy, verbose=dims.rank == 0)
 
     def _kl(self, log_probs: torch.Tensor, ref: torch.Tensor, estimator=None) -> torch.Tensor:
         algo = self.cfg.algo
@@ -112,11 +117,14 @@ class Trainer:
     # ---------------------------------------------------------------- the step
     def step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        records = self.collect(step)
+        with self.guard.rollout(step):  # non-finite logits: a DivergenceError naming the step
+            records = self.collect(step)
         t_rollout = time.perf_counter() - t0
         self.record_advantages(records)
         minibatches = self.plan(records)
         self.score(minibatches)
+        self.guard.begin(rewards=[r.rewards for r in records],
+                         advantages=[b.advantages for mb in minibatches for b in mb.batches])
         stats = Stats()
         if moe_blocks(self.actor.model, strict=False):
             reset_expert_load(self.actor.model)  # the load metric counts the training forwards only
@@ -127,7 +135,10 @@ class Trainer:
                 stats.add_step(self.optimizer_step())
         self.engine.load_weights(full_parameters(self.actor.model))
         elapsed = time.perf_counter() - t0
-        return self.metrics(step, records, minibatches, stats, t_rollout=t_rollout, elapsed=elapsed)
+        stats.add(self.guard.flags())
+        metrics = self.metrics(step, records, minibatches, stats, t_rollout=t_rollout, elapsed=elapsed)
+        self.guard.end(step, metrics)  # warns; raises after trainer.max_bad_steps bad steps in a row
+        return dict(sorted(metrics.items()))
 
     # ----------------------------------------------------------------- collect
     def collect(self, step: int) -> list[Experience]:
@@ -202,7 +213,7 @@ class Trainer:
                 chosen = [part[i] for i in items] if items else [part[0]]  # zero-weight stand-in
                 batches.append(make_experience_batch(chosen, packed=b.packed).to(dims.device))
             tokens = float(sum(int(r.action_mask.sum()) for r in part))
-            out.append(MiniBatch(batches, weights, tokens, len(part)))
+            out.append(MiniBatch(batches, weights, tokens, len(part), sum(r.sequences.numel() for r in part)))
         return out
 
     # ------------------------------------------------------------------- score
@@ -248,7 +259,8 @@ class Trainer:
     def train_microbatch(self, batch: Experience, weight: float, mb: MiniBatch, stats: "Stats") -> None:
         algo = self.cfg.algo
         normalizer = mb.tokens if LossAgg(algo.loss_agg) is LossAgg.TOKEN_MEAN else float(mb.sequences)
-        log_probs, entropy = self.actor(batch, return_entropy=True)
+        with router_aux_loss(self.actor.model, enabled=bool(algo.router_aux_loss_coef)) as aux:
+            log_probs, entropy = self.actor(batch, return_entropy=True)
         if batch.action_log_probs is None:  # one update per rollout: the old policy is this one
             batch.action_log_probs = log_probs.detach()
         pg, info = policy_loss(log_probs, batch, algo)
@@ -261,12 +273,19 @@ class Trainer:
             terms["kl_loss"] = kl_loss.detach()
         if algo.entropy_coef:
             loss = loss - algo.entropy_coef * self._aggregate(entropy * batch.action_mask, batch, normalizer)
+        if aux:  # token-weighted over every rank's real tokens of the mini-batch, averaged over layers
+            layers = len(moe_blocks(self.actor.model))
+            balance = sum(a * n for a, n in aux) / (mb.all_tokens * layers)
+            loss = loss + algo.router_aux_loss_coef * balance
+            terms["router_aux_loss"] = balance.detach()
         terms["loss"] = loss.detach()  # the actor objective as optimized: every term included
+        self.guard.check("loss", loss)
         (loss * weight).backward()
         if self.critic is not None:
             values = self.critic(batch)
             vloss = algo.vf_coef * self._aggregate(value_loss(values, batch, algo.value_clip), batch, normalizer)
             (vloss * weight).backward()
+            self.guard.check("loss", vloss)
             terms["value_loss"] = vloss.detach()
         m = batch.action_mask
         terms["entropy"] = (entropy.detach() * m).sum() / mb.tokens
@@ -278,17 +297,26 @@ class Trainer:
         stats.add({k: v * weight for k, v in terms.items()})
 
     def optimizer_step(self) -> dict[str, torch.Tensor]:
+        """Clip by the global norm and step; or skip the update, on every rank alike, when a
+        term of the step is not finite (rl/guard.py): a rank that saw a non-finite reward,
+        advantage or loss poisons its gradients, so the global norm is NaN everywhere."""
         clip = self.cfg.trainer.grad_clip
-        lr = self.optimizer.param_groups[0]["lr"]
-        grad_norm = clip_grad_norm_(self.actor.parameters(), clip, self.dims)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        out = {"grad_norm": grad_norm, "lr": lr}
+        out = {"lr": self.optimizer.param_groups[0]["lr"]}
+        if self.guard.seen():
+            poison(self.actor.parameters())
+        out["grad_norm"] = clip_grad_norm_(self.actor.parameters(), clip, self.dims)
+        optimizers = [self.optimizer]
         if self.critic is not None:
             out["critic_grad_norm"] = clip_grad_norm_(self.critic.parameters(), clip, self.dims)
-            self.critic_optimizer.step()
-            self.critic_optimizer.zero_grad(set_to_none=True)
+            optimizers.append(self.critic_optimizer)
+        finite = all(bool(torch.isfinite(out[k])) for k in ("grad_norm", "critic_grad_norm") if k in out)
+        if finite:  # global norms: the same verdict on every rank
+            for optimizer in optimizers:
+                optimizer.step()
+            self.scheduler.step()  # the schedule counts the updates applied
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        out["skipped_update"] = 0.0 if finite else 1.0
         return out
 
     # --------------------------------------------------------------------- log
@@ -324,18 +352,20 @@ class Trainer:
         metrics.update(self.sampling)
         if self.cfg.algo.kl_coef:
             metrics["kl_coef"] = self.kl_ctl.value
-            self.kl_ctl.update(metrics.get("kl", 0.0), len(records))
+            if math.isfinite(metrics.get("kl", 0.0)):  # a bad step (rl/guard.py) leaves the coefficient as is
+                self.kl_ctl.update(metrics.get("kl", 0.0), len(records))
         return dict(sorted(metrics.items()))
 
     # -------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint holds of the trainer (rl/checkpoint.py): the policy and critic,
         each `{"weights", "optimizer"}` as sharded DTensors of their global shapes, the LR
-        schedule and the KL coefficient. The reference is frozen (rebuilt from the seed or
-        pretrained path), so it is not part of the state. `dcp.load` fills this dict in place;
-        `load_state_dict` then puts it back."""
+        schedule, the KL coefficient and the divergence guard's count of bad steps in a row.
+        The reference is frozen (rebuilt from the seed or pretrained path), so it is not part
+        of the state. `dcp.load` fills this dict in place; `load_state_dict` puts it back."""
         state = {"actor": sharded_state(self.actor, self.optimizer, self.dims),
-                 "scheduler": self.scheduler.state_dict(), "kl_coef": self.kl_ctl.value}
+                 "scheduler": self.scheduler.state_dict(), "kl_coef": self.kl_ctl.value,
+                 "bad_steps": self.guard.bad_steps}
         if self.critic is not None:
             state["critic"] = sharded_state(self.critic, self.critic_optimizer, self.dims)
         return state
@@ -347,6 +377,7 @@ class Trainer:
             load_sharded_state(self.critic, self.critic_optimizer, state["critic"], self.dims)
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_ctl.value = float(state["kl_coef"])
+        self.guard.bad_steps = int(state["bad_steps"])  # a streak of skipped updates continues
         if self.engine is not None:
             self.engine.load_weights(full_parameters(self.actor.model))
 

@@ -295,3 +295,33 @@ def test_ep2_routing_state_dict_and_divisibility(ep2):
         assert r["routing_matches_unsharded"]
         assert r["gathered_keys_match"] and r["gathered_equal"]
         assert "num_experts=3 is not divisible by the expert-parallel size ep=2" in r["indivisible_error"]
+
+
+def test_router_aux_loss_counts_real_tokens_only_and_is_layout_invariant(model_a):
+    """The load-balancing loss is the same for a pack and the padded batch of the same
+    records, a synthetic suffix does not change it, and it reaches the routers."""
+    from conftest import make_records
+    from model.actor import Actor, _forward_slots
+    from model.moe import router_aux_loss
+    from model.parallel_dims import ParallelDims
+    from packing import make_experience_batch
+
+    records = make_records([7, 19, 4, 12], vocab=256, seed=5)
+    pack, padded = (make_experience_batch(records, packed=p) for p in (True, False))
+
+    def loss(batch, pad=None):
+        with router_aux_loss(model_a) as aux:
+            _forward_slots(model_a, batch, ParallelDims(), replay=False, pad=pad)
+        assert len(aux) == L and all(n == sum(len(r.sequences) for r in records) for _, n in aux)
+        return sum(a for a, _ in aux) / L
+
+    model_a.zero_grad(set_to_none=True)
+    packed_loss = loss(pack)
+    packed_loss.backward()
+    assert model_a.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert_parity("aux loss, padded vs packed", abs(loss(padded) - packed_loss), packed_loss)
+        assert_parity("aux loss with a 9-token EP suffix", abs(loss(pack, pad=9) - packed_loss), packed_loss)
+    with torch.no_grad(), router_aux_loss(model_a, enabled=False) as aux:
+        Actor(model_a)(pack)
+    assert aux == []
