@@ -266,6 +266,9 @@ class HFRolloutEngine(RolloutEngine):
             for step in range(max_new_tokens):
                 logp = F.log_softmax(logits.float().cpu() / temperature, dim=-1)  # [B, V]
                 probs = logp.exp()
+                if torch.isnan(probs[~done]).any():  # inf/NaN logits: multinomial would fail with no context
+                    raise FloatingPointError(f"the policy's next-token logits are not finite (NaN/inf) at response "
+                                             f"token {step}: its weights have diverged")
                 tok = torch.full((B,), self.stop_token_id if self.stop_token_id is not None else 0)
                 for i in torch.nonzero(~done).flatten().tolist():
                     tok[i] = torch.multinomial(probs[i], 1, generator=gens[i])[0]

@@ -7,8 +7,9 @@ Flow of one step (the engine never sees the task; `score` is the only bridge):
     score(task, records, [m for _, m in prompts])          # sets rec.rewards (0-d fp32)
 
 A `Task` gives `prompts(n, seed)`, `reward(prompt_ids, response_ids, meta) -> float`,
-`min_vocab_size` (the smallest vocabulary its ids fit in) and `stop_token_id` (None: every
-response runs to max_new_tokens).
+`min_vocab_size` (the smallest vocabulary its ids fit in), `stop_token_id` (None: every
+response runs to max_new_tokens) and, where known, `max_prompt_len` (the longest prompt it
+gives: start-up checks that a whole sample fits in `batch.max_tokens`).
 
 Built-ins are made in code, so a tiny random-init model's reward rises within ~20 GRPO
 steps on CPU. Prompts are `num_symbols` ids from `low` up (ids below `low`, 4 by default,
@@ -116,6 +117,7 @@ class RandomPromptTask:
             raise ValueError(f"{name}: need 1 <= min_len={min_len} <= max_len={max_len}")
         self.vocab_size, self.low, self.high = vocab_size, low, low + num_symbols
         self.min_len, self.max_len = min_len, max_len
+        self.max_prompt_len = max_len
         self.stop_token_id = stop_token_id
         self.min_vocab_size = self.high
 
@@ -196,6 +198,7 @@ class FileTask:
         self.items = _read_prompts(prompts_path, encode, vocab_size, reserved=("response_ids",))
         self.stop_token_id = stop_token_id if stop_token_id is not None else getattr(tokenizer, "eos_token_id", None)
         self.min_vocab_size = 1 + max(max(max(ids) for ids, _ in self.items), self.stop_token_id or 0)
+        self.max_prompt_len = max(len(ids) for ids, _ in self.items)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -252,6 +255,7 @@ class MathTask(FileTask):
                                    reserved=("response_text",))
         self.stop_token_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
         self.min_vocab_size = 1 + max(max(max(ids) for ids, _ in self.items), self.stop_token_id or 0)
+        self.max_prompt_len = max(len(ids) for ids, _ in self.items)
 
     def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> Any:
         text = self.tokenizer.decode(_ids(response_ids), skip_special_tokens=True)

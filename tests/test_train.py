@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +107,33 @@ def test_minibatches_and_epochs_update_off_policy_and_still_learn(tmp_path):
     cispo = train(tmp_path, "cispo", "trainer.max_steps=3", "algo.mini_batches=4", "algo.epochs=2",
                   "algo.policy_loss=cispo")
     assert untimed(cispo) != untimed(metrics[:3])  # the control: today the loss choice changes the run
+
+
+def test_two_runs_started_together_get_their_own_folders_metrics_and_log(tmp_path):
+    """Two runs launched at the same moment (run folders used to be outputs/<timestamp>, so
+    both wrote one metrics.jsonl): each gets outputs/<timestamp>_<random suffix>, a valid
+    metrics.jsonl of its own and a train.log holding the run's per-step lines."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, str(ROOT / "train.py"), "trainer.max_steps=2", "task.prompts_per_step=4",
+           "task.samples_per_prompt=4", "trainer.progress=false", "trainer.plot=false", "checkpoint.final=false"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-4000:]
+    runs = sorted((tmp_path / "outputs").iterdir())
+    assert len(runs) == 2, runs
+    for run in runs:
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}", run.name), run.name
+        assert [m["step"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [0, 1]
+        log = (run / "train.log").read_text()
+        assert f"run folder {run};" in log and "step 0 reward" in log and "step 1 reward" in log, log
+
+
+def test_run_ids_taken_in_the_same_second_differ(monkeypatch):
+    from rl.config import run_id
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    ids = [run_id() for _ in range(20)]
+    assert len(set(ids)) == 20 and len({i.rsplit("_", 1)[0] for i in ids}) <= 2  # same timestamp, new suffix

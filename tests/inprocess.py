@@ -1,0 +1,118 @@
+"""The trainer in-process, as train.py builds it, without a subprocess per run.
+
+`compose(*overrides)` is the typed, validated `Config` train.py would get from the same
+command-line overrides (Hydra's compose API on conf/); `trainer(*overrides)` builds the
+Trainer for one process. The `*_rank` functions are rank bodies for `run_distributed`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+
+from rl.config import Config, load, register, validate
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+# a small step: 4 prompts x 4 samples of the default tiny MoE, a few hundred ms on CPU
+SMALL = ("task.prompts_per_step=4", "task.samples_per_prompt=4", "trainer.progress=false")
+
+
+def compose(*overrides: str, world_size: int = 1, check: bool = True) -> Config:
+    """`load` (and `validate`, when `check`) of conf/config.yaml with `overrides`."""
+    register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = load(hydra_compose("config", overrides=list(overrides)))
+    if check:
+        validate(cfg, world_size=world_size)
+    return cfg
+
+
+def trainer(*overrides: str):
+    """A one-process Trainer as train.py builds it (seeded like a run)."""
+    from model.parallel_dims import init_distributed
+    from rl.trainer import build_trainer
+
+    cfg = compose(*overrides)
+    dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device=cfg.trainer.device.value)
+    torch.manual_seed(cfg.seed)
+    return build_trainer(cfg, dims)
+
+
+def all_finite(tr) -> bool:
+    """Every weight and every optimizer state tensor of the policy (and critic) is finite."""
+    tensors = [p for p in tr.actor.parameters()]
+    for opt in (tr.optimizer, tr.critic_optimizer):
+        if opt is not None:
+            tensors += [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    return all(bool(torch.isfinite(_local(t)).all()) for t in tensors)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t.detach()
+
+
+def weights(tr) -> dict[str, torch.Tensor]:
+    from model.parallelize import full_parameters
+
+    return {k: v.clone() for k, v in full_parameters(tr.actor.model)}
+
+
+# ----------------------------------------------------------------- rank bodies
+def steps_rank(rank: int, world_size: int, overrides: tuple[str, ...], steps: int) -> list[dict]:
+    """`steps` steps on `world_size` ranks; the metrics of each step and whether each rank
+    ever ran a zero-weight (empty) microbatch."""
+    from model.parallel_dims import init_distributed
+    from rl.trainer import build_trainer
+
+    cfg = compose(*overrides, world_size=world_size)
+    dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device="cpu")
+    torch.manual_seed(cfg.seed)
+    tr = build_trainer(cfg, dims)
+    plan, tr.plan = tr.plan, None
+    empties = []
+
+    def plan_and_count(records):
+        minibatches = plan(records)
+        empties.extend(w == 0.0 for mb in minibatches for w in mb.weights)
+        return minibatches
+
+    tr.plan = plan_and_count
+    metrics = [tr.step(s) for s in range(steps)]
+    return [{"metrics": metrics, "empty_microbatches": sum(empties)}]
+
+
+def nan_loss_on_one_rank(rank: int, world_size: int, bad_rank: int) -> dict:
+    """A NaN loss on `bad_rank` only, from step 1: every rank skips the update and stops
+    with the same message; the weights stay those after step 0 on every rank."""
+    import rl.trainer as trainer_module
+    from model.parallel_dims import init_distributed
+    from rl.guard import DivergenceError
+    from rl.trainer import build_trainer
+
+    cfg = compose(*SMALL, "trainer.max_bad_steps=2", world_size=world_size)
+    dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device="cpu")
+    torch.manual_seed(cfg.seed)
+    tr = build_trainer(cfg, dims)
+    first = tr.step(0)
+    after_first = weights(tr)
+    original = trainer_module.policy_loss
+
+    def nan_here(log_probs, batch, algo):  # a NaN constant: the loss is NaN, its gradients stay finite
+        loss, info = original(log_probs, batch, algo)
+        return (loss + math.nan if rank == bad_rank else loss), info
+
+    trainer_module.policy_loss = nan_here
+    second = tr.step(1)
+    try:
+        tr.step(2)
+        error = None
+    except DivergenceError as e:
+        error = str(e)
+    same = all(torch.equal(after_first[k], v) for k, v in weights(tr).items())
+    return {"first": first, "second": second, "error": error, "unchanged": same, "finite": all_finite(tr)}

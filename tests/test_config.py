@@ -1,0 +1,133 @@
+"""Bad input is caught at start-up, before any model is built, each error naming its config key.
+
+In-process: Hydra's compose API on conf/ gives the config train.py would get from the same
+overrides; `load` and `validate` are what train.py runs first."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from inprocess import SMALL, compose, trainer
+from rl.config import check_task_fits
+from rl.tasks import build_task
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def refused(*overrides: str, world_size: int = 1) -> str:
+    with pytest.raises(ValueError) as e:
+        compose(*overrides, world_size=world_size)
+    return str(e.value)
+
+
+# ----------------------------------------------------------- keys left unset
+def test_pretrained_model_without_its_path_is_refused():
+    """It used to train a random model: the group's '???' merged onto the schema's None."""
+    assert "model.pretrained_path: required but not set" in refused("model=pretrained")
+
+
+@pytest.mark.parametrize("task, keys", [("file", ["task.prompts_path", "task.reward_fn"]),
+                                        ("math", ["task.prompts_path", "task.tokenizer_path"])])
+def test_a_task_without_its_files_names_every_unset_key(task, keys):
+    message = refused(f"task={task}")
+    assert all(k in message for k in keys), message
+    assert "task.prompts_path" in refused(f"task={task}", f"task.{keys[1].split('.')[1]}=x")  # one still unset
+
+
+def test_required_keys_set_on_the_command_line_are_accepted(tmp_path):
+    cfg = compose("model=pretrained", f"model.pretrained_path={tmp_path}", check=False)
+    assert cfg.model.pretrained_path == str(tmp_path)
+
+
+def test_a_pretrained_path_that_is_not_a_local_folder_is_refused(tmp_path):
+    message = refused("model=pretrained", "model.pretrained_path=Qwen/Qwen3-0.6B")
+    assert "model.pretrained_path='Qwen/Qwen3-0.6B': folder not found" in message and "huggingface" not in message
+
+
+# --------------------------------------------------------------------- sizes
+@pytest.mark.parametrize("key", ["task.prompts_per_step", "task.samples_per_prompt", "batch.max_tokens",
+                                 "task.max_new_tokens"])
+@pytest.mark.parametrize("value", [0, -2])
+def test_sizes_must_be_positive(key, value):
+    assert refused(f"{key}={value}").startswith(f"{key}={value}: expected a positive number")
+
+
+def test_prompts_per_step_must_divide_over_dp():
+    message = refused("task.prompts_per_step=6", world_size=4)
+    assert message.startswith("task.prompts_per_step=6 does not divide over dp=4"), message
+
+
+def test_grpo_with_one_sample_per_prompt_is_refused():
+    message = refused("task.samples_per_prompt=1")
+    assert "algo.advantage=grpo" in message and "task.samples_per_prompt=1" in message
+
+
+def test_max_tokens_below_the_longest_possible_sample_is_refused():
+    """target_token prompts have up to 12 tokens; with 12 new tokens a sample reaches 24."""
+    cfg = compose("batch.max_tokens=23")  # validate cannot know the prompts: accepted
+    task = build_task("target_token", vocab_size=64)
+    with pytest.raises(ValueError, match=r"batch.max_tokens=23 is below the longest possible sample: .* = 24"):
+        check_task_fits(cfg, task)
+    check_task_fits(compose("batch.max_tokens=24"), task)
+
+
+def test_max_tokens_check_runs_when_the_trainer_is_built(tmp_path, monkeypatch):
+    """A prompts file's longest prompt counts (here 30 tokens + 12 new > 40)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [5, 6, 7]}\n{"prompt_ids": [%s]}\n' % ", ".join(["9"] * 30))
+    (tmp_path / "my_rewards.py").write_text("def one(prompt_ids, response_ids):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"batch.max_tokens=40 .* up to 30 tokens, plus task.max_new_tokens=12"):
+        trainer(*SMALL, "task=file", f"task.prompts_path={prompts}", "task.reward_fn=my_rewards:one",
+                "batch.max_tokens=40")
+
+
+# ----------------------------------------------------------- device, layout
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_refused():
+    assert refused("trainer.device=cuda").startswith("trainer.device=cuda but CUDA is not available")
+
+
+@pytest.mark.parametrize("key", ["model.dtype", "model.param_dtype"])
+def test_float16_on_cpu_is_refused(key):
+    """Measured: model.dtype=float16 on CPU samples from NaN probabilities at step 1."""
+    assert refused(f"{key}=float16", "trainer.device=cpu").startswith(f"{key}=float16 on cpu")
+    compose(f"{key}=bfloat16", "trainer.device=cpu")
+
+
+def test_ep_must_divide_the_expert_count():
+    message = refused("parallel.ep=4", "model.overrides.num_experts=6", world_size=4)
+    assert message.startswith("parallel.ep=4 does not divide model.overrides.num_experts=6"), message
+
+
+def test_ep_must_divide_dp():
+    assert refused("parallel.ep=3", world_size=4).startswith("parallel.ep=3 does not divide dp=4")
+
+
+# ------------------------------------------------------------ reward values
+@pytest.mark.parametrize("value", ['"0.5"', '"abc"', "None"])
+def test_a_reward_that_is_not_a_number_names_the_function_the_prompt_and_the_value(tmp_path, monkeypatch, value):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join('{"prompt_ids": [%d, 5, 6]}\n' % i for i in range(4, 12)))
+    module = f"bad_rewards_{tmp_path.name}"  # one module per case (imports are cached)
+    (tmp_path / f"{module}.py").write_text(f"def reward(prompt_ids, response_ids):\n    return {value}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tr = trainer(*SMALL, "task=file", f"task.prompts_path={prompts}", f"task.reward_fn={module}:reward")
+    with pytest.raises(ValueError) as e:
+        tr.step(0)
+    message = str(e.value)
+    assert f"reward function {module}:reward returned" in message and "prompt index 0" in message, message
+    assert repr(eval(value)) in message
+
+
+# ---------------------------------------------------------------- end to end
+@pytest.mark.slow
+def test_train_py_refuses_an_unset_key_before_building_a_model(tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", "model=pretrained", f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "model.pretrained_path: required but not set" in proc.stderr, proc.stderr[-2000:]
+    assert "run folder" not in (tmp_path / "train.log").read_text()  # nothing was built

@@ -1,0 +1,114 @@
+"""The divergence guard (rl/guard.py): a non-finite reward, advantage, loss or gradient norm
+skips the update on every rank; `trainer.max_bad_steps` bad steps in a row stop the run
+naming the step and the term; the weights and optimizer state never hold a NaN/inf."""
+
+import logging
+import math
+
+import pytest
+import torch
+
+import rl.trainer as trainer_module
+from distributed import run_distributed
+from inprocess import SMALL, all_finite, nan_loss_on_one_rank, trainer, weights
+from rl.guard import DivergenceError
+
+
+def run_until_stopped(tr, steps: int) -> tuple[list[dict], str]:
+    metrics = []
+    with pytest.raises(DivergenceError) as stopped:
+        for s in range(steps):
+            metrics.append(tr.step(s))
+    return metrics, str(stopped.value)
+
+
+@pytest.mark.parametrize("samples, stop", [
+    (8, "step 3: non-finite grad_norm"),  # steps 1-3 skipped, then the stop
+    (4, "step 1: non-finite logits in the rollout"),  # step 0's weights already give inf logits
+])
+def test_a_huge_learning_rate_stops_the_run_naming_the_step_and_the_term(samples, stop):
+    """lr=1e20 used to put NaN into the weights at step 1 and die at step 2 in
+    torch.multinomial, saying nothing about training. Step 0's update leaves huge but finite
+    weights; then either the gradient norm overflows (skipped until trainer.max_bad_steps)
+    or the rollout's logits do (no skip can undo diverged weights: an immediate stop)."""
+    tr = trainer(*SMALL, f"task.samples_per_prompt={samples}", "trainer.lr=1e20")
+    metrics, message = run_until_stopped(tr, 8)
+    assert message.startswith(stop), message
+    if "grad_norm" in stop:
+        assert "trainer.max_bad_steps=3" in message
+        assert [m["skipped_update"] for m in metrics] == [0.0, 1.0, 1.0]
+        assert [m["bad_steps"] for m in metrics] == [0, 1, 2]
+    assert all_finite(tr)
+
+
+def test_a_nan_loss_skips_the_update_and_a_good_step_resets_the_count(monkeypatch):
+    tr = trainer(*SMALL, "trainer.max_bad_steps=2")
+    tr.step(0)
+    before = weights(tr)
+    original = trainer_module.policy_loss
+    monkeypatch.setattr(trainer_module, "policy_loss", lambda lp, b, a: (original(lp, b, a)[0] * math.nan,
+                                                                         original(lp, b, a)[1]))
+    bad = tr.step(1)
+    assert bad["skipped_update"] == 1.0 and bad["bad_steps"] == 1 and math.isnan(bad["loss"])
+    assert all(torch.equal(before[k], v) for k, v in weights(tr).items())  # the update was skipped
+    assert all_finite(tr)
+    monkeypatch.setattr(trainer_module, "policy_loss", original)
+    good = tr.step(2)
+    assert good["skipped_update"] == 0.0 and good["bad_steps"] == 0
+    assert any(not torch.equal(before[k], v) for k, v in weights(tr).items())
+
+
+@pytest.mark.parametrize("term", ["rewards", "advantages", "loss"])
+def test_each_non_finite_term_is_named_when_the_run_stops(monkeypatch, term):
+    tr = trainer(*SMALL, "trainer.max_bad_steps=1")
+    before = weights(tr)
+    if term == "rewards":  # finite as a Python float, inf once stored as the fp32 reward
+        monkeypatch.setattr(tr.task, "reward", lambda prompt, response, meta: 1e39)
+    elif term == "advantages":
+        compute = trainer_module.compute_advantages
+
+        def one_nan(records, *args, **kwargs):
+            compute(records, *args, **kwargs)
+            records[3].advantages[0] = math.nan
+
+        monkeypatch.setattr(trainer_module, "compute_advantages", one_nan)
+    else:  # a NaN constant: the loss is NaN while its gradients stay finite
+        original = trainer_module.policy_loss
+        monkeypatch.setattr(trainer_module, "policy_loss",
+                            lambda lp, b, a: (original(lp, b, a)[0] + math.nan, original(lp, b, a)[1]))
+    _, message = run_until_stopped(tr, 2)
+    assert message.startswith(f"step 0: non-finite {term};"), message
+    assert all(torch.equal(before[k], v) for k, v in weights(tr).items()) and all_finite(tr)
+
+
+def test_a_large_learning_rate_collapses_the_entropy_and_the_guard_warns(caplog):
+    """lr=10 gives no non-finite number (nothing to skip): the policy turns deterministic
+    within a step or two. With trainer.min_entropy set, each such step logs a warning."""
+    tr = trainer(*SMALL, "trainer.lr=10", "trainer.min_entropy=0.5")
+    with caplog.at_level(logging.WARNING, logger="train"):
+        metrics = [tr.step(s) for s in range(3)]
+    assert metrics[0]["entropy"] > 3.0 and metrics[-1]["entropy"] < 0.5
+    assert all(m["skipped_update"] == 0.0 for m in metrics) and all_finite(tr)
+    warned = [r.getMessage() for r in caplog.records if "trainer.min_entropy=0.5" in r.getMessage()]
+    assert warned and warned[0].startswith("step 1: mean entropy"), warned
+
+
+def test_no_warning_without_min_entropy(caplog):
+    tr = trainer(*SMALL, "trainer.lr=10")
+    with caplog.at_level(logging.WARNING, logger="train"):
+        tr.step(0), tr.step(1)
+    assert not [r for r in caplog.records if "entropy" in r.getMessage()]
+
+
+@pytest.mark.slow
+def test_a_nan_on_one_rank_skips_the_update_on_every_rank():
+    """World 2: only rank 1's loss is NaN (its gradients stay finite). Both ranks skip the
+    update (its gradients are poisoned, so the global norm is NaN everywhere), both keep
+    the weights of step 0, and both stop with the same message naming the loss."""
+    ranks = run_distributed(nan_loss_on_one_rank, 2, 1)
+    for r in ranks:
+        assert r["first"]["skipped_update"] == 0.0
+        assert r["second"]["skipped_update"] == 1.0 and r["second"]["bad_steps"] == 1
+        assert r["unchanged"] and r["finite"]
+        assert r["error"] is not None and r["error"].startswith("step 2: non-finite loss;"), r["error"]
+    assert ranks[0]["error"] == ranks[1]["error"]
