@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from model.parallel_dims import init_distributed
+from rl.checkpoint import Checkpointer
 from rl.config import Config, load, register, validate
 from rl.metrics import MetricsWriter
 from rl.trainer import build_trainer
@@ -34,12 +35,15 @@ def main(dict_cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1 if dims.world_size > 1 else torch.get_num_threads())
 
-    trainer = build_trainer(cfg, dims)
-
     out_dir = HydraConfig.get().runtime.output_dir
-    writer = MetricsWriter(out_dir, enabled=dims.rank == 0, tensorboard=cfg.trainer.tensorboard)
+    ckpt = Checkpointer(cfg, dims, out_dir)  # checkpoint.* and resume checked before any model is built
+
+    trainer = build_trainer(cfg, dims)
+    start = ckpt.resume(trainer)  # steps already done: 0, or those of the checkpoint `resume` names
+
+    writer = MetricsWriter(out_dir, enabled=dims.rank == 0, tensorboard=cfg.trainer.tensorboard, resume_step=start)
     log.info("run folder %s; dp=%d cp=%d ep=%d on %s", out_dir, dims.dp, dims.cp, dims.ep, dims.device)
-    bar = tqdm(range(cfg.trainer.max_steps), disable=dims.rank != 0 or not cfg.trainer.progress, desc="train")
+    bar = tqdm(range(start, cfg.trainer.max_steps), disable=dims.rank != 0 or not cfg.trainer.progress, desc="train")
     for step in bar:
         metrics = trainer.step(step)
         writer.log(metrics)
@@ -47,6 +51,7 @@ def main(dict_cfg: DictConfig) -> dict:
                  metrics["loss"], metrics["grad_norm"], metrics["tokens_per_s"])
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
                         pad_eff=f"{metrics['padding_efficiency']:.2f}")
+        ckpt.after_step(trainer, step + 1)  # every checkpoint.every steps, and after the last
     writer.close(plot=cfg.trainer.plot)
     return writer.history[-1] if writer.history else {}
 

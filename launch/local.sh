@@ -13,6 +13,10 @@ if [[ ${1:-} == --dry-run ]]; then dry_run=1; shift; fi
 nproc=${1:-8}; shift || true
 [[ $nproc =~ ^[1-9][0-9]*$ ]] || { echo "launch/local.sh: NPROC=$nproc is not a positive number (usage: launch/local.sh [NPROC] [overrides...])" >&2; exit 2; }
 
+# A restarted group must not meet the failed attempt in the rendezvous store: with the store
+# shared across rounds (torch 2.13's default) gloo reads the dead ranks' addresses again
+# ("connectFullMesh failed ... Connection refused"); one store per round avoids that.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 cmd=(.venv/bin/torchrun --standalone --nproc-per-node "$nproc" --max-restarts "${MAX_RESTARTS:-0}" train.py "$@")
 if [[ $dry_run == 1 ]]; then printf -v line '%q ' "${cmd[@]}"; echo "${line% }"; exit 0; fi
 exec "${cmd[@]}"

@@ -8,7 +8,10 @@ from pathlib import Path
 
 
 class MetricsWriter:
-    def __init__(self, out_dir: str | Path, *, enabled: bool = True, tensorboard: bool = False) -> None:
+    def __init__(self, out_dir: str | Path, *, enabled: bool = True, tensorboard: bool = False,
+                 resume_step: int = 0) -> None:
+        """`resume_step` > 0 (a resumed run): the lines of steps before it are kept from an
+        existing metrics.jsonl and the file continues after them; later lines are dropped."""
         self.out_dir = Path(out_dir)
         self.enabled = enabled
         self.history: list[dict] = []
@@ -16,7 +19,13 @@ class MetricsWriter:
         self._tb = None
         if enabled:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.out_dir / "metrics.jsonl", "w")
+            path = self.out_dir / "metrics.jsonl"
+            if resume_step > 0 and path.exists():
+                self.history = [m for m in _read_lines(path) if m["step"] < resume_step]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(m) + "\n" for m in self.history))
+            tmp.replace(path)  # a kill here leaves either the old file or the kept lines, never half
+            self._file = open(path, "a")
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -42,6 +51,17 @@ class MetricsWriter:
         if plot and self.history:
             return plot_curves(self.history, self.out_dir / "curves.png")
         return None
+
+
+def _read_lines(path: Path) -> list[dict]:
+    """metrics.jsonl's lines; a last line cut short by a kill is skipped."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
 
 
 # panel title -> the metrics.jsonl keys drawn in it (a key absent from every step is skipped,

@@ -1,0 +1,389 @@
+"""Checkpoints of a run: sharded, atomic, resumable on any layout.
+
+    ckpt = Checkpointer(cfg, dims, run_dir)  # checks checkpoint.* and resume before any model is built
+    start = ckpt.resume(trainer)             # 0, or the steps completed by the checkpoint it loaded
+    for step in range(start, cfg.trainer.max_steps):
+        ...                                  # the step, its metrics line
+        ckpt.after_step(trainer, step + 1)   # saves every `checkpoint.every` steps and after the last
+
+One folder per save, named by the steps it completed, under `checkpoint.dir` (default
+`<run folder>/checkpoints`; the run folder of a torchrun run is its run id, kept across
+`--max-restarts` restarts, so `resume=auto` finds it again):
+
+    step_00000004/
+        .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP): each rank writes its shards
+        config.yaml                    the run's resolved config: provenance, and checked on resume
+        hf_config.json                 the policy's Hugging Face config (what `rl.export` rebuilds)
+        COMPLETE                       written last (JSON: step, layout); a folder without it is never loaded
+
+`resume`: `never` (the default) starts fresh, `auto` takes the newest complete checkpoint
+of `checkpoint.dir`, a path takes that checkpoint (or the newest in that folder). A group
+that torchrun restarted after a failure (`--max-restarts`, TORCHELASTIC_RESTART_COUNT > 0)
+always continues from its run's newest checkpoint when there is one, whatever `resume` says:
+restarting from scratch would overwrite the run it is meant to continue.
+
+Atomic: every rank writes into `step_00000004.tmp`; DCP's save is a collective that returns
+once every rank's files and the metadata are on disk; then rank 0 writes COMPLETE, renames
+the folder, and only then removes checkpoints beyond the newest `checkpoint.keep`. A kill at
+any point leaves the previous checkpoint the newest complete one.
+
+What a checkpoint holds (`Trainer.state_dict` plus the two entries added here):
+  actor     policy weights + AdamW state      critic    the same, when the algorithm has one
+  scheduler the LR schedule                   kl_coef   the (adaptive) KL coefficient
+  step      steps completed                   rng       every rank's RNG states (torch CPU/CUDA, python)
+The reference model is frozen and rebuilt from the same seed or pretrained path, so it is not
+saved. There is no separate data cursor: a step's prompts and samples come from generators
+seeded by (seed, step, prompt index) (rl/trainer.py `collect`), so the step is the cursor.
+
+Resharding: with world_size > 1 every entry is a DTensor, and DCP stores each shard at its
+global offsets, so any layout loads any other's checkpoint (RNG states only load on the same
+world size; nothing in a step draws from them today). Expert weights take one extra step:
+FSDP2 describes an expert parameter as a DTensor of global shape [E/ep, ...] over the ranks
+holding the *same* EP shard, so EP ranks would write different tensors under one key.
+`_global_experts` re-describes it, and its AdamW moments, as what it is: an [E, ...] tensor on
+the 2-D expert mesh (ep, edp_cp), cut by EP rank and then by FSDP's torch.chunk within, which
+is DTensor's nested (Shard(0), Shard(0)) (tests/test_checkpoint.py checks uneven and empty chunks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import time
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import yaml
+from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, Shard
+
+from model.moe import is_expert_param
+from model.parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    from rl.config import Config
+    from rl.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMPLETE"
+_NAME = re.compile(r"^step_(\d+)$")
+# config keys that define the saved tensors: a difference refuses the checkpoint, naming the key
+MODEL_KEYS = ("model.name", "model.dtype", "model.overrides")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """The complete checkpoints under `root`, oldest first (folders without COMPLETE, and
+    `.tmp` folders of saves in progress or killed, are not checkpoints)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and (p / MARKER).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """`path` if it is a complete checkpoint, else the newest complete one in the folder `path`;
+    a ValueError saying why when there is none."""
+    path = Path(path)
+    if (path / MARKER).is_file() and not path.name.endswith(".tmp"):
+        return path
+    found = complete_checkpoints(path)
+    if found:
+        return found[-1]
+    if not path.exists():
+        raise ValueError(f"{path}: folder not found")
+    raise ValueError(f"{path}: not a complete checkpoint (no {MARKER} file: a save that did not finish?) "
+                     f"and no complete step_N checkpoint inside")
+
+
+# ------------------------------------------------------------- the training state
+def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer, dims: ParallelDims) -> dict[str, Any]:
+    """`{"weights": fqn -> tensor, "optimizer": {"state": fqn -> {...}, "param_groups": [...]}}`
+    of one trained module, as DCP saves and loads it: sharded entries are DTensors of the
+    parameter's global shape (expert shards re-described: see the module docstring); loading
+    fills them in place. An optimizer that has not stepped yet gets its state initialised
+    (a zero-lr step on zero gradients: the weights do not move)."""
+    weights, optim = get_state_dict(module, optimizer)
+    weights = {k: _global_experts(v, dims) if is_expert_param(k) else v for k, v in weights.items()}
+    optim["state"] = {fqn: {k: _global_experts(v, dims) for k, v in s.items()} if is_expert_param(fqn) else s
+                      for fqn, s in optim["state"].items()}
+    return {"weights": weights, "optimizer": optim}
+
+
+def load_sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                       dims: ParallelDims) -> None:
+    """Put a `sharded_state` dict (filled by `dcp.load`) into the module and optimizer."""
+    weights = {k: _fsdp_experts(v, dims) if is_expert_param(k) else v for k, v in state["weights"].items()}
+    optim = dict(state["optimizer"])
+    optim["state"] = {fqn: {k: _fsdp_experts(v, dims) for k, v in s.items()} if is_expert_param(fqn) else s
+                      for fqn, s in optim["state"].items()}
+    set_state_dict(module, optimizer, model_state_dict=weights, optim_state_dict=optim)
+
+
+def _global_experts(t: Any, dims: ParallelDims) -> Any:
+    """An expert shard (FSDP2 DTensor [E/ep, ...] over `dims.expert_fsdp_mesh`) as the global
+    [E, ...] DTensor over `dims.expert_mesh` (ep, edp_cp): the same local tensor, no copy."""
+    if dims.ep == 1 or not isinstance(t, DTensor) or t.dim() == 0:
+        return t
+    if t.device_mesh != dims.expert_fsdp_mesh or tuple(t.placements) != (Shard(0),):
+        raise RuntimeError(f"checkpoint: an expert entry is sharded as {t.placements} on {t.device_mesh}, expected "
+                           f"Shard(0) on the expert FSDP mesh {dims.expert_fsdp_mesh}")
+    shape = (t.shape[0] * dims.ep, *t.shape[1:])
+    return DTensor.from_local(t.to_local(), dims.expert_mesh, [Shard(0), Shard(0)], run_check=False,
+                              shape=torch.Size(shape), stride=t.stride())
+
+
+def _fsdp_experts(t: Any, dims: ParallelDims) -> Any:
+    """The inverse of `_global_experts`."""
+    if dims.ep == 1 or not isinstance(t, DTensor) or t.dim() == 0:
+        return t
+    shape = (t.shape[0] // dims.ep, *t.shape[1:])
+    return DTensor.from_local(t.to_local(), dims.expert_fsdp_mesh, [Shard(0)], run_check=False,
+                              shape=torch.Size(shape), stride=t.stride())
+
+
+def rng_state(dims: ParallelDims) -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state().numpy().tobytes(), "python": random.getstate()}
+    if dims.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(dims.device).numpy().tobytes()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], dims: ParallelDims) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+    random.setstate(state["python"])
+    if "cuda" in state and dims.device.type == "cuda":
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8), dims.device)
+
+
+# ------------------------------------------------------------------- save / load
+def save_checkpoint(trainer: "Trainer", root: Path, step: int, cfg: "Config", dims: ParallelDims) -> Path:
+    """Write the training state after `step` completed steps to `root/step_XXXXXXXX` (atomic:
+    see the module docstring). A collective: every rank calls it."""
+    final = root / checkpoint_name(step)
+    tmp = final.with_name(final.name + ".tmp")
+    if dims.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        tmp.mkdir(parents=True)
+    _barrier(dims)
+    state = {**trainer.state_dict(), "step": step, "rng": {f"rank{dims.rank}": rng_state(dims)}}
+    with quiet_single_process():
+        dcp.save(state, checkpoint_id=tmp, no_dist=not dims.distributed)  # returns once every rank has written
+    inject_fault("in_save", step, dims.rank)
+    if dims.rank == 0:
+        (tmp / "config.yaml").write_text(config_yaml(cfg))
+        trainer.actor.model.config.to_json_file(tmp / "hf_config.json")
+        info = {"step": step, "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "ep": dims.ep,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        _write_synced(tmp / MARKER, json.dumps(info) + "\n")
+        old = final.with_name(final.name + ".old")
+        if final.exists():  # the same step saved before (a resume from an older checkpoint)
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        tmp.rename(final)
+        _fsync(root)
+        shutil.rmtree(old, ignore_errors=True)
+        for stale in complete_checkpoints(root)[:-cfg.checkpoint.keep]:
+            shutil.rmtree(stale)
+        for stale in root.glob("step_*.tmp"):  # saves killed earlier
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier(dims)  # published before any rank moves on
+    return final
+
+
+def load_checkpoint(trainer: "Trainer", path: str | Path, dims: ParallelDims) -> int:
+    """Load the checkpoint at `path` into `trainer` (weights, optimizers, LR schedule, KL
+    coefficient; the rollout engine gets the policy's weights) and this rank's RNG states
+    when the world size is the saved one. Returns the steps it completed. A collective."""
+    path = Path(path)
+    info = json.loads((path / MARKER).read_text() or "{}")
+    reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    state: dict[str, Any] = {**trainer.state_dict(), "step": 0}
+    check_entries(state, saved, path)
+    same_world = info.get("world_size") == dims.world_size
+    if same_world:
+        state["rng"] = {f"rank{dims.rank}": rng_state(dims)}
+    with quiet_single_process():
+        dcp.load(state, storage_reader=reader, no_dist=not dims.distributed)
+    trainer.load_state_dict(state)
+    if same_world:
+        set_rng_state(state["rng"][f"rank{dims.rank}"], dims)
+    else:
+        log.info("checkpoint saved on %s ranks, loaded on %d: RNG states not restored", info.get("world_size"),
+                 dims.world_size)
+    return int(state["step"])
+
+
+def check_entries(state: dict[str, Any], saved: dict[str, Any], path: Path) -> None:
+    """Refuse a checkpoint whose entries are not this run's, naming the entry: one missing,
+    one this run lacks (a critic, a layer), or one of another shape."""
+    flat, _ = flatten_state_dict(state)
+    problems = []
+    for key, value in flat.items():
+        meta = saved.get(key)
+        if meta is None:
+            problems.append(f"{key}: not in the checkpoint")
+        elif isinstance(value, torch.Tensor):
+            want = tuple(value.shape)
+            got = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else None
+            if got != want:
+                problems.append(f"{key}: shape {list(got) if got is not None else 'none (not a tensor)'} in the "
+                                f"checkpoint, {list(want)} in this run")
+    extra = sorted(k for k in saved if k not in flat and not k.startswith("rng."))
+    problems += [f"{key}: in the checkpoint, not in this run" for key in extra]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise ValueError(f"checkpoint {path} does not match this run (another model or algorithm?): "
+                         + "; ".join(problems[:5]) + more)
+
+
+# ---------------------------------------------------------------------- config
+def config_dict(cfg: "Config") -> dict[str, Any]:
+    """The config as plain YAML-able data (closed choices as their string values)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def config_yaml(cfg: "Config") -> str:
+    return yaml.safe_dump(config_dict(cfg), sort_keys=False)
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict) and tree:
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
+
+
+def check_config(path: Path, cfg: "Config") -> None:
+    """Refuse a checkpoint of another model (a `MODEL_KEYS` value differs), naming the key;
+    log the other settings that changed since it was saved."""
+    saved = _flat(yaml.safe_load((path / "config.yaml").read_text()))
+    now = _flat(config_dict(cfg))
+    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k, "<unset>") != now.get(k, "<unset>"))
+    for key in changed:
+        if any(key == m or key.startswith(m + ".") for m in MODEL_KEYS):
+            raise ValueError(f"resume={str(path)!r}: the checkpoint was saved with "
+                             f"{key}={saved.get(key, '<unset>')!r}, this run has {key}={now.get(key, '<unset>')!r} "
+                             "(a checkpoint of another model)")
+    changed = [k for k in changed if k != "resume"]
+    if changed:
+        log.info("resuming from %s with changed settings: %s", path,
+                 ", ".join(f"{k}={saved.get(k, '<unset>')!r}->{now.get(k, '<unset>')!r}" for k in changed))
+
+
+# ------------------------------------------------------------------ checkpointer
+class Checkpointer:
+    """When to save, where, and which checkpoint a run resumes from (see the module docstring)."""
+
+    def __init__(self, cfg: "Config", dims: ParallelDims, run_dir: str | Path) -> None:
+        c = cfg.checkpoint
+        if c.every < 0:
+            raise ValueError(f"checkpoint.every={c.every}: expected >= 0 (0 = only the final checkpoint)")
+        if c.keep < 1:
+            raise ValueError(f"checkpoint.keep={c.keep}: expected >= 1")
+        self.cfg, self.dims = cfg, dims
+        self.root = Path(c.dir) if c.dir else Path(run_dir) / "checkpoints"
+        self.resume_from = self._resume_path(cfg.resume)
+        if self.resume_from is not None:
+            check_config(self.resume_from, cfg)
+
+    def _resume_path(self, resume: str) -> Path | None:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        if restart > 0 and complete_checkpoints(self.root):  # torchrun restarted the group after a failure
+            log.info("torchrun restart %d: continuing from this run's newest checkpoint", restart)
+            return complete_checkpoints(self.root)[-1]
+        if resume == "never":
+            return None
+        if resume == "auto":
+            found = complete_checkpoints(self.root)
+            if not found:
+                log.info("resume=auto: no complete checkpoint under %s, starting fresh", self.root)
+            return found[-1] if found else None
+        try:
+            return find_checkpoint(resume)
+        except ValueError as e:
+            raise ValueError(f"resume={resume!r}: {e}; expected never, auto, a checkpoint folder "
+                             f"(e.g. {self.root / checkpoint_name(4)}) or a folder of them") from None
+
+    def resume(self, trainer: "Trainer") -> int:
+        """Load the checkpoint chosen by `resume`; the number of steps already done (0 when fresh)."""
+        if self.resume_from is None:
+            return 0
+        t0 = time.perf_counter()
+        step = load_checkpoint(trainer, self.resume_from, self.dims)
+        log.info("resumed from %s (%d steps done) in %.2f s", self.resume_from, step, time.perf_counter() - t0)
+        if step >= self.cfg.trainer.max_steps:
+            log.warning("the checkpoint has %d steps done, trainer.max_steps=%d: nothing left to run", step,
+                        self.cfg.trainer.max_steps)
+        return step
+
+    def after_step(self, trainer: "Trainer", step: int) -> Path | None:
+        """`step` steps are complete: save when one is due (every `checkpoint.every`, and the last)."""
+        c, path = self.cfg.checkpoint, None
+        if (c.every and step % c.every == 0) or (c.final and step == self.cfg.trainer.max_steps):
+            t0 = time.perf_counter()
+            path = save_checkpoint(trainer, self.root, step, self.cfg, self.dims)
+            log.info("saved %s in %.2f s", path, time.perf_counter() - t0)
+        inject_fault("after_step", step, self.dims.rank)
+        return path
+
+
+# --------------------------------------------------------------------- helpers
+def inject_fault(point: str, step: int, rank: int) -> None:
+    """Test hook: `RL_TEST_KILL=<point>:<step>[:<rank>]` SIGKILLs that rank (default 0) at
+    `point` ("in_save": after its shards are written, before the checkpoint is published;
+    "after_step": once `step` steps are done and saved), in a run's first attempt only
+    (torchrun's TORCHELASTIC_RESTART_COUNT is 0 or unset)."""
+    spec = os.environ.get("RL_TEST_KILL")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    where, at, *who = spec.split(":")
+    if where == point and int(at) == step and int(who[0] if who else 0) == rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def quiet_single_process():
+    """DCP warns on every single-process save/load that it assumes a single process: it is one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        yield
+
+
+def _barrier(dims: ParallelDims) -> None:
+    if dims.distributed:
+        dist.barrier()
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,75 @@
+"""A checkpoint's policy as a Hugging Face folder: `python -m rl.export CKPT OUT`.
+
+    python -m rl.export outputs/<run>/checkpoints/step_00000020 exported/
+    python -m rl.export outputs/<run>/checkpoints exported/     # the newest complete checkpoint
+    AutoModelForCausalLM.from_pretrained("exported/")            # the trained policy
+    python train.py model=pretrained model.name=qwen3_moe model.pretrained_path=exported/
+
+OUT gets config.json and model.safetensors (`save_pretrained`), plus the tokenizer when the
+run named one (task.tokenizer_path, or a tokenizer in model.pretrained_path). The model is
+rebuilt in one process from the checkpoint's hf_config.json (the original pretrained folder
+is not needed) and DCP fills its state dict in place from the policy's saved weights,
+gathering the shards of whatever layout saved them; the optimizer state is not read. Peak
+memory is one copy of the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+
+from model.models import MODELS
+from rl.checkpoint import quiet_single_process, find_checkpoint
+
+POLICY = "actor.weights."  # checkpoint keys of the policy: "actor.weights." + Actor state-dict name
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def export(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write the policy of `checkpoint` (a checkpoint folder, or a folder of them: the newest)
+    to the Hugging Face folder `out`; returns `out`."""
+    path, out = find_checkpoint(checkpoint), Path(out)
+    saved = yaml.safe_load((path / "config.yaml").read_text())
+    config_cls, model_cls, _ = MODELS[saved["model"]["name"]]
+    config = config_cls.from_json_file(str(path / "hf_config.json"))
+    dtype = getattr(torch, saved["model"]["dtype"])
+    config.dtype = dtype
+    model = model_cls(config).to(dtype)
+    # Actor names its causal LM `model`: the LM's "lm_head.weight" is the Actor's "model.lm_head.weight"
+    state = {f"{POLICY}model.{k}": v for k, v in model.state_dict().items()}
+    stored = {k for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata if k.startswith(POLICY)}
+    missing, extra = sorted(state.keys() - stored), sorted(stored - state.keys())
+    if missing or extra:
+        raise ValueError(f"export: checkpoint {path} does not hold a {model_cls.__name__}: "
+                         f"missing {missing[:3]}, unexpected {extra[:3]}")
+    with quiet_single_process():
+        dcp.load(state, checkpoint_id=path, no_dist=True)  # in place into the model's tensors
+    model.save_pretrained(out)
+    _copy_tokenizer(saved, out)
+    return out
+
+
+def _copy_tokenizer(saved: dict, out: Path) -> None:
+    for folder in (saved["task"].get("tokenizer_path"), saved["model"].get("pretrained_path")):
+        if folder and any((Path(folder) / f).is_file() for f in _TOKENIZER_FILES):
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(folder, local_files_only=True).save_pretrained(out)
+            return
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rl.export", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a checkpoint folder (step_N) or a folder of them (the newest is taken)")
+    parser.add_argument("out", help="the Hugging Face folder to write")
+    args = parser.parse_args(argv)
+    out = export(args.checkpoint, args.out)
+    print(f"exported {find_checkpoint(args.checkpoint)} -> {out}")
+
+
+if __name__ == "__main__":
+    main()

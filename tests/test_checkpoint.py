@@ -1,0 +1,205 @@
+"""Checkpoints: a run stopped, killed or restarted continues with the uninterrupted run's
+metrics bit for bit; a save is atomic; checkpoints reshard across world sizes; the export
+is a Hugging Face folder with the policy's logits; another model's checkpoint is refused."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from checkpoint_worker import config, load_and_report, save_after_one_step, trainer_for
+from distributed import run_distributed
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from model.models import build_model
+from model.parallel_dims import ParallelDims
+from rl.checkpoint import Checkpointer, check_config, complete_checkpoints, find_checkpoint, load_checkpoint
+from rl.export import main as export_main
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING = {"tokens_per_s", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "step_s"}
+RUN = ["trainer.max_steps=8", "trainer.plot=false", "trainer.progress=false"]
+FOUR = ["parallel=cp2_ep2", "task.prompts_per_step=8", "task.samples_per_prompt=4"]  # dp2 x cp2, ep2
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def launch(out: Path, *overrides: str, nproc: int = 1, kill: str | None = None, restarts: int | None = None):
+    """train.py in a subprocess (torchrun for nproc > 1; launch/local.sh when `restarts` is
+    set); `kill` sets the RL_TEST_KILL fault hook (rl/checkpoint.py `inject_fault`)."""
+    args = [f"hydra.run.dir={out}", *overrides]
+    if restarts is not None:
+        cmd = ["launch/local.sh", str(nproc), *args]
+    elif nproc == 1:
+        cmd = [sys.executable, "train.py", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py",
+               *args]
+    env = {**ENV, **({"RL_TEST_KILL": kill} if kill else {}), **({"MAX_RESTARTS": str(restarts)} if restarts else {})}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
+            for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def ok(proc) -> None:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+# -------------------------------------------------------------- in process
+def test_expert_shards_are_nested_chunks_of_the_global_tensor():
+    """An expert entry saved as [E, ...] on the (ep, edp_cp) mesh with (Shard(0), Shard(0)):
+    DTensor's offsets equal EP's contiguous slice followed by FSDP2's torch.chunk inside it,
+    uneven and empty chunks included."""
+    for experts, ep, fsdp in [(8, 2, 2), (8, 2, 3), (8, 4, 3), (8, 2, 6), (128, 8, 16), (6, 2, 4)]:
+        rows = torch.arange(experts)
+        for ep_rank in range(ep):
+            mine = rows.view(ep, -1)[ep_rank]  # ExpertParallelExperts: experts [r*E/ep, (r+1)*E/ep)
+            chunks = list(torch.chunk(mine, fsdp)) + [mine[:0]] * fsdp  # FSDP2: torch.chunk, then empty
+            for fsdp_rank in range(fsdp):
+                shape, offset = _compute_local_shape_and_global_offset(
+                    (experts, 3), (ep, fsdp), [ep_rank, fsdp_rank], [Shard(0), Shard(0)])
+                want = chunks[fsdp_rank]
+                assert shape == (len(want), 3), (experts, ep, fsdp, ep_rank, fsdp_rank)
+                if len(want):
+                    assert offset[0] == int(want[0]), (experts, ep, fsdp, ep_rank, fsdp_rank)
+
+
+def test_only_complete_checkpoints_are_found(tmp_path):
+    for name, marker in [("step_00000002", True), ("step_00000004", False), ("step_00000006.tmp", True),
+                         ("step_00000003", True)]:
+        (tmp_path / name).mkdir()
+        if marker:
+            (tmp_path / name / "COMPLETE").write_text("{}")
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
+    assert find_checkpoint(tmp_path) == tmp_path / "step_00000003"
+    for bad, why in [(tmp_path / "step_00000004", "no COMPLETE"), (tmp_path / "step_00000006.tmp", "no COMPLETE"),
+                     (tmp_path / "nowhere", "folder not found")]:
+        with pytest.raises(ValueError, match=why):
+            find_checkpoint(bad)
+    cfg = config("resume=" + str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="resume=.*nowhere.*folder not found"):
+        Checkpointer(cfg, ParallelDims(), tmp_path)
+    for bad, key in [("checkpoint.keep=0", "checkpoint.keep"), ("checkpoint.every=-1", "checkpoint.every")]:
+        with pytest.raises(ValueError, match=key):
+            Checkpointer(config(bad), ParallelDims(), tmp_path)
+    fresh = Checkpointer(config("resume=auto", f"checkpoint.dir={tmp_path / 'empty'}"), ParallelDims(), tmp_path)
+    assert fresh.resume_from is None  # nothing saved yet: start fresh
+    never = Checkpointer(config("resume=never", f"checkpoint.dir={tmp_path}"), ParallelDims(), tmp_path)
+    assert never.resume_from is None  # checkpoints exist, but `never` starts fresh
+
+
+def test_a_checkpoint_of_another_model_or_algorithm_is_refused_naming_the_key(tmp_path):
+    small = ["task.prompts_per_step=2", "task.samples_per_prompt=2", "model=moe_tiny"]
+    saved = save_after_one_step(0, 1, str(tmp_path), *small)
+    path = tmp_path / "step_00000001"
+    again = load_and_report(0, 1, str(path), *small)  # the control: the same model loads
+    assert again["step"] == 1 and all(torch.equal(again["state"][k], v) for k, v in saved["state"].items())
+    with pytest.raises(ValueError, match=r"model\.overrides\.num_experts=8.*num_experts=4"):  # before a model is built
+        Checkpointer(config(*small, f"resume={path}", "model.overrides.num_experts=4"), ParallelDims(), tmp_path)
+    with pytest.raises(ValueError, match=r"model\.name='qwen3_moe'"):
+        check_config(path, config(*small, "model=dense_tiny"))
+    _, other = trainer_for(*small, "model.overrides.num_experts=4")  # past the config check: the tensors differ
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj: shape \[8, 64, 64\] in the checkpoint, \[4, 64, 64\]"):
+        load_checkpoint(other, path, other.dims)
+    _, ppo = trainer_for(*small, "algo=ppo", "algo.kl_coef=0")  # a critic the checkpoint does not hold
+    with pytest.raises(ValueError, match=r"critic\.weights\.[\w.]+: not in the checkpoint"):
+        load_checkpoint(ppo, path, ppo.dims)
+
+
+# ------------------------------------------------------ end to end, one process
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one") / "run"
+    ok(launch(out, *RUN))
+    return metrics(out)
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_with_the_uninterrupted_metrics(uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    killed = launch(out, *RUN, "checkpoint.every=2", kill="after_step:5")  # SIGKILL once 5 steps are done
+    assert killed.returncode == -signal.SIGKILL
+    assert len(metrics(out)) == 5  # steps 0..4 logged; the newest checkpoint holds 4
+    ok(launch(out, *RUN, "checkpoint.every=2", "resume=auto"))
+    assert metrics(out) == uninterrupted  # step 4 re-run once, not duplicated; 5..7 bit for bit
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step_00000006", "step_00000008"]
+
+
+@pytest.mark.slow
+def test_kill_during_a_save_leaves_the_previous_checkpoint(uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    killed = launch(out, *RUN, "checkpoint.every=2", kill="in_save:4")  # shards written, not yet published
+    assert killed.returncode == -signal.SIGKILL
+    assert (out / "checkpoints" / "step_00000004.tmp").is_dir()
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step_00000002"]
+    resumed = launch(out, *RUN, "checkpoint.every=2", f"resume={out / 'checkpoints'}")  # its newest complete one
+    ok(resumed)
+    assert "resumed from " + str(out / "checkpoints" / "step_00000002") in resumed.stdout + resumed.stderr
+    assert metrics(out) == uninterrupted
+    assert not list((out / "checkpoints").glob("*.tmp"))
+
+
+# ------------------------------------------------- end to end, torchrun 4 ranks
+@pytest.fixture(scope="module")
+def uninterrupted_four(tmp_path_factory):
+    out = tmp_path_factory.mktemp("four") / "run"
+    ok(launch(out, *RUN, *FOUR, nproc=4))
+    return metrics(out)
+
+
+@pytest.mark.slow
+def test_four_ranks_killed_after_four_of_eight_steps_restart_resume_and_finish_alike(uninterrupted_four, tmp_path):
+    """MAX_RESTARTS=1 launch/local.sh 4 (dp2 x cp2, ep2; resume left at `never`): rank 1
+    SIGKILLs itself once 4 steps are done; torchrun restarts the group, which finds its run
+    folder again (torchrun's run id), resumes from the step-4 checkpoint and finishes with
+    the uninterrupted metrics."""
+    runs = tmp_path / "outputs"
+    proc = launch(runs / "${run_id:}", *RUN, *FOUR, "checkpoint.every=2", nproc=4, kill="after_step:4:1", restarts=1)
+    ok(proc)
+    (out,) = list(runs.iterdir())  # both attempts wrote one run folder
+    log = proc.stdout + proc.stderr
+    assert "torchrun restart 1" in log and "resumed from " + str(out / "checkpoints" / "step_00000004") in log
+    assert metrics(out) == uninterrupted_four
+
+
+# ------------------------------------------------ resharding, export, restart from it
+@pytest.mark.slow
+def test_saved_at_world_4_loads_at_world_2_and_1_and_exports_the_policy(tmp_path):
+    """dp2 x cp2, ep2 with 2 experts: each EP rank's one expert is FSDP-sharded over two ranks,
+    one of which holds nothing (the empty-chunk case); weights and AdamW moments are compared."""
+    small = ["task.prompts_per_step=4", "task.samples_per_prompt=4", "model.overrides.num_experts=2"]
+    saved = run_distributed(save_after_one_step, 4, str(tmp_path / "ck"), "parallel=cp2_ep2", *small)[0]
+    for name, full in saved["rollout"].items():  # the checkpoint's view of the experts is the layout's
+        assert torch.equal(saved["state"]["weights.model." + name], full), name
+    path = tmp_path / "ck" / "step_00000001"
+    two = run_distributed(load_and_report, 2, str(path), "parallel=ep2", *small)[0]
+    one = load_and_report(0, 1, str(path), *small)
+    for got in (two, one):
+        assert got["step"] == 1 and got["state"].keys() == saved["state"].keys()
+        for key, value in saved["state"].items():
+            assert torch.equal(got["state"][key], value), key
+    assert any(v.abs().max() > 0 for k, v in saved["state"].items() if k.endswith("experts.down_proj.exp_avg"))
+
+    out = tmp_path / "hf"
+    export_main([str(path), str(out)])  # python -m rl.export CKPT OUT
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    policy = build_model("qwen3_moe", attn_implementation="sdpa", **config(*small).model.overrides)
+    policy.load_state_dict({k: v for k, v in saved["rollout"].items()})
+    ids = torch.randint(0, policy.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, policy(ids).logits)
+
+    run = tmp_path / "from_export"
+    ok(launch(run, "model=pretrained", "model.name=qwen3_moe", "model.dtype=float32", f"model.pretrained_path={out}",
+              "trainer.max_steps=1", "trainer.plot=false", "trainer.progress=false"))
+    assert len(metrics(run)) == 1
