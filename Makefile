@@ -6,7 +6,7 @@ NPROC   ?= 8
 PARALLEL ?= cp2_ep2
 ARGS    ?=
 
-.PHONY: install test test-quick train clean
+.PHONY: install test test-quick train bench clean
 
 install: $(STAMP)
 
@@ -21,6 +21,14 @@ test: $(STAMP)
 
 test-quick: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(ARGS)
+
+# one JSON line per bench (last line of each), bench/results/<name>.json and bench/results/bench.png;
+# step runs first: collate reads its step time. `make bench ARGS=--quick` for a short run.
+BENCHES := step memory collate planner cp_balance ep_balance attention state_memory memory_plan
+
+bench: $(STAMP)
+	@for b in $(BENCHES); do echo "== bench/$$b.py"; $(PY) bench/$$b.py $(ARGS) || exit 1; done
+	$(PY) bench/chart.py
 
 train: $(STAMP)
 	.venv/bin/torchrun --standalone --nproc-per-node $(NPROC) train.py parallel=$(PARALLEL) $(ARGS)

@@ -1,6 +1,11 @@
-"""Shared plumbing of the benches: the repo on sys.path, GRPO-like length mixes,
-interleaved median timing, and the result writer (bench/results/<name>.json plus the
-one JSON line every bench prints last)."""
+"""Shared plumbing of the benches: the repo on sys.path, GRPO-like length mixes and
+records, interleaved median timing, and the result writer (bench/results/<name>.json plus
+the one JSON line every bench prints last, which names the kernel set and threads).
+
+Timings are medians of process CPU time with one thread by default (`--threads`,
+`--clock wall`): the 2-core machines this runs on are shared, and with two threads a
+busy neighbour turns OpenMP waits into seconds of noise, while one thread's CPU time
+stays within a few percent run to run."""
 
 from __future__ import annotations
 
@@ -69,19 +74,27 @@ def records(seq_lens: list[int], *, vocab: int, seed: int = 0, prompt: tuple[int
     return out
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median wall seconds of each fn, runs interleaved (a, b, a, b, ...) so a slow spell of a
-    shared machine hits every candidate alike; `warmup` untimed rounds first."""
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, dict]:
+    """Median seconds of each fn, runs interleaved (a, b, a, b, ...) so a slow spell of a
+    shared machine hits every candidate alike; `warmup` untimed rounds first.
+
+    Returns name -> {"wall": median wall s, "cpu": median process CPU s (all threads),
+    "wall_runs": [...], "cpu_runs": [...]}. On a machine shared with other jobs the CPU
+    time is the steadier measure of the work; on an idle one the two agree.
+    """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    runs: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t = time.perf_counter()
+            w, c = time.perf_counter(), time.process_time()
             fn()
-            times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            runs[name]["cpu"].append(time.process_time() - c)
+            runs[name]["wall"].append(time.perf_counter() - w)
+    return {name: {"wall": statistics.median(r["wall"]), "cpu": statistics.median(r["cpu"]),
+                   "wall_runs": [round(x, 4) for x in r["wall"]], "cpu_runs": [round(x, 4) for x in r["cpu"]]}
+            for name, r in runs.items()}
 
 
 def machine() -> dict:
@@ -90,9 +103,9 @@ def machine() -> dict:
             "torch": torch.__version__, "cpus": os.cpu_count()}
 
 
-def emit(name: str, summary: dict, details: dict | None = None) -> dict:
+def emit(name: str, summary: dict, details: dict | None = None, *, clock: str | None = None) -> dict:
     """Write bench/results/<name>.json and print `summary` (+ machine) as the last line."""
-    line = {**summary, **machine()}
+    line = {**summary, **({"clock": clock} if clock else {}), **machine()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps({"summary": line, "details": details or {}}, indent=1) + "\n")
     print(json.dumps(line), flush=True)
@@ -100,12 +113,17 @@ def emit(name: str, summary: dict, details: dict | None = None) -> dict:
 
 
 def quick_flag(description: str):
-    """argparse with `--quick` (fewer repeats / smaller inputs) and `--threads`."""
+    """argparse with `--quick` (fewer repeats / smaller inputs), `--threads` and `--clock`."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller inputs")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch.set_num_threads (default 1: one thread's CPU time is the same on a busy "
+                             "machine as on an idle one; the ratios are of work, not of parallelism)")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="which median the figures use: process CPU time (default) or wall time "
+                             "(meaningful on an idle machine only)")
     return parser
 
 

@@ -5,24 +5,24 @@ attention work (`packing.cp.attention_work`: visible keys summed over its real q
 and token count, under the zigzag layout (rank r keeps chunks r and 2cp-1-r of every
 sequence) and under contiguous sharding (rank r keeps chunks 2r and 2r+1), with the
 max/min ratio. No processes, no model: the layout alone decides the balance. The last
-line is one JSON object; the output is also written to logs/cp_balance.out.
+line is one JSON object (`zigzag_imbalance`: the worst zigzag max/min over cp=2, 4); the
+output is also written to bench/results/cp_balance.out and cp_balance.json.
 
-    python logs/cp_balance.py
+    python bench/cp_balance.py
 """
 
 from __future__ import annotations
 
-import json
-import pathlib
 import sys
+from pathlib import Path
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, emit  # noqa: E402
 
 import torch  # noqa: E402
 
+from model.context_parallel import attention_work, cp_layout  # noqa: E402
 from packing.collate import make_experience_batch  # noqa: E402
-from packing.cp import attention_work, cp_layout  # noqa: E402
 from packing.experience import Experience  # noqa: E402
 
 LENGTHS = [1000, 517, 2048, 301, 64, 3, 1200]  # uneven on purpose, a 3-token one included
@@ -42,11 +42,13 @@ def main() -> dict:
             summary[name] = round(max(work) / min(work), 4)
             lines.append(f"{name:>16}: work/rank {work}  max/min {max(work) / min(work):.4f}  "
                          f"tokens/rank {tokens} (N_pad={sum(layouts[0].padded_lens)})")
-    lines.append(json.dumps({"max_over_min_work": summary}))
     for line in lines:
         print(line)
-    (ROOT / "logs" / "cp_balance.out").write_text("\n".join(lines) + "\n")
-    return summary
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "cp_balance.out").write_text("\n".join(lines) + "\n")
+    worst = max(v for k, v in summary.items() if k.endswith("zigzag"))
+    return emit("cp_balance", {"zigzag_imbalance": worst, "contiguous_imbalance": max(
+        v for k, v in summary.items() if k.endswith("contiguous")), "max_over_min_work": summary})
 
 
 if __name__ == "__main__":

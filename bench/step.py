@@ -3,7 +3,9 @@
 A ~23M-parameter Qwen3 built from config (random init, fp32, no download) scores one
 microbatch of GRPO-like samples (bench/common.py length mixes) with log-probs and
 entropy, and back-propagates a token-mean policy-gradient loss. Packed and padded steps
-run interleaved (after one warm-up each); the figure is the median.
+run interleaved (after one warm-up each); the figure is the median of process CPU time,
+one thread (bench/common.py; `--threads 2 --clock wall` on an idle machine; both clocks
+are recorded in bench/results/step.json).
 
     speedup           = padded step time / packed step time
     ideal_token_ratio = padded tokens (B x T_max) / real tokens (N)
@@ -48,29 +50,32 @@ def microbatch(mix: str, quick: bool) -> list:
     return records(seq_lens, vocab=MODEL["vocab_size"], prompt=PROMPT)
 
 
-def train_step(actor, batch) -> None:
-    """Forward (log-probs + entropy), token-mean loss, backward; grads dropped."""
+def train_step(actor, batch, *, keep_grads: bool = False) -> None:
+    """Forward (log-probs + entropy), token-mean loss, backward; grads dropped unless `keep_grads`
+    (then the next step accumulates into them, as microbatches of one optimizer step do)."""
     log_probs, entropy = actor(batch, return_entropy=True)
     mask = batch.action_mask.float()
     loss = ((-batch.advantages * log_probs - 0.01 * entropy) * mask).sum() / mask.sum()
     loss.backward()
-    actor.zero_grad(set_to_none=True)
+    if not keep_grads:
+        actor.zero_grad(set_to_none=True)
 
 
-def measure(mix: str, *, quick: bool, repeats: int, actor=None) -> dict:
+def measure(mix: str, *, quick: bool, repeats: int, actor=None, clock: str = "cpu") -> dict:
     from packing.collate import make_experience_batch
 
     actor = actor or build()[0]
     items = microbatch(mix, quick)
     packed, padded = make_experience_batch(items, packed=True), make_experience_batch(items, packed=False)
-    times = interleaved_medians({"packed": lambda: train_step(actor, packed), "padded": lambda: train_step(actor, padded)},
-                                repeats=repeats)
+    times = interleaved_medians({"packed": lambda: train_step(actor, packed),
+                                 "padded": lambda: train_step(actor, padded)}, repeats=repeats)
     real, processed = packed.sequences.numel(), padded.sequences.numel()
-    speedup = times["padded"] / times["packed"]
+    speedup = times["padded"][clock] / times["packed"][clock]
     ideal = processed / real
     return {"mix": mix, "samples": len(items), "real_tokens": real, "padded_tokens": processed,
-            "max_len": max(packed.packed_seq_lens), "packed_s": times["packed"], "padded_s": times["padded"],
-            "speedup": speedup, "ideal_token_ratio": ideal, "efficiency": speedup / ideal}
+            "max_len": max(packed.packed_seq_lens), "packed_s": times["packed"][clock],
+            "padded_s": times["padded"][clock], "speedup": speedup, "ideal_token_ratio": ideal,
+            "efficiency": speedup / ideal, "times": times}
 
 
 def main() -> dict:
@@ -81,16 +86,17 @@ def main() -> dict:
     repeats = 2 if args.quick else 3
     per_mix = {}
     for mix in STEP_MIXES:
-        r = measure(mix, quick=args.quick, repeats=repeats, actor=actor)
+        r = measure(mix, quick=args.quick, repeats=repeats, actor=actor, clock=args.clock)
         per_mix[mix] = r
         print(f"{mix}: {r['samples']} samples, N={r['real_tokens']} real vs {r['padded_tokens']} padded tokens "
               f"(T_max={r['max_len']}): packed {r['packed_s']:.3f} s, padded {r['padded_s']:.3f} s, "
               f"speedup {r['speedup']:.2f} / ideal {r['ideal_token_ratio']:.2f} = efficiency {r['efficiency']:.3f}")
     worst = min(per_mix.values(), key=lambda r: r["efficiency"])
-    return emit("step", {"speedup": round(worst["speedup"], 3), "ideal_token_ratio": round(worst["ideal_token_ratio"], 3),
+    return emit("step", {"speedup": round(worst["speedup"], 3),
+                         "ideal_token_ratio": round(worst["ideal_token_ratio"], 3),
                          "efficiency": round(worst["efficiency"], 3), "mix": worst["mix"],
                          "params_m": round(params / 1e6, 1), "quick": args.quick},
-                {"per_mix": per_mix, "model": MODEL, "repeats": repeats})
+                {"per_mix": per_mix, "model": MODEL, "repeats": repeats}, clock=args.clock)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 SECTIONS = ("parity", "cp", "grads", "layout", "train")
 LIMIT_S = {"parity": 150, "cp": 150, "grads": 240, "layout": 240, "train": 300}  # per section
 BUDGET_S = 460  # all sections together: the check stays under 8 minutes
-LENGTHS = [5, 200, 37, 120, 9, 64]  # uneven samples, as logs/actor_parity.py
+LENGTHS = [5, 200, 37, 120, 9, 64]  # uneven samples, as tests/parity_check.py
 MODELS = {"dense": "qwen3", "moe": "qwen3_moe"}
 # max |diff| / max |log-prob|: 64 fp32 eps (tests/parity_check.py's bound), 2 bf16 eps
 TOLERANCE = {torch.float32: 64 * torch.finfo(torch.float32).eps, torch.bfloat16: 2 * torch.finfo(torch.bfloat16).eps}
@@ -81,7 +81,7 @@ def _actor(name: str, dtype: torch.dtype, dims):
     from model.models import build_model
     from model.parallelize import parallelize
 
-    # initializer_range 0.2: peaked next-token distributions, like a trained model's (logs/actor_parity.py)
+    # initializer_range 0.2: peaked next-token distributions, like a trained model's (tests/parity_check.py)
     model = build_model(name, seed=0, dtype=dtype, initializer_range=0.2)
     return parallelize(Actor(model, chunk_size=128, dims=dims), dims).eval()
 

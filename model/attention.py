@@ -7,19 +7,23 @@ boundaries:
 
 * CUDA + flash-attn importable (fp16/bf16): `flash_attn_varlen_func`.
 * otherwise: one causal sdpa call per sequence, `S_i x S_i` (`_per_sequence_sdpa`).
-  Chosen by bench/attention.py (torch 2.13, fp32, 2 threads, AVX512 kernel set, the
-  default on this machine), forward+backward of 8 heads / 4 KV heads / dim 64:
-  64 sequences (N=8381, S_max=512) 297 ms; 8 sequences (N=8288, S_max=1771) 445 ms.
-  Its predecessor, which held every sequence's keys at the pack's longest length to
-  reproduce the padded batch's rounding, took 679 / 960 ms (2.2x slower) and kept K/V
-  at `S_max` for every sequence alive for backward (memory that grows with the longest
-  sequence, not with the tokens: bench/memory.py); repeating K/V per head instead of
-  sdpa's `enable_gqa` took 501 / 550 ms. FlexAttention with a document mask has no CPU
-  backward in torch 2.13. Parity with the padded batch is a few fp32 ulps relative to
-  the values (worst 4.3 eps32 here, log-probs / entropy / grads, dense and MoE; the
-  tolerance of tests/parity_check.py holds under the default, AVX2 and AVX512 kernel
-  sets with 1 and 2 threads), not bit-exactness: which kernel set rounds alike differs
-  by machine anyway.
+  Chosen by bench/attention.py (torch 2.13, fp32, AVX512 kernel set, the default on this
+  machine; 1 thread, process CPU time), forward+backward with 6 heads / 2 KV heads / dim 64:
+
+      pack                          per-sequence  held keys  K/V repeated  one [N, N] mask
+      32 seqs, N=4780, S_max=512        136 ms      357 ms       198 ms        1946 ms
+      8 seqs, N=8288, S_max=1771        503 ms     1183 ms       528 ms           -
+
+  "held keys" is the former default: every sequence's keys zero-extended to the pack's
+  longest length, to reproduce the padded batch's rounding on one kernel set. It was 2.4-2.6x
+  slower and kept K/V at `S_max` for every sequence alive for backward: +73 MiB on
+  bench/memory.py's long-tail microbatch (8 sequences, S_max=482, 6 layers), memory that
+  grows with the longest sequence, not with the tokens. sdpa's `enable_gqa` beats repeating
+  K/V per head. FlexAttention with a document mask has no CPU backward in torch 2.13.
+  Parity with the padded batch is a few fp32 ulps of the values, not bit-exactness (which
+  kernel set rounds alike differs by machine anyway): worst 4.3 eps32 relative over
+  log-probs, entropy and grads, dense and MoE, under the default, AVX2 and AVX512 kernel
+  sets with 1 and 2 threads (tests/test_portable_parity.py, tolerance in tests/parity_check.py).
 * no `cu_seq_lens_q` (a padded batch, or generation with a cache): transformers' sdpa with
   the mask the model built.
 

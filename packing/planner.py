@@ -56,7 +56,7 @@ import operator
 from bisect import bisect_left, insort
 from typing import Sequence
 
-__all__ = ["karmarkar_karp", "plan_microbatches", "plan_stats"]
+__all__ = ["karmarkar_karp", "plan_microbatches"]
 
 Plan = list[list[list[int]]]
 
@@ -222,21 +222,6 @@ def plan_microbatches(
         return _plan_fixed(lens, dp_size, micro_batch_size, max_tokens)
     assert max_tokens is not None
     return _plan_tokens(lens, max_tokens, dp_size)
-
-
-def plan_stats(plan: Plan, lengths: Sequence[int]) -> dict:
-    """Summary figures of a plan, for logging."""
-    if not plan:
-        raise ValueError("plan is empty (no DP ranks)")
-    rank_tokens = [sum(_tokens(mb, lengths) for mb in rank) for rank in plan]
-    mean = sum(rank_tokens) / len(rank_tokens)
-    return {
-        "microbatches_per_rank": max(len(rank) for rank in plan),
-        "rank_tokens": rank_tokens,
-        "dp_imbalance": max(rank_tokens) / mean if mean else 1.0,
-        "max_microbatch_tokens": max((_tokens(mb, lengths) for rank in plan for mb in rank), default=0),
-        "empty_microbatches": sum(1 for rank in plan for mb in rank if not mb),
-    }
 
 
 # ------------------------------------------------------------ token-budget mode

@@ -50,7 +50,7 @@ class ModelConfig:
     pretrained_path: Optional[str] = None  # a local checkpoint folder; None = tiny random init
     dtype: DType = DType.FLOAT32  # the weights as built / loaded (FSDP keeps them as the fp32 master copy)
     param_dtype: Optional[DType] = None  # FSDP2 compute dtype (MixedPrecisionPolicy); None = dtype; grads reduce in fp32
-    temperature: float = 1.0  # applied to logits in training and in rollout alike
+    temperature: float = 1.0  # the sampling temperature: rollout samples and training scores the same softmax(z / T)
     logprob_chunk_size: int = 1024  # tokens per chunk of the fp32 log-softmax
     overrides: Dict[str, Any] = field(default_factory=dict)  # Hugging Face config fields
 
@@ -107,7 +107,6 @@ class TaskConfig:
     prompts_per_step: int = 16  # global, split over DP ranks
     samples_per_prompt: int = 8  # the GRPO group size
     max_new_tokens: int = 12
-    rollout_temperature: float = 1.0
     prompts_path: Optional[str] = None  # task=file|math: JSONL prompts
     reward_fn: Optional[str] = None  # task=file: "module:function"
     tokenizer_path: Optional[str] = None  # task=math (and text prompts): a local tokenizer folder
@@ -211,7 +210,7 @@ def validate(cfg: Config, world_size: int) -> None:
         "task.max_new_tokens": cfg.task.max_new_tokens, "batch.max_tokens": cfg.batch.max_tokens,
         "algo.mini_batches": cfg.algo.mini_batches, "algo.epochs": cfg.algo.epochs,
         "trainer.max_steps": cfg.trainer.max_steps, "trainer.max_bad_steps": cfg.trainer.max_bad_steps,
-        "algo.max_sampling_rounds": cfg.algo.max_sampling_rounds,
+        "algo.max_sampling_rounds": cfg.algo.max_sampling_rounds, "model.temperature": cfg.model.temperature,
     }
     for key, value in positive.items():
         if value <= 0:

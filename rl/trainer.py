@@ -174,7 +174,7 @@ class Trainer:
         index = [base + i for i in range(per_rank) for _ in range(task.samples_per_prompt)]
         records = self.engine.generate(
             [p for p, _ in prompts for _ in range(task.samples_per_prompt)], prompt_indices=index,
-            max_new_tokens=task.max_new_tokens, temperature=task.rollout_temperature, seed=self.cfg.seed * 7919 + step,
+            max_new_tokens=task.max_new_tokens, temperature=self.cfg.model.temperature, seed=self.cfg.seed * 7919 + step,
         )
         score(self.task, records, [m for _, m in prompts for _ in range(task.samples_per_prompt)])
         if algo.overlong_buffer is not None:

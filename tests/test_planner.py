@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packing.planner import karmarkar_karp, plan_microbatches, plan_stats
+from packing.planner import _tokens, karmarkar_karp, plan_microbatches
 
 PLANNER = Path(__file__).resolve().parents[1] / "packing" / "planner.py"
 CAP, DP = 8192, 8
@@ -73,6 +73,19 @@ def test_budget_mode_invariants(case):
     m = assert_valid(plan, lengths, dp, cap)
     # Never more steps than one-sample-per-microbatch on the fullest rank would need.
     assert m <= max(sum(len(mb) for mb in rank) for rank in plan)
+
+
+def plan_stats(plan, lengths) -> dict:
+    """Summary figures of a plan (what bench/planner.py reports, for assertions here)."""
+    rank_tokens = [sum(_tokens(mb, lengths) for mb in rank) for rank in plan]
+    mean = sum(rank_tokens) / len(rank_tokens)
+    return {
+        "microbatches_per_rank": max(len(rank) for rank in plan),
+        "rank_tokens": rank_tokens,
+        "dp_imbalance": max(rank_tokens) / mean if mean else 1.0,
+        "max_microbatch_tokens": max((_tokens(mb, lengths) for rank in plan for mb in rank), default=0),
+        "empty_microbatches": sum(1 for rank in plan for mb in rank if not mb),
+    }
 
 
 @pytest.mark.parametrize("n", [1024, 4096])

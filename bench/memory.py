@@ -1,0 +1,138 @@
+"""Does a pack's memory scale with its tokens? Peak memory of one training microbatch
+(actor forward+backward, bench/step.py's model and mixes), packed vs padded.
+
+Each measurement is a fresh process (`--child`): build the model and the batch, run a
+2-token warm-up step (thread pools, dispatch caches), then reset the kernel's RSS
+high-water mark (`/proc/self/clear_refs`, 5) and run one step; the figure is
+`VmHWM - VmRSS before the step`: the step's own peak. glibc is told to serve every
+allocation over 64 KiB by mmap (`MALLOC_MMAP_THRESHOLD_`), so freed tensors leave RSS
+at once and the high-water mark follows the live tensors.
+
+    packed_over_padded = packed peak / padded peak
+    token_ratio        = real tokens / padded tokens   (goal: packed_over_padded <= 1.15 x this)
+
+On the long-tail (bimodal) mix two more measurements explain the gap: the pack with the
+former CPU attention (`held_keys`, bench/attention.py: every sequence's K/V kept at the
+pack's longest length for backward), and both layouts with a 128-row log-prob chunk
+instead of 1024 (the `[chunk, V]` fp32 log-softmax temporaries are a floor that does not
+shrink with the tokens). The last line reports the mix furthest above its token ratio.
+
+    python bench/memory.py [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit, quick_flag, setup  # noqa: E402
+
+# name -> (layout / attention case, log-prob chunk rows; None = the Actor's default): the
+# figure, then the investigation of the long-tail mix: the former attention, and a small
+# chunk that shows the `[chunk, V]` fp32 log-softmax temporaries as a floor
+CASES = {"packed": ("packed", None), "padded": ("padded", None)}
+INVESTIGATE = {"held_keys": ("held_keys", None), "packed_chunk128": ("packed", 128), "padded_chunk128": ("padded", 128)}
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def child(mix: str, case: str, quick: bool, chunk_size: int | None) -> dict:
+    import gc
+
+    import torch
+
+    import step
+    from packing.collate import make_experience_batch
+
+    actor = step.build()[0]
+    if chunk_size is not None:
+        actor.chunk_size = chunk_size
+    if case == "held_keys":
+        import attention as bench_attention
+
+        import model.attention
+
+        model.attention._per_sequence_sdpa = bench_attention.held_keys
+    items = step.microbatch(mix, quick)
+    batch = make_experience_batch(items, packed=case != "padded")
+    # warm-up on one sample; its parameter grads stay allocated, as between the microbatches
+    # of one optimizer step, so the figure is what the microbatch itself adds
+    step.train_step(actor, make_experience_batch(items[:1], packed=case != "padded"), keep_grads=True)
+    gc.collect()
+    before = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    step.train_step(actor, batch, keep_grads=True)
+    peak = _status("VmHWM") - before
+    return {"mix": mix, "case": case, "tokens": batch.sequences.numel(), "peak_bytes": peak,
+            "threads": torch.get_num_threads()}
+
+
+def run_child(mix: str, case: str, chunk_size: int | None, quick: bool, threads: int) -> dict:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+    cmd = [sys.executable, __file__, "--child", mix, case, "--threads", str(threads)] + (["--quick"] if quick else [])
+    cmd += ["--chunk-size", str(chunk_size)] if chunk_size else []
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory child {mix}/{case} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> dict:
+    parser = quick_flag(__doc__.splitlines()[0])
+    parser.add_argument("--child", nargs=2, metavar=("MIX", "CASE"), help=argparse_hidden())
+    parser.add_argument("--chunk-size", type=int, default=None, help=argparse_hidden())
+    args = parser.parse_args()
+    setup(args)
+    if args.child:
+        print(json.dumps(child(*args.child, args.quick, args.chunk_size)))
+        return {}
+
+    import step
+
+    per_mix = {}
+    for mix in step.STEP_MIXES:
+        cases = {**CASES, **(INVESTIGATE if mix == "bimodal" else {})}  # the long-tail mix: the one that misses
+        with ThreadPoolExecutor(max_workers=2) as pool:  # peaks are per process: two at a time is fine
+            done = dict(zip(cases, pool.map(lambda c: run_child(mix, *c, args.quick, args.threads), cases.values())))
+        mib = {name: r["peak_bytes"] / 2**20 for name, r in done.items()}
+        tokens = {name: done[name]["tokens"] for name in CASES}
+        token_ratio = tokens["packed"] / tokens["padded"]
+        ratio = mib["packed"] / mib["padded"]
+        per_mix[mix] = {"peak_mib": mib, "tokens": tokens, "token_ratio": token_ratio, "packed_over_padded": ratio,
+                        "over_token_ratio": ratio / token_ratio}
+        print(f"{mix}: peak packed {mib['packed']:.1f} MiB, padded {mib['padded']:.1f} MiB: "
+              f"packed/padded {ratio:.3f} vs token ratio {token_ratio:.3f} ({ratio / token_ratio:.2f}x)")
+        if "held_keys" in mib:
+            small = mib["packed_chunk128"] / mib["padded_chunk128"]
+            per_mix[mix].update(held_keys_over_padded=mib["held_keys"] / mib["padded"],
+                                chunk128_packed_over_padded=small, chunk128_over_token_ratio=small / token_ratio)
+            print(f"  packed with the former held-keys attention: {mib['held_keys']:.1f} MiB "
+                  f"(+{mib['held_keys'] - mib['packed']:.1f}); with a 128-row log-prob chunk: packed "
+                  f"{mib['packed_chunk128']:.1f}, padded {mib['padded_chunk128']:.1f} MiB, ratio {small:.3f} "
+                  f"({small / token_ratio:.2f}x the token ratio)")
+    name = max(per_mix, key=lambda m: per_mix[m]["over_token_ratio"])
+    worst = per_mix[name]
+    return emit("memory", {"packed_over_padded": round(worst["packed_over_padded"], 3),
+                           "token_ratio": round(worst["token_ratio"], 3),
+                           "over_token_ratio": round(worst["over_token_ratio"], 3), "mix": name, "quick": args.quick},
+                {"per_mix": per_mix})
+
+
+def argparse_hidden():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()
