@@ -396,7 +396,7 @@ class Stats:
 
     def add(self, terms: dict[str, torch.Tensor]) -> None:
         for k, v in terms.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v.detach().double().cpu()
+            self.sums[k] = self.sums.get(k, 0.0) + v.detach().double()  # stays on the device: no sync per microbatch
 
     def add_step(self, values: dict[str, torch.Tensor]) -> None:
         self.steps += 1
@@ -407,7 +407,7 @@ class Stats:
 def reduce_sums(sums: dict[str, torch.Tensor], dims: ParallelDims) -> dict[str, float]:
     """Sum every value over the DP ranks in one all-reduce (CP peers hold the same values)."""
     keys = sorted(sums)
-    flat = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64).reshape(()) for k in keys]).to(dims.device)
+    flat = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=dims.device).reshape(()) for k in keys])
     if dims.dp_group is not None:
         dist.all_reduce(flat, group=dims.dp_group)
     return dict(zip(keys, flat.tolist()))
