@@ -131,3 +131,20 @@ def test_train_py_refuses_an_unset_key_before_building_a_model(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "model.pretrained_path: required but not set" in proc.stderr, proc.stderr[-2000:]
     assert "run folder" not in (tmp_path / "train.log").read_text()  # nothing was built
+
+
+@pytest.mark.parametrize("override,key,choice", [
+    ("algo.policy_loss=ppoo", "algo.policy_loss", "cispo"),
+    ("algo.advantage=gea", "algo.advantage", "reinforce_pp"),
+    ("algo.loss_agg=token-sum", "algo.loss_agg", "seq-mean-token-sum-norm"),
+    ("algo.kl_estimator=k4", "algo.kl_estimator", "k3"),
+    ("algo.old_log_probs=engine", "algo.old_log_probs", "rollout"),
+    ("trainer.lr_schedule=linear", "trainer.lr_schedule", "cosine"),
+])
+def test_a_value_outside_a_closed_choice_names_the_key_and_the_choices(override, key, choice):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as e:  # while Hydra merges the override: before anything runs
+        compose(override)
+    message = str(e.value.__cause__)
+    assert f"full_key: {key}" in message and choice.upper().replace("-", "_") in message, message
