@@ -234,11 +234,12 @@ def validate(cfg: Config, world_size: int) -> None:
     if advantage in (AdvantageEstimator.GRPO, AdvantageEstimator.RLOO) and cfg.task.samples_per_prompt < 2:
         raise ValueError(f"algo.advantage={advantage.value} with task.samples_per_prompt={cfg.task.samples_per_prompt}: "
                          "a group of one sample has advantage 0 everywhere (nothing to learn); use >= 2")
-    if cfg.algo.kl_coef and KLMode(cfg.algo.kl_mode) is KLMode.REWARD and advantage in (
-            AdvantageEstimator.GRPO, AdvantageEstimator.RLOO):
-        raise ValueError(f"algo.kl_mode=reward with algo.advantage={advantage.value}: the group baseline ignores "
-                         "per-token rewards, so the KL penalty would change nothing; use algo.kl_mode=loss, or "
-                         "algo.advantage=gae / reinforce_pp")
+    if cfg.algo.kl_coef and KLMode(cfg.algo.kl_mode) is KLMode.REWARD and advantage is not AdvantageEstimator.GAE:
+        # these advantages are computed from the rewards before the scoring pass has the
+        # reference log-probs, so a KL reward penalty would be computed and never read
+        raise ValueError(f"algo.kl_mode=reward with algo.advantage={advantage.value}: only gae reads a per-token "
+                         "KL reward (its advantages wait for the scoring pass); use algo.kl_mode=loss, or "
+                         "algo.advantage=gae")
     if cfg.model.pretrained_path is not None and not Path(cfg.model.pretrained_path).is_dir():
         raise ValueError(f"model.pretrained_path={cfg.model.pretrained_path!r}: folder not found (a local "
                          "checkpoint folder is expected; nothing is downloaded)")

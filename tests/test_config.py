@@ -148,3 +148,10 @@ def test_a_value_outside_a_closed_choice_names_the_key_and_the_choices(override,
         compose(override)
     message = str(e.value.__cause__)
     assert f"full_key: {key}" in message and choice.upper().replace("-", "_") in message, message
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_a_kl_reward_that_nothing_would_read_is_refused(advantage):
+    message = refused(f"algo.advantage={advantage}", "algo.kl_coef=0.01", "algo.kl_mode=reward")
+    assert "algo.kl_mode=reward" in message and f"algo.advantage={advantage}" in message
+    compose("algo=ppo")  # gae reads it: accepted
