@@ -53,6 +53,8 @@ def main(dict_cfg: DictConfig) -> dict:
                         pad_eff=f"{metrics['padding_efficiency']:.2f}")
         ckpt.after_step(trainer, step + 1)  # every checkpoint.every steps, and after the last
     writer.close(plot=cfg.trainer.plot)
+    if dims.distributed:  # a clean exit: no communicator torn down under a live thread
+        torch.distributed.destroy_process_group()
     return writer.history[-1] if writer.history else {}
 
 

@@ -370,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             args.out.write_text(json.dumps(result))
+        if torch.distributed.is_initialized():  # a clean exit: no communicator torn down under a live thread
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
         return 0
 
     names = [s for s in args.sections.split(",") if s]
