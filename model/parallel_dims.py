@@ -129,10 +129,6 @@ class ParallelDims:
             )
         return mesh.get_group(name)
 
-    def tensor(self, data, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A tensor on this rank's device: what every collective is handed (NCCL needs CUDA)."""
-        return torch.tensor(data, dtype=dtype, device=self.device)
-
 
 def build_mesh(dims: ParallelDims) -> DeviceMesh | None:
     """The `(dp, cp)` DeviceMesh named ("dp", "cp"), stored on `dims` with the expert and FSDP meshes.
