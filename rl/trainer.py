@@ -41,7 +41,7 @@ from rl.advantages import (WHITEN_BY_DEFAULT, AdvantageEstimator, compute_advant
 from rl.checkpoint import load_sharded_state, sharded_state
 from rl.config import Config, check_task_fits
 from rl.guard import DivergenceGuard, poison
-from rl.losses import LossAgg, aggregate, build_kl_controller, kl_penalty, policy_loss, value_loss
+from rl.losses import LossAgg, aggregate, build_kl_controller, kl_penalty, loss_normalizer, policy_loss, value_loss
 from rl.schedule import make_lr_scheduler
 from rl.reward import apply_overlong_penalty, filter_uniform_groups
 from rl.rollout import HFRolloutEngine
@@ -84,8 +84,8 @@ class MiniBatch:
 
     batches: list[Experience]
     weights: list[float]
-    tokens: float  # global action tokens of the mini-batch
-    sequences: int  # global samples of the mini-batch
+    tokens: float  # global action tokens of the mini-batch (the denominator of the token metrics)
+    normalizer: float  # what its loss shares are divided by (`loss_normalizer` for algo.loss_agg)
     all_tokens: int  # global tokens (prompt + response) of the mini-batch
 
 
@@ -155,8 +155,8 @@ class Trainer:
         while _groups(kept) < want and rounds < algo.max_sampling_rounds:
             more, lost = filter_uniform_groups(self._rollout(step, rounds))
             kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
-        first = sorted({int(r.prompt_index) for r in kept})[:want]
-        kept = [r for r in kept if int(r.prompt_index) in set(first)]
+        first = set(sorted({int(r.prompt_index) for r in kept})[:want])
+        kept = [r for r in kept if int(r.prompt_index) in first]
         self.sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
         return kept or records  # every group uniform in every round: train on the last rollout (advantages 0)
 
@@ -212,8 +212,9 @@ class Trainer:
                 weights.append(1.0 if items else 0.0)
                 chosen = [part[i] for i in items] if items else [part[0]]  # zero-weight stand-in
                 batches.append(make_experience_batch(chosen, packed=b.packed).to(dims.device))
-            tokens = float(sum(int(r.action_mask.sum()) for r in part))
-            out.append(MiniBatch(batches, weights, tokens, len(part), sum(r.sequences.numel() for r in part)))
+            out.append(MiniBatch(batches, weights, tokens=loss_normalizer(part, LossAgg.TOKEN_MEAN),
+                                 normalizer=loss_normalizer(part, self.cfg.algo.loss_agg),
+                                 all_tokens=sum(r.sequences.numel() for r in part)))
         return out
 
     # ------------------------------------------------------------------- score
@@ -258,7 +259,7 @@ class Trainer:
     # ------------------------------------------------------------------- train
     def train_microbatch(self, batch: Experience, weight: float, mb: MiniBatch, stats: "Stats") -> None:
         algo = self.cfg.algo
-        normalizer = mb.tokens if LossAgg(algo.loss_agg) is LossAgg.TOKEN_MEAN else float(mb.sequences)
+        normalizer = mb.normalizer
         with router_aux_loss(self.actor.model, enabled=bool(algo.router_aux_loss_coef)) as aux:
             log_probs, entropy = self.actor(batch, return_entropy=True)
         if batch.action_log_probs is None:  # one update per rollout: the old policy is this one
