@@ -76,6 +76,12 @@ def packed_attn_kwargs(
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
+def use_flash(query: torch.Tensor) -> bool:
+    """Whether a pack's attention runs flash-attn's varlen kernel: CUDA, fp16/bf16 and the
+    optional `flash_attn` installed. The one dispatch for "varlen" and "cp_varlen"."""
+    return query.is_cuda and flash_attn_varlen_func is not None and query.dtype in (torch.float16, torch.bfloat16)
+
+
 def varlen_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -107,7 +113,7 @@ def varlen_attention_forward(
 
     cu_k = cu_seq_lens_q if cu_seq_lens_k is None else cu_seq_lens_k
     _check_pack(query, key, attention_mask, cu_seq_lens_q, cu_k)
-    if query.is_cuda and flash_attn_varlen_func is not None and query.dtype in (torch.float16, torch.bfloat16):
+    if use_flash(query):
         longest_q = max_length_q if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
         longest_k = max_length_k if max_length_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
         out = flash_attn_varlen_func(  # THD in [N, H, D], THD out; GQA handled by the kernel

@@ -66,7 +66,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface
 
-from model.attention import flash_attn_varlen_func, varlen_attention_forward, varlen_mask
+from model import attention
+from model.attention import varlen_attention_forward, varlen_mask
 from packing.collate import ROUTING_PAD
 from packing.experience import Experience, Kind
 
@@ -452,14 +453,12 @@ def cp_attention_forward(
 
 def _attend(module, query, key_full, value_full, ctx: CPContext, dropout, scaling) -> torch.Tensor:
     """Local queries against the gathered keys: `[B, S_local, H, D]`."""
-    use_flash = (query.is_cuda and flash_attn_varlen_func is not None and ctx.layout.packed
-                 and query.dtype in (torch.float16, torch.bfloat16))
-    if use_flash:
+    if ctx.layout.packed and attention.use_flash(query):
         cu_q, cu_k, max_q, max_k, kv_index = ctx.segments()
         k = key_full[0].transpose(0, 1).index_select(0, kv_index)  # [sum k-segments, H_kv, D]
         v = value_full[0].transpose(0, 1).index_select(0, kv_index)
-        out = flash_attn_varlen_func(query[0].transpose(0, 1), k, v, cu_q, cu_k, max_q, max_k,
-                                     dropout_p=dropout, softmax_scale=scaling, causal=True)
+        out = attention.flash_attn_varlen_func(query[0].transpose(0, 1), k, v, cu_q, cu_k, max_q, max_k,
+                                               dropout_p=dropout, softmax_scale=scaling, causal=True)
         return out.unsqueeze(0)
     groups = getattr(module, "num_key_value_groups", 1)
     out = F.scaled_dot_product_attention(query, repeat_kv(key_full, groups), repeat_kv(value_full, groups),

@@ -187,6 +187,23 @@ def test_trailing_slot_of_each_sequence_is_exactly_zero_without_grad(lm, pack, p
     assert torch.equal(lp_pad[~padded.attention_mask[:, 1:]], torch.zeros(int((~padded.attention_mask[:, 1:]).sum())))
 
 
+def test_the_flash_branch_is_wired_like_the_cpu_path(lm, pack, flash_on_cpu):
+    """The GPU branch of the "varlen" attention (THD transposes, cu_seq_lens, max lengths, GQA),
+    run on CPU with a reference kernel: the same log-probs as the per-sequence sdpa path."""
+    with torch.no_grad():
+        flash = Actor(lm)(pack)
+    # called in every layer, with one segment per packed sequence
+    assert flash_on_cpu == [len(pack.packed_seq_lens)] * lm.config.num_hidden_layers
+    flash_on_cpu.clear()
+    from model import attention
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "use_flash", lambda query: False)
+        cpu = Actor(lm)(pack)
+    assert flash_on_cpu == []
+    assert_parity("log-probs through the flash branch vs the CPU path", (flash - cpu).abs().max(), cpu.abs().max())
+
+
 def test_ep_suffix_is_invisible_to_real_tokens_and_trimmed(dense, pack):
     with torch.no_grad():
         plain, _ = _forward_slots(dense, pack, ParallelDims(), replay=False)

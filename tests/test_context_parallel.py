@@ -18,7 +18,7 @@ from parity_check import assert_control_fails, assert_parity
 from nemo_automodel.components.distributed.context_parallel.sharder import round_robin_local_indices
 
 from model.attention import packed_attn_kwargs, varlen_attention_forward
-from model.context_parallel import CP_VARLEN, CPContext, _attend, cp_attention_forward, flash_segments
+from model.context_parallel import CP_VARLEN, CPContext, _attend, cp_attention_forward
 from model.parallel_dims import ParallelDims, build_mesh, init_distributed
 from packing.collate import make_experience_batch
 from model.context_parallel import attention_work, cp_layout, shard, shard_tokens, unshard
@@ -260,8 +260,12 @@ def test_ep_suffix_is_more_cp_padding_on_the_last_sequence():
         cp_layout(batch, 2, 0, local_tokens=natural + 1)
 
 
-def test_flash_segments_select_the_keys_the_mask_allows():
-    """The GPU path's bookkeeping, on CPU: bottom-right causal sdpa per segment == the mask path."""
+def test_flash_segments_select_the_keys_the_mask_allows(monkeypatch):
+    """The GPU path of `_attend` on CPU, with a reference flash kernel (bottom-right causal sdpa
+    per segment, tests/conftest.py): the same outputs as the mask path on every real token."""
+    from conftest import reference_flash_varlen
+    from model import attention
+
     batch = make_experience_batch(records([1, 3, 11, 30]), packed=True)
     module = torch.nn.Module()
     module.num_key_value_groups = 2
@@ -272,20 +276,14 @@ def test_flash_segments_select_the_keys_the_mask_allows():
             s_local, s_full = lay.num_local, lay.num_local * cp
             q = torch.randn(1, 4, s_local, 8, generator=gen)
             k, v = torch.randn(2, 1, 2, s_full, 8, generator=gen)
-            ctx = CPContext(layout=lay, group=None)  # one process, as if K/V were gathered
-            want = _attend(module, q, k, v, ctx, 0.0, None)[0]  # [S_local, H, D]
-            cu_q, cu_k, _, _, kv_index = flash_segments(lay)
-            cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
-            kk, vv = k[0, :, kv_index].repeat_interleave(2, 0), v[0, :, kv_index].repeat_interleave(2, 0)
-            for i in range(len(cu_q) - 1):
-                qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
-                n_q, n_k = qs.stop - qs.start, ks.stop - ks.start
-                bottom_right = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
-                got = F.scaled_dot_product_attention(q[0, :, qs], kk[:, ks], vv[:, ks], attn_mask=bottom_right)
-                real = lay.local_real[0, qs]
-                diff = (got.transpose(0, 1)[real] - want[qs][real]).abs()
-                assert_parity(f"cp={cp} rank {r} flash segment {i} vs the mask path",
-                              diff.max() if diff.numel() else 0.0, want.abs().max())
+            want = _attend(module, q, k, v, CPContext(layout=lay, group=None), 0.0, None)[0]  # [S_local, H, D]
+            with monkeypatch.context() as mp:  # one process, as if K/V were gathered
+                mp.setattr(attention, "use_flash", lambda query: True)
+                mp.setattr(attention, "flash_attn_varlen_func", reference_flash_varlen)
+                got = _attend(module, q, k, v, CPContext(layout=lay, group=None), 0.0, None)[0]
+            real = lay.local_real[0]
+            assert_parity(f"cp={cp} rank {r} flash segments vs the mask path",
+                          (got[real] - want[real]).abs().max(), want.abs().max())
 
 
 def test_cp_varlen_without_a_cp_context_is_varlen():
