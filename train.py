@@ -44,14 +44,23 @@ def main(dict_cfg: DictConfig) -> dict:
     writer = MetricsWriter(out_dir, enabled=dims.rank == 0, tensorboard=cfg.trainer.tensorboard, resume_step=start)
     log.info("run folder %s; dp=%d cp=%d ep=%d on %s", out_dir, dims.dp, dims.cp, dims.ep, dims.device)
     bar = tqdm(range(start, cfg.trainer.max_steps), disable=dims.rank != 0 or not cfg.trainer.progress, desc="train")
+    shown = {}
     for step in bar:
-        metrics = trainer.step(step)
+        metrics = trainer.step(step)  # with the held-out evaluation of the policy it started from, when due
         writer.log(metrics)
+        if "eval_accuracy" in metrics:
+            log.info("step %d held-out accuracy %.3f (%d problems, %.0f s)", step, metrics["eval_accuracy"],
+                     len(trainer.heldout), metrics["eval_s"])
+            shown["eval_acc"] = f"{metrics['eval_accuracy']:.3f}"
         log.info("step %d reward %.4f loss %.4g grad_norm %.4g tokens/s %.0f", step, metrics["reward_mean"],
                  metrics["loss"], metrics["grad_norm"], metrics["tokens_per_s"])
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
-                        pad_eff=f"{metrics['padding_efficiency']:.2f}")
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}", **shown)
         ckpt.after_step(trainer, step + 1)  # every checkpoint.every steps, and after the last
+    if cfg.eval.every and start < cfg.trainer.max_steps:  # the trained policy
+        final = {"step": cfg.trainer.max_steps, **trainer.evaluate()}
+        writer.log(final)
+        log.info("after %d steps: held-out accuracy %.3f (%d problems)", cfg.trainer.max_steps,
+                 final["eval_accuracy"], len(trainer.heldout))
     writer.close(plot=cfg.trainer.plot)
     if dims.distributed:  # a clean exit: no communicator torn down under a live thread
         torch.distributed.destroy_process_group()

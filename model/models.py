@@ -1,19 +1,36 @@
-"""`build_model`: a tiny seeded Qwen3 / Qwen3-MoE from a config, or a local checkpoint.
+"""`build_model`: a tiny seeded causal LM of a supported family, or a local checkpoint.
 
-Random-init models are built with transformers directly (nemo-automodel's `from_config`
-asserts CUDA); a checkpoint loads with transformers on CPU and with nemo-automodel's
+A family is a Hugging Face `model_type` whose attention goes through transformers'
+attention interface (so the "varlen" attention of model/attention.py sees every layer)
+and whose output head is a bias-free linear layer over the last hidden state. The dense
+families share one forward path; `qwen3_moe` is the expert-parallel one (model/moe.py).
+
+A checkpoint's family comes from its `config.json` (`model_type`): nothing else has to
+name it, and an unsupported `model_type` is refused before any weight is read. Random-init
+models are built with transformers directly (nemo-automodel's `from_config` asserts CUDA);
+a checkpoint loads with transformers on CPU and with nemo-automodel's
 `NeMoAutoModelForCausalLM` when CUDA is present. Nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
+from pathlib import Path
 
 import torch
 import transformers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -22,7 +39,8 @@ from transformers import (
 
 from model.attention import VARLEN  # importing it registers the "varlen" attention
 
-_TINY = dict(
+# The tiny random-init shape every family shares (tests, benches and `model=dense_tiny`).
+TINY = dict(
     num_hidden_layers=2,
     hidden_size=64,
     num_attention_heads=4,
@@ -32,8 +50,8 @@ _TINY = dict(
     vocab_size=256,
     max_position_embeddings=2048,
 )
-_TINY_MOE = dict(
-    _TINY,
+TINY_MOE = dict(
+    TINY,
     num_experts=8,
     num_experts_per_tok=2,
     moe_intermediate_size=32,
@@ -42,18 +60,56 @@ _TINY_MOE = dict(
     mlp_only_layers=[],
 )
 
-# name -> (config class, model class, tiny defaults)
-MODELS = {
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, _TINY),
-    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, _TINY_MOE),
+# model_type -> (config class, model class, tiny defaults)
+DENSE = {
+    "llama": (LlamaConfig, LlamaForCausalLM, TINY),
+    "mistral": (MistralConfig, MistralForCausalLM, TINY),
+    "phi3": (Phi3Config, Phi3ForCausalLM, {**{k: v for k, v in TINY.items() if k != "head_dim"},
+                                           "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {k: v for k, v in TINY.items() if k != "head_dim"}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, TINY),
 }
+MOE = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, TINY_MOE)}
+MODELS = {**DENSE, **MOE}
 
 # read by the modeling code although the config's __init__ does not name them
 _EXTRA_KEYS = {"head_dim", "rope_theta"}
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+def family(name: str, *, key: str = "model.name", config: dict | None = None) -> str:
+    """`name` if it is a supported family; else an error naming it and the supported ones
+    (an MoE checkpoint, by its config's expert fields, is told that only qwen3_moe is)."""
+    if name not in MODELS:
+        moe = "moe" in name.lower() or any(k in (config or {}) for k in _MOE_KEYS)
+        kind = "MoE family" if moe else "model family"
+        raise ValueError(f"{key}={name!r}: unsupported {kind}; supported: dense {sorted(DENSE)}, "
+                         f"MoE (expert parallel) {sorted(MOE)}")
+    return name
+
+
+def checkpoint_family(path: str | Path) -> str:
+    """The family of the checkpoint folder `path`, read from its `config.json` (no weights
+    are read); errors name the folder and what is missing or unsupported."""
+    folder = Path(path)
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ValueError(f"model.pretrained_path={str(path)!r}: no config.json in the folder (a Hugging Face "
+                         f"checkpoint folder, as written by save_pretrained, is expected)")
+    if not any((folder / w).is_file() for w in _WEIGHTS):
+        raise ValueError(f"model.pretrained_path={str(path)!r}: no weights in the folder (expected one of "
+                         f"{list(_WEIGHTS)})")
+    fields = json.loads(config.read_text())
+    if fields.get("model_type") is None:
+        raise ValueError(f"model.pretrained_path={str(path)!r}: config.json has no model_type")
+    return family(fields["model_type"], key=f"model_type in {config}", config=fields)
 
 
 def build_model(
-    name: str = "qwen3",
+    name: str | None = "qwen3",
     *,
     pretrained_path: str | None = None,
     seed: int = 0,
@@ -61,19 +117,25 @@ def build_model(
     attn_implementation: str = VARLEN,
     **config_overrides,
 ) -> transformers.PreTrainedModel:
-    """A causal LM on CPU: tiny random weights seeded by `seed`, or the checkpoint at `pretrained_path`.
+    """A causal LM on CPU: tiny random weights of family `name` seeded by `seed`, or the
+    checkpoint at `pretrained_path` (its family from its config.json; a `name` given too
+    must agree).
 
     `config_overrides` are Hugging Face config fields (e.g. `num_hidden_layers=4`); an
     unknown key raises a ValueError naming it. The global RNG is left untouched.
     """
-    if name not in MODELS:
-        raise ValueError(f"build_model: unknown model name {name!r}; expected one of {sorted(MODELS)}")
-    config_cls, model_cls, tiny = MODELS[name]
-    _check_keys(config_cls, config_overrides)
-
     if pretrained_path is not None:
-        return _load(name, config_cls, pretrained_path, dtype, attn_implementation, config_overrides)
-
+        found = checkpoint_family(pretrained_path)
+        if name is not None and name != found:
+            raise ValueError(f"model.name={name!r} but the checkpoint {pretrained_path} is a {found!r} model "
+                             f"(leave model.name unset: the checkpoint's config.json names its family)")
+        config_cls = MODELS[found][0]
+        _check_keys(config_cls, config_overrides)
+        return _load(pretrained_path, dtype, attn_implementation, config_overrides)
+    if name is None:
+        raise ValueError("build_model: model.name is needed for a random-init model (no model.pretrained_path)")
+    config_cls, model_cls, tiny = MODELS[family(name)]
+    _check_keys(config_cls, config_overrides)
     config = config_cls(**{**tiny, **config_overrides})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -82,13 +144,8 @@ def build_model(
     return lm.to(dtype)
 
 
-def _load(name, config_cls, path, dtype, attn_implementation, overrides) -> transformers.PreTrainedModel:
+def _load(path, dtype, attn_implementation, overrides) -> transformers.PreTrainedModel:
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    if config.model_type != config_cls.model_type:
-        raise ValueError(
-            f"build_model({name!r}): checkpoint {path} has model_type {config.model_type!r}, "
-            f"expected {config_cls.model_type!r}"
-        )
     for key, value in overrides.items():
         setattr(config, key, value)
     if torch.cuda.is_available():

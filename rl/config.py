@@ -23,6 +23,12 @@ from rl.schedule import LRSchedule
 
 
 class ModelName(Choice):
+    """The supported families (model/models.py); a checkpoint names its own in config.json."""
+
+    LLAMA = "llama"
+    MISTRAL = "mistral"
+    PHI3 = "phi3"
+    QWEN2 = "qwen2"
     QWEN3 = "qwen3"
     QWEN3_MOE = "qwen3_moe"
 
@@ -46,7 +52,8 @@ class OldLogProbs(Choice):
 
 @dataclass
 class ModelConfig:
-    name: ModelName = ModelName.QWEN3_MOE
+    # the family of a random-init model; None with pretrained_path = the checkpoint's own (config.json)
+    name: Optional[ModelName] = ModelName.QWEN3_MOE
     pretrained_path: Optional[str] = None  # a local checkpoint folder; None = tiny random init
     dtype: DType = DType.FLOAT32  # the weights as built / loaded (FSDP keeps them as the fp32 master copy)
     param_dtype: Optional[DType] = None  # FSDP2 compute dtype (MixedPrecisionPolicy); None = dtype; grads reduce in fp32
@@ -131,6 +138,16 @@ class TrainerConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Greedy pass@1 on the task's held-out split (rl/evaluate.py)."""
+
+    every: int = 0  # evaluate before step 0, every k steps and after the last; 0 = never
+    num_prompts: int = 200  # held-out problems, split over the DP ranks
+    max_new_tokens: Optional[int] = None  # None = task.max_new_tokens
+    batch_size: int = 64  # problems decoded together per rank
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 0  # save every k steps (0 = only the final checkpoint)
     keep: int = 2  # newest k complete checkpoints kept
@@ -146,6 +163,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: str = "never"  # never | auto (newest complete checkpoint of checkpoint.dir) | a checkpoint path
     seed: int = 0
@@ -211,7 +229,12 @@ def validate(cfg: Config, world_size: int) -> None:
         "algo.mini_batches": cfg.algo.mini_batches, "algo.epochs": cfg.algo.epochs,
         "trainer.max_steps": cfg.trainer.max_steps, "trainer.max_bad_steps": cfg.trainer.max_bad_steps,
         "algo.max_sampling_rounds": cfg.algo.max_sampling_rounds, "model.temperature": cfg.model.temperature,
+        "eval.num_prompts": cfg.eval.num_prompts, "eval.batch_size": cfg.eval.batch_size,
     }
+    if cfg.eval.every < 0:
+        raise ValueError(f"eval.every={cfg.eval.every}: expected >= 0 (0 = no evaluation)")
+    if cfg.eval.max_new_tokens is not None and cfg.eval.max_new_tokens <= 0:
+        raise ValueError(f"eval.max_new_tokens={cfg.eval.max_new_tokens}: expected a positive number or null")
     for key, value in positive.items():
         if value <= 0:
             raise ValueError(f"{key}={value}: expected a positive number")
@@ -240,9 +263,14 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ValueError(f"algo.kl_mode=reward with algo.advantage={advantage.value}: only gae reads a per-token "
                          "KL reward (its advantages wait for the scoring pass); use algo.kl_mode=loss, or "
                          "algo.advantage=gae")
-    if cfg.model.pretrained_path is not None and not Path(cfg.model.pretrained_path).is_dir():
-        raise ValueError(f"model.pretrained_path={cfg.model.pretrained_path!r}: folder not found (a local "
-                         "checkpoint folder is expected; nothing is downloaded)")
+    if cfg.model.pretrained_path is not None:
+        if not Path(cfg.model.pretrained_path).is_dir():
+            raise ValueError(f"model.pretrained_path={cfg.model.pretrained_path!r}: folder not found (a local "
+                             "checkpoint folder is expected; nothing is downloaded)")
+        model_family(cfg)  # config.json, weights and a supported model_type, before any weight is read
+    elif cfg.model.name is None:
+        raise ValueError("model.name=null needs model.pretrained_path (a random-init model needs a family: "
+                         f"one of {ModelName.values()})")
     for key in ("prompts_path",):
         value = getattr(cfg.task, key)
         if value is not None and not Path(value).is_file():
@@ -271,7 +299,7 @@ def _check_layout(cfg: Config, world_size: int, dp: int) -> None:
     if dp % ep:
         raise ValueError(f"parallel.ep={ep} does not divide dp={dp} (EP groups are carved from the data-parallel "
                          f"ranks; world_size={world_size}, parallel.cp={cp})")
-    if ep > 1 and cfg.model.name is ModelName.QWEN3_MOE:
+    if ep > 1 and model_family(cfg) == ModelName.QWEN3_MOE.value:
         experts, key = _num_experts(cfg)
         if experts is not None and experts % ep:
             raise ValueError(f"parallel.ep={ep} does not divide {key}={experts}: each EP rank holds "
@@ -280,15 +308,36 @@ def _check_layout(cfg: Config, world_size: int, dp: int) -> None:
 
 def _num_experts(cfg: Config) -> tuple[int | None, str]:
     """The MoE expert count and the key it comes from, read without building the model."""
-    if "num_experts" in cfg.model.overrides:
-        return int(cfg.model.overrides["num_experts"]), "model.overrides.num_experts"
+    return model_config_value(cfg, "num_experts")
+
+
+def model_config_value(cfg: Config, key: str) -> tuple[Any, str]:
+    """A Hugging Face config field of the run's model and where it comes from, read without
+    building the model: `model.overrides`, else the checkpoint's config.json, else the tiny
+    family default."""
+    if key in cfg.model.overrides:
+        return cfg.model.overrides[key], f"model.overrides.{key}"
     if cfg.model.pretrained_path is not None:
         config = Path(cfg.model.pretrained_path) / "config.json"
-        experts = json.loads(config.read_text()).get("num_experts") if config.is_file() else None
-        return experts, f"num_experts of {config}"
+        value = json.loads(config.read_text()).get(key) if config.is_file() else None
+        return value, f"{key} of {config}"
     from model.models import MODELS  # the tiny defaults (imports transformers: only when needed)
 
-    return MODELS[cfg.model.name.value][2].get("num_experts"), "model.overrides.num_experts (default)"
+    return MODELS[cfg.model.name.value][2].get(key), f"model.overrides.{key} (default)"
+
+
+def model_family(cfg: Config) -> str:
+    """The run's model family: the checkpoint's `model_type` (checked against `model.name`
+    when both are given), else `model.name`."""
+    if cfg.model.pretrained_path is None:
+        return cfg.model.name.value
+    from model.models import checkpoint_family
+
+    found = checkpoint_family(cfg.model.pretrained_path)
+    if cfg.model.name is not None and cfg.model.name.value != found:
+        raise ValueError(f"model.name={cfg.model.name.value!r} but model.pretrained_path={cfg.model.pretrained_path!r} "
+                         f"holds a {found!r} checkpoint (set model.name=null: the checkpoint names its family)")
+    return found
 
 
 def _check_device(cfg: Config) -> None:

@@ -3,7 +3,7 @@
     python -m rl.export outputs/<run>/checkpoints/step_00000020 exported/
     python -m rl.export outputs/<run>/checkpoints exported/     # the newest complete checkpoint
     AutoModelForCausalLM.from_pretrained("exported/")            # the trained policy
-    python train.py model=pretrained model.name=qwen3_moe model.pretrained_path=exported/
+    python train.py model=pretrained model.pretrained_path=exported/
 
 OUT gets config.json and model.safetensors (`save_pretrained`), plus the tokenizer when the
 run named one (task.tokenizer_path, or a tokenizer in model.pretrained_path). The model is
@@ -16,13 +16,14 @@ memory is one copy of the model.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 
-from model.models import MODELS
+from model.models import MODELS, family
 from rl.checkpoint import quiet_single_process, find_checkpoint
 
 POLICY = "actor.weights."  # checkpoint keys of the policy: "actor.weights." + Actor state-dict name
@@ -34,8 +35,9 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     to the Hugging Face folder `out`; returns `out`."""
     path, out = find_checkpoint(checkpoint), Path(out)
     saved = yaml.safe_load((path / "config.yaml").read_text())
-    config_cls, model_cls, _ = MODELS[saved["model"]["name"]]
-    config = config_cls.from_json_file(str(path / "hf_config.json"))
+    hf_config = path / "hf_config.json"
+    config_cls, model_cls, _ = MODELS[family(json.loads(hf_config.read_text())["model_type"])]
+    config = config_cls.from_json_file(str(hf_config))
     dtype = getattr(torch, saved["model"]["dtype"])
     config.dtype = dtype
     model = model_cls(config).to(dtype)

@@ -69,7 +69,8 @@ class RolloutEngine(abc.ABC):
         seed: int,
     ) -> list[Experience]:
         """One record per prompt, in order: `prompts[i]` is a 1-D `[P_i]` tensor of token ids,
-        `prompt_indices[i]` its GRPO group id (repeat a prompt to draw several samples)."""
+        `prompt_indices[i]` its GRPO group id (repeat a prompt to draw several samples).
+        `temperature=0` decodes greedily (evaluation); log-probs are then of softmax(logits)."""
 
     @abc.abstractmethod
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -207,8 +208,9 @@ class HFRolloutEngine(RolloutEngine):
             raise ValueError(f"prompt_indices has {len(prompt_indices)} entries, expected {len(prompts)} (one per prompt)")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-        if not temperature > 0:
-            raise ValueError(f"temperature={temperature} must be > 0 (log-probs are of softmax(logits / temperature))")
+        if not temperature >= 0:
+            raise ValueError(f"temperature={temperature} must be > 0 (log-probs are of softmax(logits / temperature)), "
+                             f"or 0 for greedy decoding")
         limit = getattr(self.model.config, "max_position_embeddings", None)
         longest = max((p.numel() for p in prompts), default=0) + max_new_tokens
         if limit is not None and longest > limit:
@@ -264,13 +266,15 @@ class HFRolloutEngine(RolloutEngine):
         with record as rec:
             logits = self._forward(ids, mask, position, cache, device)
             for step in range(max_new_tokens):
-                logp = F.log_softmax(logits.float().cpu() / temperature, dim=-1)  # [B, V]
+                logp = F.log_softmax(logits.float().cpu() / (temperature or 1.0), dim=-1)  # [B, V]
                 probs = logp.exp()
                 if torch.isnan(probs[~done]).any():  # inf/NaN logits: multinomial would fail with no context
                     raise FloatingPointError(f"the policy's next-token logits are not finite (NaN/inf) at response "
                                              f"token {step}: its weights have diverged")
                 tok = torch.full((B,), self.stop_token_id if self.stop_token_id is not None else 0)
-                for i in torch.nonzero(~done).flatten().tolist():
+                if temperature == 0:  # greedy (evaluation): log-probs are of softmax(logits)
+                    tok = torch.where(done, tok, logp.argmax(-1))
+                for i in torch.nonzero(~done).flatten().tolist() if temperature else ():
                     tok[i] = torch.multinomial(probs[i], 1, generator=gens[i])[0]
                 tokens.append(tok)
                 log_probs.append(logp.gather(-1, tok[:, None])[:, 0])

@@ -234,23 +234,7 @@ class MathTask(FileTask):
                  stop_token_id: int | None = None) -> None:
         self.reward_fn, self.reward_name = _reward_callable(reward_fn if reward_fn is not None else math_reward)
         self.tokenizer = tokenizer = load_tokenizer(tokenizer_path)
-        if chat_template == "tokenizer" and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"task.chat_template='tokenizer' but the tokenizer at '{tokenizer_path}' "
-                             f"has no chat template")
-        if chat_template is None and system_prompt is not None:
-            raise ValueError("task.system_prompt needs task.chat_template (a system message only exists in a chat)")
-
-        def encode(text: str) -> list[int]:
-            if chat_template is None:
-                return list(tokenizer.encode(text))
-            messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
-            messages.append({"role": "user", "content": text})
-            rendered = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True,
-                chat_template=None if chat_template == "tokenizer" else chat_template,
-            )
-            return list(tokenizer.encode(rendered, add_special_tokens=False))
-
+        encode = _chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path)
         self.items = _read_prompts(prompts_path, encode, vocab_size, required=("prompt", "answer"),
                                    reserved=("response_text",))
         self.stop_token_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
@@ -260,6 +244,139 @@ class MathTask(FileTask):
     def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> Any:
         text = self.tokenizer.decode(_ids(response_ids), skip_special_tokens=True)
         return self.reward_fn(text, **meta)
+
+
+class ArithmeticTask:
+    """`arithmetic`: problems such as "What is 38 + 17?" generated in code, answered in text.
+
+    A problem is `operands` integers drawn from [low, high] joined by operators drawn from
+    `operators` (a string of `+-*`), evaluated with the usual precedence. Every problem
+    belongs to exactly one split, decided by a hash of its text: one in `heldout_every` is
+    held out, so the training prompts (`prompts(n, seed)`) and the held-out evaluation
+    problems (`heldout(n)`, a fixed list) can never share a problem, whatever the seeds.
+    The prompt is `template` with the problem as one user message in the tokenizer's chat
+    template (`chat_template="tokenizer"`; a Jinja string works too; None = plain text);
+    generation stops at the tokenizer's end-of-turn token (its EOS). The reward is the
+    rule-based checker `math_reward` on the decoded response (its last number against the
+    answer): 1.0 or 0.0.
+    """
+
+    def __init__(self, tokenizer_path: str | os.PathLike, *, operands: int = 2, low: int = 10, high: int = 99,
+                 operators: str = "+", heldout_every: int = 8,
+                 template: str = "What is {problem}? Start your reply with the result.",
+                 chat_template: str | None = "tokenizer", system_prompt: str | None = None,
+                 vocab_size: int | None = None, stop_token_id: int | None = None) -> None:
+        if operands < 2:
+            raise ValueError(f"task.options.operands={operands}: expected >= 2")
+        if not 0 <= low <= high:
+            raise ValueError(f"task.options.low={low}, task.options.high={high}: expected 0 <= low <= high")
+        if not operators or set(operators) - set("+-*"):
+            raise ValueError(f"task.options.operators={operators!r}: expected a non-empty string of '+', '-', '*'")
+        if heldout_every < 2:
+            raise ValueError(f"task.options.heldout_every={heldout_every}: expected >= 2 (1 in k problems held out)")
+        if "{problem}" not in template:
+            raise ValueError(f"task.options.template={template!r} has no '{{problem}}' field")
+        self.operands, self.low, self.high, self.operators = operands, low, high, operators
+        self.heldout_every, self.template = heldout_every, template
+        self.space = (high - low + 1) ** operands * len(operators) ** (operands - 1)  # distinct problems
+        self.tokenizer = tokenizer = load_tokenizer(tokenizer_path)
+        self._encode = _chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path)
+        self.reward_name = "rl.tasks:math_reward"
+        self.stop_token_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
+        longest = self._encode(template.format(problem=f" {operators[0]} ".join([str(high)] * operands)))
+        self.max_prompt_len = len(longest) + 4  # digits tokenize one by one: the widest operands, plus slack
+        self.min_vocab_size = 1 + max(max(longest), self.stop_token_id or 0)
+        if vocab_size is not None and self.min_vocab_size > vocab_size:
+            raise ValueError(f"task 'arithmetic': the tokenizer's ids reach {self.min_vocab_size - 1}, outside the "
+                             f"model's vocabulary of {vocab_size}")
+
+    # ---------------------------------------------------------------- problems
+    def _draw(self, g: torch.Generator) -> str:
+        nums = torch.randint(self.low, self.high + 1, (self.operands,), generator=g).tolist()
+        ops = torch.randint(len(self.operators), (self.operands - 1,), generator=g).tolist()
+        text = str(nums[0])
+        for op, num in zip(ops, nums[1:]):
+            text += f" {self.operators[op]} {num}"
+        return text
+
+    def is_heldout(self, problem: str) -> bool:
+        import hashlib
+
+        return int.from_bytes(hashlib.sha1(problem.encode()).digest()[:8], "little") % self.heldout_every == 0
+
+    def _problems(self, n: int, seed: int, heldout: bool) -> list[str]:
+        g = torch.Generator().manual_seed(int(seed))
+        out: list[str] = []
+        seen: set[str] = set()
+        for _ in range(200 * n + 1000):  # rejection sampling; the held-out split is ~1/heldout_every
+            if len(out) == n:
+                return out
+            problem = self._draw(g)
+            if self.is_heldout(problem) == heldout and (not heldout or problem not in seen):
+                out.append(problem)
+                seen.add(problem)
+        raise ValueError(f"task 'arithmetic': could not draw {n} {'held-out' if heldout else 'training'} problems "
+                         f"from a space of {self.space}")
+
+    def _prompt(self, problem: str) -> Prompt:
+        answer = arithmetic_value(problem)
+        ids = self._encode(self.template.format(problem=problem))
+        return torch.tensor(ids, dtype=torch.int64), {"answer": answer, "problem": problem}
+
+    def prompts(self, n: int, seed: int) -> list[Prompt]:
+        """n training prompts (never a held-out problem), drawn from `seed`."""
+        return [self._prompt(p) for p in self._problems(n, seed, heldout=False)]
+
+    def heldout(self, n: int) -> list[Prompt]:
+        """The first n problems of the held-out split: distinct, the same list in every run."""
+        limit = self.space // self.heldout_every
+        if n > limit // 2:
+            raise ValueError(f"eval.num_prompts={n}: the held-out split of task 'arithmetic' has ~{limit} problems "
+                             f"(1 in task.options.heldout_every={self.heldout_every} of {self.space}); ask for "
+                             f"at most {limit // 2}, or widen the operands")
+        return [self._prompt(p) for p in self._problems(n, seed=-1 & 0xFFFF_FFFF, heldout=True)]
+
+    def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> float:
+        text = self.tokenizer.decode(_ids(response_ids), skip_special_tokens=True)
+        return math_reward(text, meta["answer"])
+
+
+def arithmetic_value(problem: str) -> int:
+    """The value of "a op b op c ..." (integers, `+ - *`, single spaces), `*` binding tighter."""
+    tokens = problem.split()
+    terms, sign, product = [], 1, int(tokens[0])
+    for op, num in zip(tokens[1::2], tokens[2::2]):
+        if op == "*":
+            product *= int(num)
+        else:
+            terms.append(sign * product)
+            sign, product = (1 if op == "+" else -1), int(num)
+    return sum(terms) + sign * product
+
+
+def _chat_encoder(tokenizer: Any, chat_template: str | None, system_prompt: str | None,
+                  tokenizer_path: Any) -> Callable[[str], list[int]]:
+    """text -> prompt ids: as is (`chat_template=None`), or as one user message (after
+    `system_prompt`) in the tokenizer's chat template ("tokenizer") or a Jinja template,
+    with the generation prompt."""
+    if chat_template == "tokenizer" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"task.chat_template='tokenizer' but the tokenizer at '{tokenizer_path}' "
+                         f"has no chat template")
+    if chat_template is None and system_prompt is not None:
+        raise ValueError("task.system_prompt needs task.chat_template (a system message only exists in a chat)")
+
+    def encode(text: str) -> list[int]:
+        if chat_template is None:
+            return list(tokenizer.encode(text))
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
+        messages.append({"role": "user", "content": text})
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True,
+            chat_template=None if chat_template == "tokenizer" else chat_template,
+        )
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+    return encode
 
 
 def load_tokenizer(path: str | os.PathLike, key: str = "task.tokenizer_path") -> Any:
@@ -423,6 +540,7 @@ TASKS: dict[str, Callable[..., Task]] = {
     "count_up": CountUp,
     "file": FileTask,
     "math": MathTask,
+    "arithmetic": ArithmeticTask,
 }
 
 

@@ -39,12 +39,13 @@ from packing import Experience, make_experience_batch, plan_microbatches
 from rl.advantages import (WHITEN_BY_DEFAULT, AdvantageEstimator, compute_advantages, gae_advantages_batch,
                            masked_moments, whiten_with_moments)
 from rl.checkpoint import load_sharded_state, sharded_state
-from rl.config import Config, check_task_fits
+from rl.config import Config, check_task_fits, model_config_value
 from rl.guard import DivergenceGuard, poison
 from rl.losses import LossAgg, aggregate, build_kl_controller, kl_penalty, loss_normalizer, policy_loss, value_loss
 from rl.schedule import make_lr_scheduler
 from rl.reward import apply_overlong_penalty, filter_uniform_groups
 from rl.rollout import HFRolloutEngine
+from rl.evaluate import evaluate, heldout_problems
 from rl.tasks import build_task, score
 
 
@@ -54,9 +55,16 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
     m = cfg.model
     dtype = getattr(torch, m.dtype.value)
     param_dtype = getattr(torch, m.param_dtype.value) if m.param_dtype is not None else None
+    # the task first: its errors (files, tokenizer, held-out size) come before any weight loads
+    vocab_size = model_config_value(cfg, "vocab_size")[0]
+    task = build_task(cfg.task.name, prompts_path=cfg.task.prompts_path, reward_fn=cfg.task.reward_fn,
+                      tokenizer_path=cfg.task.tokenizer_path, vocab_size=vocab_size, **cfg.task.options)
+    check_task_fits(cfg, task)  # batch.max_tokens holds the task's longest prompt + task.max_new_tokens
+    heldout = heldout_problems(task, cfg.eval.num_prompts, cfg.task.name) if cfg.eval.every else []
 
     def new_model():
-        return build_model(m.name.value, pretrained_path=m.pretrained_path, seed=cfg.seed, dtype=dtype, **m.overrides)
+        name = m.name.value if m.name is not None else None
+        return build_model(name, pretrained_path=m.pretrained_path, seed=cfg.seed, dtype=dtype, **m.overrides)
 
     def shard(module):
         return parallelize(module, dims, param_dtype=param_dtype,
@@ -67,13 +75,10 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
     reference = None
     if cfg.algo.kl_coef:
         reference = shard(Actor(new_model().requires_grad_(False), temperature=m.temperature, dims=dims))
-    task = build_task(cfg.task.name, prompts_path=cfg.task.prompts_path, reward_fn=cfg.task.reward_fn,
-                      tokenizer_path=cfg.task.tokenizer_path, vocab_size=actor.model.config.vocab_size,
-                      **cfg.task.options)
-    check_task_fits(cfg, task)  # batch.max_tokens holds the task's longest prompt + task.max_new_tokens
     engine = HFRolloutEngine(new_model().to(dims.device), stop_token_id=getattr(task, "stop_token_id", None))
     engine.load_weights(full_parameters(actor.model))
-    return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine, task=task)
+    return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine, task=task,
+                   heldout=heldout)
 
 
 @dataclass
@@ -91,10 +96,11 @@ class MiniBatch:
 
 class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims, *, actor: Actor, critic: Critic | None,
-                 reference: Actor | None, engine, task) -> None:
+                 reference: Actor | None, engine, task, heldout: list | None = None) -> None:
         self.cfg, self.dims = cfg, dims
         self.actor, self.critic, self.reference = actor, critic, reference
         self.engine, self.task = engine, task
+        self.heldout = heldout or []  # the held-out problems of `evaluate` (eval.every > 0)
         self.optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
         self.critic_optimizer = (
             torch.optim.AdamW(critic.parameters(), lr=cfg.algo.critic_lr) if critic is not None else None
@@ -115,7 +121,17 @@ class Trainer:
         return aggregate(loss, batch, self.cfg.algo.loss_agg, normalizer, token_sum_norm=self.token_sum_norm)
 
     # ---------------------------------------------------------------- the step
+    def evaluate(self) -> dict[str, float]:
+        """Greedy pass@1 of the current policy on the held-out problems (rl/evaluate.py)."""
+        e = self.cfg.eval
+        return evaluate(self.engine, self.task, self.heldout, self.dims, batch_size=e.batch_size,
+                        max_new_tokens=e.max_new_tokens or self.cfg.task.max_new_tokens)
+
     def step(self, step: int) -> dict[str, float]:
+        """One step; the held-out evaluation of the policy it starts from when one is due
+        (before step 0 and every `eval.every` steps; train.py evaluates after the last)."""
+        every = self.cfg.eval.every
+        evaluation = self.evaluate() if every and step % every == 0 else {}
         t0 = time.perf_counter()
         with self.guard.rollout(step):  # non-finite logits: a DivergenceError naming the step
             records = self.collect(step)
@@ -138,7 +154,7 @@ class Trainer:
         stats.add(self.guard.flags())
         metrics = self.metrics(step, records, minibatches, stats, t_rollout=t_rollout, elapsed=elapsed)
         self.guard.end(step, metrics)  # warns; raises after trainer.max_bad_steps bad steps in a row
-        return dict(sorted(metrics.items()))
+        return dict(sorted((metrics | evaluation).items()))
 
     # ----------------------------------------------------------------- collect
     def collect(self, step: int) -> list[Experience]:

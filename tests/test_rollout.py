@@ -203,8 +203,8 @@ def test_generate_rejects_bad_arguments(dense):
         generate(dense, [torch.zeros(2, 3, dtype=torch.long)])
     with pytest.raises(ValueError, match="prompt_indices has 2 entries, expected 1"):
         generate(dense, p, indices=[0, 1])
-    with pytest.raises(ValueError, match="temperature=0"):
-        dense.generate(p, prompt_indices=[0], max_new_tokens=4, temperature=0, seed=0)
+    with pytest.raises(ValueError, match=r"temperature=-1 must be > 0 .* or 0 for greedy decoding"):
+        dense.generate(p, prompt_indices=[0], max_new_tokens=4, temperature=-1, seed=0)
 
 
 # ------------------------------------------------------------------ tasks
@@ -242,7 +242,7 @@ def test_score_sets_rewards(dense):
 
 
 def test_build_task_errors():
-    with pytest.raises(ValueError, match=r"task 'nope' is not one of \['copy_first', 'count_up', 'file', 'math', 'target_token'\]"):
+    with pytest.raises(ValueError, match=r"task 'nope' is not one of \['arithmetic', 'copy_first', 'count_up', 'file', 'math', 'target_token'\]"):
         build_task("nope")
     with pytest.raises(TypeError, match=r"task 'target_token' got unknown options \['prompts_path'\]"):
         build_task("target_token", vocab_size=VOCAB, prompts_path="x.jsonl")
