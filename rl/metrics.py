@@ -29,7 +29,8 @@ class MetricsWriter:
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+                # a resumed run hides the events of the steps it redoes (resume_step and later)
+                self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=resume_step or None)
 
     def log(self, metrics: dict) -> None:
         self.history.append(metrics)
@@ -68,6 +69,7 @@ def _read_lines(path: Path) -> list[dict]:
 # and so is a panel with none of its keys)
 CURVES: dict[str, tuple[str, ...]] = {
     "reward": ("reward_mean",),
+    "held-out accuracy": ("eval_accuracy",),
     "loss": ("loss", "policy_loss", "value_loss"),
     "entropy": ("entropy",),
     "grad norm": ("grad_norm",),
@@ -87,15 +89,15 @@ def plot_curves(history: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [m["step"] for m in history]
     panels = {title: [k for k in keys if any(k in m for m in history)] for title, keys in CURVES.items()}
     panels = {title: keys for title, keys in panels.items() if keys}
     cols = min(4, max(len(panels), 1))
     rows = max(math.ceil(len(panels) / cols), 1)
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.9 * rows), squeeze=False)
     for ax, (title, keys) in zip(axes.flat, panels.items()):
-        for key in keys:
-            ax.plot(steps, [m.get(key, float("nan")) for m in history], marker=".", label=key)
+        for key in keys:  # the steps that have the key (evaluations are every eval.every steps)
+            at = [m for m in history if key in m]
+            ax.plot([m["step"] for m in at], [m[key] for m in at], marker=".", label=key)
         if len(keys) > 1:
             ax.legend(fontsize=7)
         ax.set_xlabel("step")
