@@ -17,8 +17,10 @@ the action axis (0 on prompt slots) in place. "A group" is the samples of one pr
 grpo and rloo the penalty is folded into the scalar reward, r_i - kl_coef * sum_t kl_t
 (as verl does), since their advantage is one number per sample.
 
-`compute_advantages(records, estimator, ...)` dispatches by `AdvantageEstimator` and
-applies whitening (`whiten_advantages`), on by default for gae and the REINFORCE++ pair.
+Each estimator is one function registered under its name (`register_advantage_estimator`,
+like verl's); `algo.advantage` names one, checked at start-up against the registry
+(`python -m rl.registry` lists them). `compute_advantages(records, name, ...)` dispatches
+and applies whitening (`whiten_advantages`), on by default for gae and the REINFORCE++ pair.
 `gae_advantages_batch` computes GAE directly on a padded `[B, T-1]` or packed `[1, N]`
 batch; `masked_moments` + `whiten_with_moments` whiten across microbatches and ranks.
 """
@@ -33,37 +35,56 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from packing import Experience
-from rl.choice import Choice
 
 
-class AdvantageEstimator(Choice):
-    GRPO = "grpo"
-    GAE = "gae"
-    RLOO = "rloo"
-    REINFORCE_PP = "reinforce_pp"
-    REINFORCE_PP_BASELINE = "reinforce_pp_baseline"
+@dataclass(frozen=True)
+class Estimator:
+    """A registered advantage estimator: `fn(records, **options)` sets `advantages` and
+    `returns` on the step's records in place (options: its keyword-only parameters)."""
+
+    name: str
+    fn: Callable[..., None]
+    whiten_by_default: bool = False  # whiten over every action token of the step unless algo.whiten_advantages says
+    uses_critic: bool = False  # needs the critic's values: computed after the scoring pass (gae)
+    needs_groups: bool = False  # a baseline from the other samples of a prompt: >= 2 samples per prompt
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_advantage_estimator(name: str, *, whiten_by_default: bool = False, uses_critic: bool = False,
+                                 needs_groups: bool = False) -> Callable:
+    """Register `fn` as `algo.advantage=<name>` (a decorator); the name must be new."""
+
+    def register(fn: Callable[..., None]) -> Callable[..., None]:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered ({ADVANTAGE_ESTIMATORS[name].fn})")
+        ADVANTAGE_ESTIMATORS[name] = Estimator(name, fn, whiten_by_default, uses_critic, needs_groups)
+        return fn
+
+    return register
+
+
+def get_advantage_estimator(name: str, key: str = "algo.advantage") -> Estimator:
+    """The estimator registered as `name`; else an error naming `key` and the registered names."""
+    est = ADVANTAGE_ESTIMATORS.get(str(name))
+    if est is None:
+        raise ValueError(f"{key}={name!r}: not a registered advantage estimator; registered: "
+                         f"{sorted(ADVANTAGE_ESTIMATORS)} (rl/advantages.py: register_advantage_estimator)")
+    return est
 
 
 @dataclass
 class AdvantageConfig:
     """Advantage fields, flat (an `AlgoConfig` may inherit it): `algo.advantage`, `algo.gamma`, ..."""
 
-    advantage: AdvantageEstimator = AdvantageEstimator.GRPO
+    advantage: str = "grpo"  # a registered estimator (python -m rl.registry lists them)
     gamma: float = 1.0  # discount (gae, reinforce_pp*)
     lam: float = 0.95  # GAE lambda
     grpo_scale_by_std: bool = True  # false: Dr. GRPO (mean-centred only)
-    # Whiten advantages over all action tokens of the step; None = on for gae and
-    # reinforce_pp*, off for grpo and rloo.
+    # Whiten advantages over all action tokens of the step; None = the estimator's default
+    # (on for gae and reinforce_pp*, off for grpo and rloo).
     whiten_advantages: Optional[bool] = None
-
-
-WHITEN_BY_DEFAULT = {
-    AdvantageEstimator.GRPO: False,
-    AdvantageEstimator.RLOO: False,
-    AdvantageEstimator.GAE: True,
-    AdvantageEstimator.REINFORCE_PP: True,
-    AdvantageEstimator.REINFORCE_PP_BASELINE: True,
-}
 
 
 # ---------------------------------------------------------------- group-based
@@ -99,6 +120,7 @@ def _set_sequence_advantage(rec: Experience, a: torch.Tensor) -> None:
     rec.returns = rec.advantages.clone()
 
 
+@register_advantage_estimator("grpo", needs_groups=True)
 def grpo_advantages(
     records: Sequence[Experience], *, scale_by_std: bool = True, eps: float = 1e-6, kl_coef: float = 0.0
 ) -> None:
@@ -118,6 +140,7 @@ def grpo_advantages(
             _set_sequence_advantage(records[i], a)
 
 
+@register_advantage_estimator("rloo", needs_groups=True)
 def rloo_advantages(records: Sequence[Experience], *, kl_coef: float = 0.0) -> None:
     """A_i = r_i - mean_{j != i} r_j over the other samples of i's group (REINFORCE
     leave-one-out), broadcast over the response tokens. Needs >= 2 samples per prompt."""
@@ -165,6 +188,7 @@ def _add_final_reward(token_rewards: torch.Tensor, mask: torch.Tensor, rewards: 
     token_rewards[rows, last[has]] += rewards[has].to(token_rewards.dtype)
 
 
+@register_advantage_estimator("gae", whiten_by_default=True, uses_critic=True)
 def gae_advantages(
     records: Sequence[Experience], *, gamma: float = 1.0, lam: float = 0.95, kl_coef: float = 0.0
 ) -> None:
@@ -253,6 +277,7 @@ def _row_view(batch: Experience) -> tuple[Callable, Callable]:
     return to_rows, from_rows
 
 
+@register_advantage_estimator("reinforce_pp", whiten_by_default=True)
 def reinforce_pp_advantages(
     records: Sequence[Experience], *, gamma: float = 1.0, kl_coef: float = 0.0, whiten: bool = True,
     baseline: bool = False,
@@ -291,6 +316,7 @@ def reinforce_pp_advantages(
         whiten_advantages(records)
 
 
+@register_advantage_estimator("reinforce_pp_baseline", whiten_by_default=True)
 def reinforce_pp_baseline_advantages(
     records: Sequence[Experience], *, gamma: float = 1.0, kl_coef: float = 0.0, whiten: bool = True
 ) -> None:
@@ -329,16 +355,7 @@ def whiten_advantages(items: Sequence[Experience], *, eps: float = 1e-8, shift_m
         it.advantages = whiten_with_moments(it.advantages, it.action_mask, moments, eps=eps, shift_mean=shift_mean)
 
 
-# ------------------------------------------------------------------- registry
-ESTIMATORS: dict[AdvantageEstimator, Callable[..., None]] = {
-    AdvantageEstimator.GRPO: grpo_advantages,
-    AdvantageEstimator.GAE: gae_advantages,
-    AdvantageEstimator.RLOO: rloo_advantages,
-    AdvantageEstimator.REINFORCE_PP: reinforce_pp_advantages,
-    AdvantageEstimator.REINFORCE_PP_BASELINE: reinforce_pp_baseline_advantages,
-}
-
-
+# ------------------------------------------------------------------- dispatch
 def _options(fn: Callable) -> set[str]:
     """An estimator's options (keyword-only parameters); whitening is the dispatcher's."""
     params = inspect.signature(fn).parameters.values()
@@ -346,24 +363,23 @@ def _options(fn: Callable) -> set[str]:
 
 
 def compute_advantages(
-    records: Sequence[Experience], estimator: AdvantageEstimator | str, *, whiten: bool | None = None, **opts
+    records: Sequence[Experience], estimator: str, *, whiten: bool | None = None, **opts
 ) -> None:
-    """Set `advantages` and `returns` on `records` (one step's) with the named estimator.
+    """Set `advantages` and `returns` on `records` (one step's) with the registered estimator.
 
     `opts` may hold any estimator's options (gamma, lam, kl_coef, scale_by_std, eps);
     each estimator takes the ones it knows, an option no estimator knows is an error.
     `whiten`: whiten advantages over all action tokens of `records`; None = the
-    estimator's default (`WHITEN_BY_DEFAULT`: gae and reinforce_pp* on, grpo and rloo off).
+    estimator's default (`whiten_by_default`: gae and reinforce_pp* on, grpo and rloo off).
     """
-    est = AdvantageEstimator.parse(estimator, "advantage")
-    known = set().union(*(_options(fn) for fn in ESTIMATORS.values()))
+    est = get_advantage_estimator(estimator, "advantage")
+    known = set().union(*(_options(e.fn) for e in ADVANTAGE_ESTIMATORS.values()))
     unknown = sorted(set(opts) - known)
     if unknown:
         raise TypeError(f"compute_advantages: unknown options {unknown}; the estimators take {sorted(known)}")
-    fn = ESTIMATORS[est]
-    kwargs = {k: v for k, v in opts.items() if k in _options(fn)}
-    if est in (AdvantageEstimator.REINFORCE_PP, AdvantageEstimator.REINFORCE_PP_BASELINE):
+    kwargs = {k: v for k, v in opts.items() if k in _options(est.fn)}
+    if "whiten" in inspect.signature(est.fn).parameters:
         kwargs["whiten"] = False  # whitened below, like every estimator
-    fn(records, **kwargs)
-    if WHITEN_BY_DEFAULT[est] if whiten is None else whiten:
+    est.fn(records, **kwargs)
+    if est.whiten_by_default if whiten is None else whiten:
         whiten_advantages(records)

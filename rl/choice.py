@@ -1,7 +1,7 @@
 """`Choice`: the base of every closed config choice (policy loss, aggregation, estimator ...).
 
 A `Choice` is a `str`-valued `Enum`, so a member compares equal to its string value and a
-function can take either: `PolicyLoss("gspo") is PolicyLoss.GSPO`, `PolicyLoss(PolicyLoss.GSPO)`
+function can take either: `LossAgg("token-mean") is LossAgg.TOKEN_MEAN`, `LossAgg(LossAgg.TOKEN_MEAN)`
 too. Each enum lives in the module that owns its concept; this module only gives them
 the shared behaviour:
 

@@ -16,7 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from model.parallel_dims import resolve_device
-from rl.advantages import AdvantageConfig, AdvantageEstimator
+from rl.advantages import AdvantageConfig, get_advantage_estimator
 from rl.choice import Choice
 from rl.losses import KLConfig, KLMode, PolicyLossConfig, check_policy_loss_config
 from rl.schedule import LRSchedule
@@ -105,7 +105,7 @@ class AlgoConfig(PolicyLossConfig, KLConfig, AdvantageConfig):
 
     @property
     def uses_critic(self) -> bool:
-        return AdvantageEstimator(self.advantage) is AdvantageEstimator.GAE
+        return get_advantage_estimator(self.advantage).uses_critic
 
 
 @dataclass
@@ -253,14 +253,14 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.algo.overlong_buffer is not None and not 0 < cfg.algo.overlong_buffer <= cfg.task.max_new_tokens:
         raise ValueError(f"algo.overlong_buffer={cfg.algo.overlong_buffer}: expected 1..task.max_new_tokens="
                          f"{cfg.task.max_new_tokens} or null")
-    advantage = AdvantageEstimator(cfg.algo.advantage)
-    if advantage in (AdvantageEstimator.GRPO, AdvantageEstimator.RLOO) and cfg.task.samples_per_prompt < 2:
-        raise ValueError(f"algo.advantage={advantage.value} with task.samples_per_prompt={cfg.task.samples_per_prompt}: "
+    advantage = get_advantage_estimator(cfg.algo.advantage, "algo.advantage")
+    if advantage.needs_groups and cfg.task.samples_per_prompt < 2:
+        raise ValueError(f"algo.advantage={advantage.name} with task.samples_per_prompt={cfg.task.samples_per_prompt}: "
                          "a group of one sample has advantage 0 everywhere (nothing to learn); use >= 2")
-    if cfg.algo.kl_coef and KLMode(cfg.algo.kl_mode) is KLMode.REWARD and advantage is not AdvantageEstimator.GAE:
+    if cfg.algo.kl_coef and KLMode(cfg.algo.kl_mode) is KLMode.REWARD and not advantage.uses_critic:
         # these advantages are computed from the rewards before the scoring pass has the
         # reference log-probs, so a KL reward penalty would be computed and never read
-        raise ValueError(f"algo.kl_mode=reward with algo.advantage={advantage.value}: only gae reads a per-token "
+        raise ValueError(f"algo.kl_mode=reward with algo.advantage={advantage.name}: only gae reads a per-token "
                          "KL reward (its advantages wait for the scoring pass); use algo.kl_mode=loss, or "
                          "algo.advantage=gae")
     if cfg.model.pretrained_path is not None:

@@ -28,18 +28,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from packing import Experience
 from rl.choice import Choice
-
-
-class PolicyLoss(Choice):
-    PPO = "ppo"  # clipped surrogate (+ dual-clip)
-    GSPO = "gspo"  # sequence-level ratio: geometric mean of the token ratios
-    CISPO = "cispo"  # clipped, detached IS weight times log-prob (MiniMax-M1)
 
 
 class LossAgg(Choice):
@@ -66,9 +60,6 @@ class TISLevel(Choice):
 
 
 # Kept for callers that iterate the choices as strings.
-POLICY_LOSSES = tuple(PolicyLoss.values())
-AGGREGATIONS = tuple(LossAgg.values())
-KL_ESTIMATORS = tuple(KLEstimator.values())
 
 
 # --------------------------------------------------------------- segmentation
@@ -162,7 +153,7 @@ class PolicyLossConfig:
     """Every policy-loss field, flat: an `AlgoConfig` inherits it, so the YAML keys are
     `algo.policy_loss`, `algo.clip_low`, ... (plain dataclass: an OmegaConf structured config)."""
 
-    policy_loss: PolicyLoss = PolicyLoss.PPO
+    policy_loss: str = "ppo"  # a registered policy loss (python -m rl.registry lists them)
     # PPO/GSPO: the ratio is clipped to [1 - clip_low, 1 + clip_high].
     # CISPO: the IS weight is clipped above at 1 + clip_high; clip_low is not used (see cispo_clip_low).
     clip_low: float = 0.2
@@ -193,7 +184,7 @@ def check_policy_loss_config(cfg: Any, prefix: str = "") -> None:
 
     Takes a `PolicyLossConfig`, a subclass, or an OmegaConf node with the same keys, so
     the trainer can check `cfg.algo` at start-up with `prefix="algo."`."""
-    PolicyLoss.parse(cfg.policy_loss, f"{prefix}policy_loss")
+    get_policy_loss(cfg.policy_loss, f"{prefix}policy_loss")
     TISLevel.parse(cfg.tis_level, f"{prefix}tis_level")
     LossAgg.parse(cfg.loss_agg, f"{prefix}loss_agg")
     checks = [
@@ -214,10 +205,74 @@ def check_policy_loss_config(cfg: Any, prefix: str = "") -> None:
             raise ValueError(f"{prefix}{name}={value!r}: expected {expected}")
 
 
+# A policy loss: (log_probs, log_ratio, experience, cfg) -> (per-token loss, clipped, ratio),
+# each laid out like action_mask. log_ratio = (log_probs - old) * mask; `clipped` marks the
+# tokens whose ratio or IS weight was clipped, `ratio` the ratio each token's loss used.
+PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, Experience, PolicyLossConfig],
+                        tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register `fn` as `algo.policy_loss=<name>` (a decorator); the name must be new."""
+
+    def register(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name]})")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return register
+
+
+def get_policy_loss(name: str, key: str = "algo.policy_loss") -> PolicyLossFn:
+    """The loss registered as `name`; else an error naming `key` and the registered names."""
+    fn = POLICY_LOSSES.get(str(name))
+    if fn is None:
+        raise ValueError(f"{key}={name!r}: not a registered policy loss; registered: {sorted(POLICY_LOSSES)} "
+                         f"(rl/losses.py: register_policy_loss)")
+    return fn
+
+
+@register_policy_loss("ppo")
+def ppo_loss(log_probs, log_ratio, experience, cfg):
+    """Clipped surrogate on the token ratio (+ dual-clip)."""
+    ratio = _clamp(log_ratio, cfg.log_ratio_clamp).exp()
+    loss, clipped = _clipped_surrogate(ratio, experience.advantages, cfg)
+    return loss, clipped, ratio
+
+
+@register_policy_loss("gspo")
+def gspo_loss(log_probs, log_ratio, experience, cfg):
+    """Clipped surrogate on the sequence ratio (the geometric mean of its token ratios),
+    with each token's own gradient path; sequences segmented by `packed_seq_lens`."""
+    seq_log_ratio = broadcast_to_tokens(per_sequence_mean(log_ratio, experience), experience)
+    log_seq_ratio = seq_log_ratio.detach() + log_probs - log_probs.detach()
+    if cfg.gspo_log_ratio_max is not None:
+        log_seq_ratio = log_seq_ratio.clamp(max=cfg.gspo_log_ratio_max)
+    ratio = log_seq_ratio.exp()
+    loss, clipped = _clipped_surrogate(ratio, experience.advantages, cfg)
+    return loss, clipped, ratio
+
+
+@register_policy_loss("cispo")
+def cispo_loss(log_probs, log_ratio, experience, cfg):
+    """MiniMax-M1: clip the (detached) IS weight, keep every token's gradient: -sg(clip(r)) * A * logp."""
+    ratio = _clamp(log_ratio, cfg.log_ratio_clamp).exp()
+    low = None if cfg.cispo_clip_low is None else 1 - cfg.cispo_clip_low
+    weight = ratio.clamp(min=low, max=1 + cfg.clip_high).detach()
+    loss = -weight * experience.advantages * log_probs
+    clipped = ratio > 1 + cfg.clip_high
+    if low is not None:
+        clipped = clipped | (ratio < low)
+    return loss, clipped, ratio
+
+
 def policy_loss(
     log_probs: torch.Tensor, experience: Experience, cfg: PolicyLossConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token policy loss (unreduced, 0 on masked slots) and per-token diagnostics.
+    """Per-token policy loss (unreduced, 0 on masked slots) of the registered loss
+    `cfg.policy_loss`, and per-token diagnostics.
 
     `log_probs` are the current policy's, laid out like `experience.action_mask`;
     `experience.action_log_probs` are the old policy's. Diagnostics (detached, not masked):
@@ -226,34 +281,12 @@ def policy_loss(
     KL(pi_old || pi) per token: r - 1 - log r, r = pi / pi_old).
     """
     check_policy_loss_config(cfg)
-    kind = PolicyLoss.parse(cfg.policy_loss, "policy_loss")
     old = experience.action_log_probs
-    adv = experience.advantages
-    if old is None or adv is None:
+    if old is None or experience.advantages is None:
         raise ValueError("policy_loss needs experience.action_log_probs (old policy) and experience.advantages")
     mask = experience.action_mask
     log_ratio = (log_probs - old) * mask
-
-    if kind is PolicyLoss.PPO:
-        ratio = _clamp(log_ratio, cfg.log_ratio_clamp).exp()
-        loss, clipped = _clipped_surrogate(ratio, adv, cfg)
-    elif kind is PolicyLoss.GSPO:
-        # sequence ratio (geometric mean of token ratios), with the token's own gradient path
-        seq_log_ratio = broadcast_to_tokens(per_sequence_mean(log_ratio, experience), experience)
-        log_seq_ratio = seq_log_ratio.detach() + log_probs - log_probs.detach()
-        if cfg.gspo_log_ratio_max is not None:
-            log_seq_ratio = log_seq_ratio.clamp(max=cfg.gspo_log_ratio_max)
-        ratio = log_seq_ratio.exp()
-        loss, clipped = _clipped_surrogate(ratio, adv, cfg)
-    else:  # CISPO: clip the (detached) IS weight, keep every token's gradient: -sg(clip(r)) * A * logp
-        ratio = _clamp(log_ratio, cfg.log_ratio_clamp).exp()
-        low = None if cfg.cispo_clip_low is None else 1 - cfg.cispo_clip_low
-        weight = ratio.clamp(min=low, max=1 + cfg.clip_high).detach()
-        loss = -weight * adv * log_probs
-        clipped = ratio > 1 + cfg.clip_high
-        if low is not None:
-            clipped = clipped | (ratio < low)
-
+    loss, clipped, ratio = get_policy_loss(cfg.policy_loss)(log_probs, log_ratio, experience, cfg)
     if cfg.tis_cap is not None:
         loss = loss * tis_weight(experience, cfg)
     r = _clamp(log_ratio.detach(), cfg.log_ratio_clamp).exp()

@@ -36,7 +36,7 @@ from model.moe import moe_blocks, reset_expert_load, router_aux_loss
 from model.parallel_dims import ParallelDims
 from model.parallelize import clip_grad_norm_, expert_load_metrics, full_parameters, parallelize
 from packing import Experience, make_experience_batch, plan_microbatches
-from rl.advantages import (WHITEN_BY_DEFAULT, AdvantageEstimator, compute_advantages, gae_advantages_batch,
+from rl.advantages import (compute_advantages, gae_advantages_batch, get_advantage_estimator,
                            masked_moments, whiten_with_moments)
 from rl.checkpoint import load_sharded_state, sharded_state
 from rl.config import Config, check_task_fits, model_config_value
@@ -256,7 +256,8 @@ class Trainer:
                 if algo.uses_critic:
                     gae_advantages_batch(batch, gamma=algo.gamma, lam=algo.lam,
                                          kl_coef=self.kl_ctl.value if kl_reward else 0.0)
-        if algo.uses_critic and (WHITEN_BY_DEFAULT[AdvantageEstimator.GAE] if algo.whiten_advantages is None
+        if algo.uses_critic and (get_advantage_estimator(algo.advantage).whiten_by_default
+                                 if algo.whiten_advantages is None
                                  else algo.whiten_advantages):
             self._whiten(minibatches)
         self.actor.train()

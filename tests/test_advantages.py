@@ -9,7 +9,6 @@ import torch
 from packing import Experience, make_experience_batch
 from rl.advantages import (
     AdvantageConfig,
-    AdvantageEstimator,
     compute_advantages,
     gae_advantages,
     gae_advantages_batch,
@@ -174,35 +173,35 @@ def estimator_records():
     return recs
 
 
-@pytest.mark.parametrize("estimator", AdvantageEstimator)
+@pytest.mark.parametrize("estimator", ["grpo", "gae", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
 def test_compute_advantages_dispatches_and_whitens_by_default(estimator):
     opts = dict(gamma=0.9, lam=0.8, kl_coef=0.1, scale_by_std=True)  # every option; each estimator takes its own
     got = estimator_records()
-    compute_advantages(got, estimator.value, whiten=False, **opts)
+    compute_advantages(got, estimator, whiten=False, **opts)
     direct = estimator_records()
     fn = {"grpo": lambda r: grpo_advantages(r, kl_coef=0.1),
           "gae": lambda r: gae_advantages(r, gamma=0.9, lam=0.8, kl_coef=0.1),
           "rloo": lambda r: rloo_advantages(r, kl_coef=0.1),
           "reinforce_pp": lambda r: reinforce_pp_advantages(r, gamma=0.9, kl_coef=0.1, whiten=False),
           "reinforce_pp_baseline": lambda r: reinforce_pp_baseline_advantages(r, gamma=0.9, kl_coef=0.1, whiten=False)}
-    fn[estimator.value](direct)
+    fn[estimator](direct)
     for g, d in zip(got, direct):
         assert torch.allclose(g.advantages, d.advantages) and torch.allclose(g.returns, d.returns)
 
     default = estimator_records()
     compute_advantages(default, estimator, **opts)
     tokens = torch.cat([response(r) for r in default])
-    whitened = estimator not in (AdvantageEstimator.GRPO, AdvantageEstimator.RLOO)
+    whitened = estimator not in ("grpo", "rloo")
     assert (abs(float(tokens.mean())) < 1e-6 and abs(float(tokens.std()) - 1) < 1e-4) == whitened
 
 
 def test_compute_advantages_errors():
-    with pytest.raises(ValueError, match=r"advantage='ppo' is not one of \['grpo', 'gae', 'rloo', 'reinforce_pp', "
-                                         r"'reinforce_pp_baseline'\]"):
+    with pytest.raises(ValueError, match=r"advantage='ppo': not a registered advantage estimator; registered: "
+                                         r"\['gae', 'grpo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo'\]"):
         compute_advantages(estimator_records(), "ppo")
     with pytest.raises(TypeError, match=r"unknown options \['gama'\]"):
         compute_advantages(estimator_records(), "gae", gama=0.9)
-    assert AdvantageConfig().advantage is AdvantageEstimator.GRPO and AdvantageConfig().whiten_advantages is None
+    assert AdvantageConfig().advantage == "grpo" and AdvantageConfig().whiten_advantages is None
 
 
 # ----------------------------------------------------- DAPO: shaping and sampling
@@ -228,3 +227,32 @@ def test_dynamic_sampling_drops_groups_whose_rewards_are_all_equal():
     assert dropped == [0, 2]  # group 3 has one sample: nothing to compare, kept
     assert kept == [r for r in recs if int(r.prompt_index) in (1, 3)]
     assert sorted(int(r.prompt_index) for r in kept) == [1, 1, 1, 3]
+
+
+def test_a_registered_estimator_is_checked_by_the_config_and_dispatched(monkeypatch):
+    from inprocess import compose
+
+    from rl.advantages import ADVANTAGE_ESTIMATORS, register_advantage_estimator
+
+    monkeypatch.setattr("rl.advantages.ADVANTAGE_ESTIMATORS", dict(ADVANTAGE_ESTIMATORS))
+    with pytest.raises(ValueError, match=r"algo.advantage='max_baseline': not a registered advantage estimator"):
+        compose("algo.advantage=max_baseline")
+
+    @register_advantage_estimator("max_baseline", needs_groups=True)
+    def max_baseline(records, *, kl_coef=0.0):
+        """r_i - max of its group."""
+        groups = {}
+        for i, r in enumerate(records):
+            groups.setdefault(int(r.prompt_index), []).append(i)
+        for members in groups.values():
+            best = max(float(records[i].rewards) for i in members)
+            for i in members:
+                records[i].advantages = (records[i].rewards - best) * records[i].action_mask.float()
+                records[i].returns = records[i].advantages.clone()
+
+    assert compose("algo.advantage=max_baseline").algo.advantage == "max_baseline"
+    with pytest.raises(ValueError, match="max_baseline with task.samples_per_prompt=1"):
+        compose("algo.advantage=max_baseline", "task.samples_per_prompt=1")
+    recs = estimator_records()
+    compute_advantages(recs, "max_baseline")
+    assert all(float(r.advantages.max()) <= 0 for r in recs) and any(float(r.advantages.min()) < 0 for r in recs)

@@ -133,9 +133,16 @@ def test_train_py_refuses_an_unset_key_before_building_a_model(tmp_path):
     assert "run folder" not in (tmp_path / "train.log").read_text()  # nothing was built
 
 
+@pytest.mark.parametrize("override,key,registered", [
+    ("algo.policy_loss=ppoo", "algo.policy_loss", "['cispo', 'gspo', 'ppo']"),
+    ("algo.advantage=gea", "algo.advantage", "['gae', 'grpo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo']"),
+])
+def test_a_name_outside_a_registry_names_the_key_and_the_registered_names(override, key, registered):
+    message = refused(override)  # at start-up, before any model is built
+    assert message.startswith(f"{key}={override.split('=')[1]!r}: not a registered") and registered in message
+
+
 @pytest.mark.parametrize("override,key,choice", [
-    ("algo.policy_loss=ppoo", "algo.policy_loss", "cispo"),
-    ("algo.advantage=gea", "algo.advantage", "reinforce_pp"),
     ("algo.loss_agg=token-sum", "algo.loss_agg", "seq-mean-token-sum-norm"),
     ("algo.kl_estimator=k4", "algo.kl_estimator", "k3"),
     ("algo.old_log_probs=engine", "algo.old_log_probs", "rollout"),

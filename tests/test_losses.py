@@ -19,7 +19,6 @@ from rl.losses import (
     KLConfig,
     KLEstimator,
     LossAgg,
-    PolicyLoss,
     PolicyLossConfig,
     TISLevel,
     aggregate,
@@ -100,16 +99,17 @@ def agg(loss, b, mode, normalizer=None):
 CASES = [
     PolicyLossConfig(policy_loss=kind, tis_cap=tis, tis_level=level, dual_clip=dual)
     for kind, (tis, level), dual in itertools.product(
-        PolicyLoss, [(None, TISLevel.TOKEN), (2.0, TISLevel.TOKEN), (2.0, TISLevel.SEQUENCE)], [None, 3.0]
+        ("ppo", "gspo", "cispo"), [(None, TISLevel.TOKEN), (2.0, TISLevel.TOKEN), (2.0, TISLevel.SEQUENCE)],
+        [None, 3.0]
     )
-    if not (kind is PolicyLoss.CISPO and dual)  # dual-clip bounds the clipped surrogate; CISPO has none
+    if not (kind == "cispo" and dual)  # dual-clip bounds the clipped surrogate; CISPO has none
 ] + [
-    PolicyLossConfig(policy_loss="cispo", cispo_clip_low=0.1),  # strings are accepted too
-    PolicyLossConfig(policy_loss=PolicyLoss.CISPO, cispo_clip_low=0.1, tis_cap=2.0, tis_level="sequence"),
+    PolicyLossConfig(policy_loss="cispo", cispo_clip_low=0.1),
+    PolicyLossConfig(policy_loss="cispo", cispo_clip_low=0.1, tis_cap=2.0, tis_level="sequence"),
     # guards small enough to bind on these records
-    PolicyLossConfig(policy_loss=PolicyLoss.PPO, log_ratio_clamp=0.3, clip_high=10.0),
-    PolicyLossConfig(policy_loss=PolicyLoss.CISPO, log_ratio_clamp=0.3, tis_cap=3.0, tis_level="sequence"),
-    PolicyLossConfig(policy_loss=PolicyLoss.GSPO, gspo_log_ratio_max=0.05, clip_high=10.0),
+    PolicyLossConfig(policy_loss="ppo", log_ratio_clamp=0.3, clip_high=10.0),
+    PolicyLossConfig(policy_loss="cispo", log_ratio_clamp=0.3, tis_cap=3.0, tis_level="sequence"),
+    PolicyLossConfig(policy_loss="gspo", gspo_log_ratio_max=0.05, clip_high=10.0),
 ]
 
 
@@ -221,12 +221,12 @@ def test_gspo_ratio_is_per_sequence():
 
 # ------------------------------------------------------------ config types
 def test_choices_accept_the_enum_or_its_string_and_name_the_key_on_a_typo():
-    assert PolicyLoss("gspo") is PolicyLoss.GSPO and PolicyLoss(PolicyLoss.GSPO) is PolicyLoss.GSPO
     assert LossAgg("seq-mean-token-sum-norm") is LossAgg.SEQ_MEAN_TOKEN_SUM_NORM and LossAgg.TOKEN_MEAN == "token-mean"
     records = make_records()
     b = make_experience_batch(records, packed=True)
     lp = b.action_log_probs
-    with pytest.raises(ValueError, match=r"policy_loss='nope' is not one of \['ppo', 'gspo', 'cispo'\]"):
+    with pytest.raises(ValueError, match=r"policy_loss='nope': not a registered policy loss; registered: "
+                                         r"\['cispo', 'gspo', 'ppo'\]"):
         policy_loss(lp, b, PolicyLossConfig(policy_loss="nope"))
     with pytest.raises(ValueError, match=r"tis_level='seq' is not one of \['token', 'sequence'\]"):
         policy_loss(lp, b, PolicyLossConfig(tis_cap=2.0, tis_level="seq"))
@@ -245,14 +245,16 @@ def test_policy_loss_config_is_a_flat_structured_config_with_enum_fields():
     yaml = OmegaConf.create({"policy_loss": "cispo", "loss_agg": "seq-mean-token-sum-norm", "tis_level": "sequence",
                              "cispo_clip_low": 0.1, "kl_estimator": "k2", "kl_mode": "reward"})
     cfg = OmegaConf.merge(OmegaConf.structured(Algo), yaml)
-    assert cfg.policy_loss is PolicyLoss.CISPO and cfg.loss_agg is LossAgg.SEQ_MEAN_TOKEN_SUM_NORM
+    assert cfg.policy_loss == "cispo" and cfg.loss_agg is LossAgg.SEQ_MEAN_TOKEN_SUM_NORM
     assert cfg.tis_level is TISLevel.SEQUENCE and cfg.kl_estimator is KLEstimator.K2 and cfg.cispo_clip_low == 0.1
     check_policy_loss_config(cfg, prefix="algo.")
     b = make_experience_batch(make_records(), packed=True)
     loss, _ = policy_loss(b.action_log_probs, b, OmegaConf.to_object(cfg))
     assert torch.isfinite(loss).all()
-    with pytest.raises(ValidationError, match="policy_loss"):
-        OmegaConf.merge(OmegaConf.structured(Algo), {"policy_loss": "nope"})
+    with pytest.raises(ValidationError, match="loss_agg"):
+        OmegaConf.merge(OmegaConf.structured(Algo), {"loss_agg": "nope"})
+    with pytest.raises(ValueError, match="algo.policy_loss='nope': not a registered policy loss"):  # the registry's
+        check_policy_loss_config(OmegaConf.merge(cfg, {"policy_loss": "nope"}), prefix="algo.")
     with pytest.raises(ValueError, match=r"algo.clip_low=1.5: expected in \[0, 1\)"):
         check_policy_loss_config(OmegaConf.merge(cfg, {"clip_low": 1.5}), prefix="algo.")
     with pytest.raises(ValueError, match="algo.dual_clip=0.5: expected > 1 or null"):
@@ -410,3 +412,25 @@ def test_lr_schedule_warmup_then_constant_or_cosine():
         lr_lambda(0, 0, 10, "linear")
     with pytest.raises(ValueError, match="cosine needs total_steps=4 > warmup_steps=4"):
         make_lr_scheduler(opt, warmup_steps=4, total_steps=4, kind="cosine")
+
+
+# ---------------------------------------------------------------- the registry
+def test_a_registered_policy_loss_is_one_function_and_the_config_accepts_it(monkeypatch):
+    from rl.losses import POLICY_LOSSES, register_policy_loss
+
+    monkeypatch.setattr("rl.losses.POLICY_LOSSES", dict(POLICY_LOSSES))  # registered for this test only
+    with pytest.raises(ValueError, match="not a registered policy loss"):
+        check_policy_loss_config(PolicyLossConfig(policy_loss="vanilla_pg"))
+
+    @register_policy_loss("vanilla_pg")
+    def vanilla_pg(log_probs, log_ratio, experience, cfg):
+        """-A * log p: no ratio, no clipping."""
+        return -experience.advantages * log_probs, torch.zeros_like(log_probs, dtype=torch.bool), log_ratio.exp()
+
+    b = make_experience_batch(make_records(), packed=True)
+    lp = b.action_log_probs.clone().requires_grad_(True)
+    loss, info = policy_loss(lp, b, PolicyLossConfig(policy_loss="vanilla_pg"))
+    torch.testing.assert_close(loss, -b.advantages * lp.detach() * b.action_mask)
+    assert float(info["clip_ratio"].sum()) == 0
+    with pytest.raises(ValueError, match="'vanilla_pg' is already registered"):
+        register_policy_loss("vanilla_pg")(vanilla_pg)
