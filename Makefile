@@ -19,10 +19,10 @@ $(STAMP): requirements.txt
 	@rm -f .venv/.installed-* && touch $@
 
 test: $(STAMP)
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -m "not model" $(ARGS)
 
 test-quick: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(ARGS)
+	$(PY) -m pytest -m "not slow and not model" $(ARGS)
 
 # one JSON line per bench (last line of each), bench/results/<name>.json and bench/results/bench.png;
 # step runs first: collate reads its step time. `make bench ARGS=--quick` for a short run.
