@@ -23,7 +23,7 @@ from torch import nn
 
 from model.attention import packed_attn_kwargs
 from model.context_parallel import ShardedView, shard_forward
-from model.logprobs import token_log_probs
+from model.logprobs import LOGPROB_CHUNK_BYTES, token_log_probs
 from model.moe import ep_suffix_length, moe_blocks, moe_padding_mask, routing_replay
 from model.parallel_dims import ParallelDims
 from packing.experience import Experience
@@ -129,15 +129,23 @@ class Actor(nn.Module):
 
     The Actor is the module FSDP2 wraps last (model/parallelize.py): its forward reads the
     lm head's weight directly (chunked log-softmax), which the root's unshard covers.
+    `chunk_bytes` is the log-prob head's budget of one `[rows, V]` fp32 chunk
+    (model/logprobs.py; `model.logprob_chunk_bytes`); `chunk_size` fixes the rows instead.
+    `actions_only` runs the lm head on the slots `action_mask` selects only; every other slot
+    is then exactly 0 (with no gradient) like a slot with no next token (the trainer's
+    setting: its losses, KL and metrics are masked by `action_mask`).
     """
 
-    def __init__(self, model: nn.Module, *, temperature: float = 1.0, chunk_size: int = 1024,
-                 dims: ParallelDims | None = None, replay: bool = True) -> None:
+    def __init__(self, model: nn.Module, *, temperature: float = 1.0, chunk_bytes: int = LOGPROB_CHUNK_BYTES,
+                 chunk_size: int | None = None, dims: ParallelDims | None = None, replay: bool = True,
+                 actions_only: bool = False) -> None:
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"Actor: temperature={temperature}, expected > 0")
-        if chunk_size < 1:
-            raise ValueError(f"Actor: chunk_size={chunk_size}, expected >= 1")
+        if chunk_bytes < 1:
+            raise ValueError(f"Actor: chunk_bytes={chunk_bytes}, expected >= 1")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"Actor: chunk_size={chunk_size}, expected >= 1 (or None: rows from chunk_bytes)")
         head = model.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise ValueError(
@@ -145,22 +153,46 @@ class Actor(nn.Module):
             )
         self.model = model
         self.temperature = temperature
-        self.chunk_size = chunk_size
+        self.chunk_bytes = chunk_bytes  # log-prob chunk: rows = chunk_bytes // (4 x vocab) ...
+        self.chunk_size = chunk_size  # ... unless a row count is given (tests)
         self.dims = dims if dims is not None else ParallelDims()
         self.replay = replay
+        self.actions_only = actions_only
 
     def forward(
         self, experience: Experience, return_entropy: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`action_log_probs` fp32 `[B, T-1]` / `[1, N]` (plus `entropy`, same shape, if asked)."""
         hidden, view = _forward_slots(self.model, experience, self.dims, self.replay)
+        rows = self._scored_rows(experience, view)
+        if rows is not None:  # the lm head on the action slots only, scattered back onto the token axis
+            hidden, targets = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), view.targets.reshape(-1)[rows]
+        else:
+            targets = view.targets
         out = token_log_probs(
-            hidden, self.model.get_output_embeddings().weight, view.targets,
-            temperature=self.temperature, chunk_size=self.chunk_size, return_entropy=return_entropy,
+            hidden, self.model.get_output_embeddings().weight, targets,
+            temperature=self.temperature, chunk_bytes=self.chunk_bytes, chunk_size=self.chunk_size,
+            return_entropy=return_entropy,
         )
         outs = out if return_entropy else (out,)
+        if rows is not None:
+            outs = tuple(o.new_zeros(view.targets.numel()).index_copy(0, rows, o).view(view.targets.shape)
+                         for o in outs)
         outs = tuple(_action_axis(view.restore(o.masked_fill(~view.valid, 0.0)), experience) for o in outs)
         return outs if return_entropy else outs[0]
+
+    def _scored_rows(self, experience: Experience, view: ShardedView) -> torch.Tensor | None:
+        """With `actions_only`: the flat indices of the slots `action_mask` selects on this
+        rank's token axis (None: score every slot). The lm head is ~20% of a training step's
+        FLOPs at a 49k vocabulary and prompt slots are most of a short-answer pack; losses,
+        KL and metrics read only the action slots. Not under CP (the view is a shard)."""
+        mask = experience.action_mask
+        if not self.actions_only or mask is None or self.dims.cp > 1:
+            return None
+        width = view.targets.shape[1]  # padded: T (mask T-1); pack: N (+ EP suffix)
+        act = torch.nn.functional.pad(mask.bool(), (0, width - mask.shape[1]), value=False)
+        rows = (act & view.valid).reshape(-1).nonzero().squeeze(1)
+        return rows if rows.numel() else None  # no action slot: score every slot (keeps the graph)
 
 
 class Critic(nn.Module):

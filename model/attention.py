@@ -24,8 +24,9 @@ boundaries:
   kernel set rounds alike differs by machine anyway): worst 4.3 eps32 relative over
   log-probs, entropy and grads, dense and MoE, under the default, AVX2 and AVX512 kernel
   sets with 1 and 2 threads (tests/test_portable_parity.py, tolerance in tests/parity_check.py).
-* no `cu_seq_lens_q` (a padded batch, or generation with a cache): transformers' sdpa with
-  the mask the model built.
+* no `cu_seq_lens_q` (a padded batch, or generation with a cache): sdpa with the mask the
+  model built (`_masked_sdpa`: on CPU with `enable_gqa` instead of transformers' per-head
+  copy of K/V, which the rollout engine paid for the whole cache at every decode step).
 
 A pack's `position_ids` only feed RoPE; a library that infers boundaries from them
 (transformers' sdpa/eager with `attention_mask=None`) is exactly what this module avoids:
@@ -108,9 +109,7 @@ def varlen_attention_forward(
         )
     if cu_seq_lens_q is None:
         # a padded batch (or decoding with a cache): the model built the mask, sdpa applies it
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return _masked_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
     cu_k = cu_seq_lens_q if cu_seq_lens_k is None else cu_seq_lens_k
     _check_pack(query, key, attention_mask, cu_seq_lens_q, cu_k)
@@ -129,6 +128,28 @@ def varlen_attention_forward(
             f"pack length {query.shape[2]} (query shape {tuple(query.shape)})"
         )
     return _per_sequence_sdpa(module, query, key, value, bounds, dropout, scaling), None
+
+
+def _masked_sdpa(module, query, key, value, attention_mask, *, dropout=0.0, scaling=None, is_causal=None,
+                 **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa with the model's mask, GQA kept in the kernel on CPU.
+
+    With a mask, transformers repeats K/V per query head (`repeat_kv`: a copy of the whole
+    cache per layer and decode step) except on XPU/MPS; torch's CPU kernels take
+    `enable_gqa` with a mask. Anything else (CUDA, no GQA, a position bias) goes to
+    transformers' own `sdpa_attention_forward`.
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups == 1 or query.device.type != "cpu" or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = query.shape[2] > 1 and attention_mask is None and causal
+    if causal and key.shape[2] > query.shape[2]:  # as transformers: is_causal aligns top-left
+        key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, is_causal=causal, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _longest(key: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:

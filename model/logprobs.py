@@ -1,22 +1,45 @@
-"""Per-token log-probs and entropy in fp32, chunked over tokens.
+"""Per-token log-probs and entropy in fp32, chunked over tokens by a byte budget.
 
 The `[N, V]` fp32 logits of a whole microbatch are the largest tensor of an RL step
-(N = 16k tokens x V = 152k vocab is ~10 GB). `token_log_probs` computes them `chunk_size`
-tokens at a time with a fused autograd function (`_ChunkLogProbs`): forward keeps only
-the chunk's inputs and its log-sum-exp; backward recomputes the chunk's logits and writes
-the gradient of log p[target] and of the entropy analytically,
+(N = 16k tokens x V = 152k vocab is ~10 GB). `token_log_probs` computes them a chunk of
+rows at a time with one fused autograd function (`_LogProbHead`). The chunk's rows come
+from a byte budget, `chunk_bytes // (V x 4 B)`, so a 152k and a 256 vocabulary reach the
+same peak: about one `[rows, V]` fp32 buffer (plus a few MiB of row blocks and the
+`[V, H]` weight gradient). Backward writes the gradient of log p[target] and of the
+entropy analytically,
 
     d log p_t / dz = onehot(t) - p          d H / dz = -p * (log p + H)
 
-in place, so at most three `[chunk_size, V]` fp32 temporaries are alive at once (autograd
-through log_softmax kept about 5.5: bench/memory.py). The cost is one more
-`hidden @ W^T` matmul per chunk in backward (~1/3 more lm-head FLOPs). Without grad
-(scoring with the old policy or the reference) nothing is saved.
+in place on that buffer. Two regimes, picked by the budget:
+
+* the whole input fits one chunk (`N <= rows`): forward's log-softmax buffer is kept for
+  backward and turned into the gradient in place: one `hidden @ W^T` matmul, no recompute;
+* more rows than one chunk: forward keeps only the inputs; backward recomputes each
+  chunk's logits into one reused buffer (one more `hidden @ W^T` per chunk, ~1/3 more
+  lm-head FLOPs) and accumulates the weight gradient with `addmm_`.
+
+Every `[rows, V]` operation runs in place (`log_softmax(out=)`, `exp_`, ...) and the
+entropy's `p log p` goes through a small reused row block: on CPU a fresh 400 MB tensor
+costs ~0.2 s of page faults alone, more than the in-place softmax over it (bench note in
+the Actor's docstring). Without grad (scoring with the old policy or the reference)
+nothing is kept. The kept buffer is consumed by backward: the head does not support
+`retain_graph` (a second backward raises).
 """
 
 from __future__ import annotations
 
 import torch
+
+LOGPROB_CHUNK_BYTES = 512 * 2**20  # default budget: [rows, V] fp32 per chunk (rows = budget // (4 V))
+_BLOCK_BYTES = 8 * 2**20  # row block of the elementwise passes that need a second [rows, V] tensor
+
+
+def chunk_rows(vocab_size: int, chunk_bytes: int) -> int:
+    """Rows of one `[rows, vocab_size]` fp32 chunk within `chunk_bytes` (at least 2: a
+    1-row matmul takes a matrix-vector kernel that rounds differently)."""
+    if chunk_bytes < 1:
+        raise ValueError(f"logprob chunk_bytes={chunk_bytes}, expected >= 1")
+    return max(2, int(chunk_bytes) // (4 * int(vocab_size)))
 
 
 def token_log_probs(
@@ -25,7 +48,8 @@ def token_log_probs(
     targets: torch.Tensor,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_bytes: int = LOGPROB_CHUNK_BYTES,
+    chunk_size: int | None = None,
     return_entropy: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(hidden @ W^T / temperature)[target], fp32, for every token position.
@@ -33,7 +57,8 @@ def token_log_probs(
     hidden `[..., S, H]` (any dtype), lm_head_weight `[V, H]`, targets `[..., S]` int ids.
     Returns log-probs `[..., S]` fp32 and, with `return_entropy`, the entropy `[..., S]`
     fp32 of the same tempered distribution. The lm-head matmul runs in the weight's dtype
-    and its output is upcast before the softmax.
+    and its output is upcast before the softmax. A chunk holds `chunk_size` rows if given,
+    else `chunk_bytes // (4 V)`.
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(
@@ -47,22 +72,23 @@ def token_log_probs(
         )
     if temperature <= 0:
         raise ValueError(f"token_log_probs: temperature={temperature}, expected > 0")
-    if chunk_size < 1:
+    if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"token_log_probs: chunk_size={chunk_size}, expected >= 1")
+    rows = chunk_size if chunk_size is not None else chunk_rows(lm_head_weight.shape[0], chunk_bytes)
 
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1).long()
-    logps, ents = [], []
-    for start, end in _chunks(flat_hidden.shape[0], chunk_size):
-        h, t = flat_hidden[start:end], flat_targets[start:end]
-        logp, ent = _ChunkLogProbs.apply(h, lm_head_weight, t, temperature, return_entropy)
-        logps.append(logp)
-        ents.append(ent)
-
-    log_probs = torch.cat(logps).view(targets.shape)
+    chunks = _chunks(flat_hidden.shape[0], rows)
+    if torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad):
+        log_probs, entropy = _LogProbHead.apply(flat_hidden, lm_head_weight, flat_targets, float(temperature),
+                                                return_entropy, chunks)
+    else:  # scoring: nothing kept
+        log_probs, entropy, _ = _head_forward(flat_hidden, lm_head_weight, flat_targets, float(temperature),
+                                              return_entropy, chunks, keep=False)
+    log_probs = log_probs.view(targets.shape)
     if not return_entropy:
         return log_probs
-    return log_probs, torch.cat(ents).view(targets.shape)
+    return log_probs, entropy.view(targets.shape)
 
 
 def _chunks(m: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -75,44 +101,121 @@ def _chunks(m: int, chunk_size: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _log_softmax_(hidden, weight, temperature: float, lse=None):
-    """The chunk's tempered log-probs `[c, V]` fp32, computed in place on its logits."""
-    logits = (hidden @ weight.T).float()
+def _log_softmax_into(buf: torch.Tensor | None, hidden, weight, temperature: float) -> torch.Tensor:
+    """The chunk's tempered log-probs `[c, V]` fp32, written in place into `buf` (a reused
+    buffer of at least c rows; None allocates one)."""
+    c, v = hidden.shape[0], weight.shape[0]
+    if buf is None or buf.shape[0] < c:
+        buf = torch.empty(c, v, dtype=torch.float32, device=hidden.device)
+    out = buf[:c]
+    if weight.dtype == torch.float32 and hidden.dtype == torch.float32:
+        torch.mm(hidden, weight.T, out=out)
+    else:
+        out.copy_(hidden @ weight.T)
     if temperature != 1.0:
-        logits.div_(temperature)
-    if lse is None:
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    return logits.sub_(lse), lse
+        out.div_(temperature)
+    return torch.log_softmax(out, dim=-1, out=out)  # row-wise: reads a row before writing it
 
 
-class _ChunkLogProbs(torch.autograd.Function):
-    """`[c, H]` -> log-probs `[c]` (and entropy `[c]`), fp32; see the module docstring."""
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    """-sum p log p per row of `logp [c, V]` (not lse - sum p z, which cancels when the
+    entropy is small), through one reused row block instead of a second `[c, V]` tensor."""
+    c, v = logp.shape
+    step = max(1, _BLOCK_BYTES // (4 * v))
+    block = torch.empty(min(step, c), v, dtype=logp.dtype, device=logp.device)
+    out = torch.empty(c, dtype=logp.dtype, device=logp.device)
+    for s in range(0, c, step):
+        lp = logp[s:s + step]
+        p = torch.exp(lp, out=block[:lp.shape[0]])
+        torch.sum(p.mul_(lp), dim=-1, out=out[s:s + step])
+    return out.neg_()
+
+
+def _head_forward(hidden, weight, targets, temperature: float, return_entropy: bool, chunks, *, keep: bool):
+    """Log-probs `[N]` (and entropy `[N]`) chunk by chunk through one reused buffer; with
+    `keep` (a single chunk) the chunk's log-softmax is returned for backward."""
+    n = hidden.shape[0]
+    logps = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    ents = torch.empty(n, dtype=torch.float32, device=hidden.device) if return_entropy else None
+    buf = None
+    for start, end in chunks:
+        logp_all = _log_softmax_into(buf, hidden[start:end], weight, temperature)
+        buf = logp_all if buf is None else buf
+        torch.gather(logp_all, -1, targets[start:end].unsqueeze(-1), out=logps[start:end].unsqueeze(-1))
+        if return_entropy:
+            ents[start:end] = _entropy(logp_all)
+    return logps, ents, (buf if keep else None)
+
+
+class _LogProbHead(torch.autograd.Function):
+    """`[N, H]` -> log-probs `[N]` (and entropy `[N]`), fp32; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, return_entropy: bool):
-        logp_all, lse = _log_softmax_(hidden, weight, temperature)
-        logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        # -sum p log p over the log-probs (not lse - sum p z, which cancels when the entropy is small)
-        entropy = -(logp_all.exp() * logp_all).sum(-1) if return_entropy else None
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature = temperature
-        return logp, entropy
+    def forward(ctx, hidden, weight, targets, temperature: float, return_entropy: bool, chunks):
+        keep = len(chunks) == 1
+        logps, ents, kept = _head_forward(hidden, weight, targets, temperature, return_entropy, chunks, keep=keep)
+        ctx.set_materialize_grads(False)  # an unused entropy (a logged metric) costs no backward work
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.kept = kept  # not a saved tensor: backward turns it into the gradient in place
+        ctx.entropy = ents.detach() if ents is not None else None
+        ctx.temperature, ctx.chunks = temperature, chunks
+        return logps, ents
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        logp_all, _ = _log_softmax_(hidden, weight, ctx.temperature, lse)
-        p = logp_all.exp()
-        grad = torch.zeros_like(p)  # d loss / d z, z the tempered logits
-        if grad_entropy is not None:
-            entropy = -(p * logp_all).sum(-1, keepdim=True)
-            grad.sub_(logp_all.add_(entropy).mul_(p).mul_(grad_entropy.unsqueeze(-1)))
-        if grad_logp is not None:
-            grad.sub_(p.mul_(grad_logp.unsqueeze(-1)))
-            grad.scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))
-        if ctx.temperature != 1.0:
-            grad.div_(ctx.temperature)
-        grad = grad.to(weight.dtype)
-        grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad.T @ hidden if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None, None
+        hidden, weight, targets = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None, None, None
+        if ctx.chunks is None:
+            raise RuntimeError("token_log_probs: backward ran twice through the log-prob head; its buffers are "
+                               "consumed by the first backward (retain_graph is not supported)")
+        kept, chunks, temperature = ctx.kept, ctx.chunks, ctx.temperature
+        ctx.kept = ctx.chunks = None
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        grad_weight = None
+        buf = kept
+        for start, end in chunks:
+            h = hidden[start:end]
+            logp_all = kept[: end - start] if kept is not None else _log_softmax_into(buf, h, weight, temperature)
+            buf = logp_all if buf is None else buf
+            g_lp = grad_logp[start:end] if grad_logp is not None else None
+            g_h = grad_entropy[start:end] if grad_entropy is not None else None
+            ent = ctx.entropy[start:end] if g_h is not None else None
+            grad = _grad_logits_(logp_all, targets[start:end], g_lp, g_h, ent)  # in place on logp_all
+            if temperature != 1.0:
+                grad.div_(temperature)
+            grad = grad if weight.dtype == torch.float32 else grad.to(weight.dtype)
+            if need_h:
+                if grad_hidden.dtype == grad.dtype:
+                    torch.mm(grad, weight, out=grad_hidden[start:end])
+                else:
+                    grad_hidden[start:end] = grad @ weight
+            if need_w:
+                if grad_weight is None:
+                    grad_weight = grad.T @ h.to(grad.dtype)
+                else:
+                    grad_weight.addmm_(grad.T, h.to(grad.dtype))
+        ctx.entropy = None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _grad_logits_(logp: torch.Tensor, targets, g_lp, g_h, entropy) -> torch.Tensor:
+    """d loss / d z for one chunk, written over `logp [c, V]` in place:
+    `-p * (g_lp + g_h * (log p + H)) + onehot(t) * g_lp` (absent terms are 0)."""
+    if g_h is None:  # the common case: one pass, no temporary
+        grad = logp.exp_().mul_(-g_lp.unsqueeze(-1))
+    else:
+        c, v = logp.shape
+        coef = g_lp if g_lp is not None else torch.zeros_like(g_h)
+        step = max(1, _BLOCK_BYTES // (4 * v))
+        block = torch.empty(min(step, c), v, dtype=logp.dtype, device=logp.device)
+        for s in range(0, c, step):
+            lp = logp[s:s + step]
+            p = torch.exp(lp, out=block[:lp.shape[0]])
+            gh, e, a = g_h[s:s + step, None], entropy[s:s + step, None], coef[s:s + step, None]
+            lp.add_(e).mul_(gh).add_(a).mul_(p).neg_()
+        grad = logp
+    if g_lp is not None:
+        grad.scatter_add_(-1, targets.unsqueeze(-1), g_lp.unsqueeze(-1))
+    return grad

@@ -17,12 +17,16 @@ prompt slots), `routed_experts [L, K, T]` (MoE; None for dense), and 0-d
 `response_length`, `total_length`, `prompt_index`. A sample stops after `stop_token_id`
 (kept as its last response token) or at `max_new_tokens`.
 
-Seeding: every sample draws from its own `torch.Generator`, seeded from
-`(seed, prompt_index, k)` where k counts the earlier samples of the same prompt_index in
-the call. A sample's tokens therefore depend on neither batch composition nor chunking nor
-padding: generating a prompt alone gives the same tokens as generating it in a batch.
+Seeding: every sample has its own seed, from `(seed, prompt_index, k)` where k counts the
+earlier samples of the same prompt_index in the call; response token j is drawn by inverse
+CDF with the uniform `uniform_noise(sample seed, j)` (a counter-based splitmix64 stream, the
+whole batch in a few tensor ops). A sample's tokens therefore depend on neither batch
+composition nor chunking nor padding: generating a prompt alone gives the same tokens as
+generating it in a batch.
 
-`HFRolloutEngine` is a KV-cache sampling loop over a Hugging Face causal LM. Prompts of a
+`HFRolloutEngine` is a KV-cache sampling loop over a Hugging Face causal LM. A chunk's
+distinct prompts are prefilled once and their cache copied to every sample that repeats
+one (a GRPO group shares its prompt); the cache reserves room for the new tokens. Prompts of a
 chunk are left-padded; the attention mask hides pad keys and per-row `position_ids` start
 at 0 at each prompt's first real token, so pad tokens change no real token's numbers
 (beyond float rounding, ~1e-7 in fp32).
@@ -40,6 +44,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
+import importlib
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -131,6 +137,120 @@ def make_record(
     )
 
 
+# ------------------------------------------------------------------ sampling
+# splitmix64 (Steele et al.); torch has no uint64 arithmetic, so the bit patterns live in
+# int64 tensors, whose additions and products wrap mod 2**64 like the unsigned ones
+_GAMMA = 0x9E3779B97F4A7C15
+_MUL1, _MUL2 = (c - (1 << 64) for c in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _signed(x: int) -> int:
+    """The int64 with the bit pattern of `x mod 2**64`."""
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (`>>` on int64 is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def uniform_noise(seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """One uniform float64 in [0, 1) per sample for response token `step`: output `step + 1`
+    of the splitmix64 stream seeded with that sample's seed (`seeds` int64 `[B]`, the bit
+    patterns of `sample_seeds`). Counter-based: a sample's draws depend on its seed and the
+    step only, never on the batch, and a whole batch is drawn in a few tensor ops."""
+    z = seeds + _signed((step + 1) * _GAMMA)
+    z = (z ^ _shr(z, 30)) * _MUL1
+    z = (z ^ _shr(z, 27)) * _MUL2
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).double() * 2.0**-53
+
+
+def sample_inverse_cdf(log_probs: torch.Tensor, uniform: torch.Tensor, *, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+    """Token ids `[B]` drawn from `softmax` rows given as `log_probs [B, V]`, by inverse CDF
+    with one uniform per row: the first id whose cumulative probability exceeds `u x total`
+    (float64 sums; a zero-probability id is never drawn). `out`: a float64 `[B, V]` buffer
+    to reuse for the cumulative sums."""
+    cdf = torch.exp(log_probs, out=out) if out is not None else log_probs.double().exp_()
+    cdf = cdf.cumsum_(-1)
+    x = (uniform.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_(max=log_probs.shape[-1] - 1)
+
+
+def _left_pad(prompts: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ids [B, length]` and `mask [B, length]` of prompts left-padded with id 0."""
+    ids = torch.zeros(len(prompts), length, dtype=torch.int64)
+    mask = torch.zeros(len(prompts), length, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        ids[i, length - p.numel():] = p
+        mask[i, length - p.numel():] = 1
+    return ids, mask
+
+
+# ------------------------------------------------------------------ KV cache
+def _plain_layers(cache) -> list:
+    """The cache's layers if every one is a plain `DynamicLayer` (else [] : leave it alone)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = list(getattr(cache, "layers", []))
+    return layers if layers and all(type(layer) in (DynamicLayer, _reserved_layer()) for layer in layers) else []
+
+
+def _select_rows(cache, rows: torch.Tensor) -> None:
+    """Every layer's keys/values -> their rows `rows` (the prefill of distinct prompts to every sample)."""
+    for layer in cache.layers:
+        layer.batch_select_indices(rows)
+
+
+def _reserve(cache, extra: int) -> None:
+    """Give every plain layer room for `extra` more tokens, written in place (`_reserved_layer`)."""
+    for i, layer in enumerate(_plain_layers(cache)):
+        cache.layers[i] = _reserved_layer().around(layer, extra)
+
+
+@functools.cache
+def _reserved_layer():
+    """The `DynamicLayer` subclass below, built on first use (the module imports without transformers)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class ReservedLayer(DynamicLayer):
+        """A `DynamicLayer` whose keys/values are views of a buffer reserved for the whole
+        generation: `update` writes the new tokens in place instead of concatenating (a cat
+        of the whole cache per layer and token otherwise); past capacity it concatenates."""
+
+        @classmethod
+        def around(cls, layer, extra: int):
+            new = cls()
+            new.__dict__.update(layer.__dict__)
+            if new.is_initialized and new.keys.numel():
+                b, h, n, d = new.keys.shape
+                new._k = new.keys.new_empty(b, h, n + extra, d)
+                new._v = new.values.new_empty(b, h, n + extra, new.values.shape[-1])
+                new._k[:, :, :n] = new.keys
+                new._v[:, :, :n] = new.values
+                new.keys, new.values = new._k[:, :, :n], new._v[:, :, :n]
+            return new
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            buf = self.__dict__.get("_k")
+            n, m = self.keys.shape[-2] if self.is_initialized else 0, key_states.shape[-2]
+            if buf is None or n + m > buf.shape[-2] or buf.shape[0] != key_states.shape[0]:
+                self._k = self._v = None
+                return super().update(key_states, value_states, *args, **kwargs)
+            self._k[:, :, n:n + m] = key_states
+            self._v[:, :, n:n + m] = value_states
+            self.keys, self.values = self._k[:, :, :n + m], self._v[:, :, :n + m]
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices):
+            self._k = self._v = None
+            super().batch_select_indices(indices)
+
+    return ReservedLayer
+
+
 # ------------------------------------------------------------ HF embedded engine
 class HFRolloutEngine(RolloutEngine):
     """Embedded generation with an unsharded copy of the policy (a HF causal LM, eval, no grad).
@@ -138,7 +258,8 @@ class HFRolloutEngine(RolloutEngine):
     `max_batch_size` caps the rows of one generation chunk (prompts are sorted by length
     before chunking to keep left padding small; results do not depend on it).
     `attn_implementation` is set on the model: the KV-cache loop needs a backend that
-    honours a padding mask and a cache, which a training-only varlen kernel may not.
+    honours a padding mask and a cache. The default, model/attention.py's "varlen" (the
+    training forward's), takes sdpa with the model's mask there and keeps GQA in the kernel.
     """
 
     def __init__(
@@ -147,13 +268,14 @@ class HFRolloutEngine(RolloutEngine):
         *,
         stop_token_id: int | None = None,
         max_batch_size: int | None = None,
-        attn_implementation: str | None = "sdpa",
+        attn_implementation: str | None = "varlen",
     ) -> None:
         super().__init__(stop_token_id=stop_token_id)
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 (or None for one chunk)")
         self.model = model
         self.max_batch_size = max_batch_size
+        importlib.import_module("model.attention")  # registers "varlen" (here: the module imports without transformers)
         if attn_implementation is not None and model.config._attn_implementation != attn_implementation:
             model.set_attn_implementation(attn_implementation)
         model.eval().requires_grad_(False)
@@ -243,39 +365,57 @@ class HFRolloutEngine(RolloutEngine):
         self, prompts: list[torch.Tensor], seeds: list[int], max_new_tokens: int, temperature: float
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """Left-padded KV-cache sampling of one chunk -> per row (response [R], log_probs [R],
-        routed_experts [L, K, P + R] or None)."""
+        routed_experts [L, K, P + R] or None).
+
+        Identical prompts (a GRPO group's samples) are prefilled once: the prefill runs over
+        the distinct prompts and its cache, logits and routing are copied to every row that
+        repeats one. The cache reserves room for every new token up front (`_reserved_layer`),
+        so a decode step writes its keys/values in place instead of re-concatenating them."""
         from transformers import DynamicCache  # local: the module imports without transformers
 
         device, B = self.device, len(prompts)
+        first: dict[tuple[int, ...], int] = {}
+        inverse = torch.tensor([first.setdefault(tuple(p.tolist()), len(first)) for p in prompts])
+        distinct = list({u: p for p, u in zip(prompts, inverse.tolist())}.values())  # in order of first use
         lens = torch.tensor([p.numel() for p in prompts])
         P = int(lens.max())
-        ids = torch.zeros(B, P, dtype=torch.int64)
-        mask = torch.zeros(B, P, dtype=torch.int64)
-        for i, p in enumerate(prompts):
-            ids[i, P - p.numel() :] = p
-            mask[i, P - p.numel() :] = 1
-        position = (mask.cumsum(-1) - 1).clamp(min=0)
-        gens = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
         cache = DynamicCache(config=self.model.config)
+        if not all(hasattr(layer, "batch_select_indices") for layer in cache.layers):
+            distinct, inverse = prompts, torch.arange(B)  # a cache whose rows cannot be copied: prefill every row
+        ids, mask = _left_pad(distinct, P)
+        position = (mask.cumsum(-1) - 1).clamp(min=0)
+        seeds_t = torch.tensor([_signed(s) for s in seeds], dtype=torch.int64)
 
         tokens: list[torch.Tensor] = []  # [B] per step
         log_probs: list[torch.Tensor] = []  # [B] per step
         n_new = torch.full((B,), max_new_tokens)  # response length per row
         done = torch.zeros(B, dtype=torch.bool)
+        fill = self.stop_token_id if self.stop_token_id is not None else 0
         record = record_routing(self.model) if self.is_moe else contextlib.nullcontext()
         with record as rec:
             logits = self._forward(ids, mask, position, cache, device)
+            if len(distinct) < B:  # the distinct prompts' rows -> every row
+                logits = logits[inverse.to(logits.device)]
+                _select_rows(cache, inverse.to(device))
+                if rec is not None:
+                    for steps in rec.per_layer:
+                        steps[-1] = steps[-1][inverse.to(steps[-1].device)]
+                mask, position = mask[inverse], position[inverse]
+            _reserve(cache, max_new_tokens)
+            cdf = torch.empty(B, self.vocab_size, dtype=torch.float64) if temperature else None
             for step in range(max_new_tokens):
-                logp = F.log_softmax(logits.float().cpu() / (temperature or 1.0), dim=-1)  # [B, V]
-                probs = logp.exp()
-                if torch.isnan(probs[~done]).any():  # inf/NaN logits: multinomial would fail with no context
+                logp = logits.float().cpu()  # [B, V]; the forward's own output (or a copy): changed in place
+                if temperature not in (0, 1):
+                    logp.div_(temperature)
+                logp = torch.log_softmax(logp, dim=-1, out=logp)
+                if (torch.isnan(logp.sum(-1)) & ~done).any():  # inf/NaN logits: sampling would fail with no context
                     raise FloatingPointError(f"the policy's next-token logits are not finite (NaN/inf) at response "
                                              f"token {step}: its weights have diverged")
-                tok = torch.full((B,), self.stop_token_id if self.stop_token_id is not None else 0)
                 if temperature == 0:  # greedy (evaluation): log-probs are of softmax(logits)
-                    tok = torch.where(done, tok, logp.argmax(-1))
-                for i in torch.nonzero(~done).flatten().tolist() if temperature else ():
-                    tok[i] = torch.multinomial(probs[i], 1, generator=gens[i])[0]
+                    drawn = logp.argmax(-1)
+                else:
+                    drawn = sample_inverse_cdf(logp, uniform_noise(seeds_t, step), out=cdf)
+                tok = torch.where(done, torch.full_like(drawn, fill), drawn)
                 tokens.append(tok)
                 log_probs.append(logp.gather(-1, tok[:, None])[:, 0])
                 if self.stop_token_id is not None:

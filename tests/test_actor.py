@@ -12,7 +12,7 @@ from parity_check import assert_control_fails, assert_parity
 
 from model.actor import Actor, Critic, _forward_slots, _local_view, _slot_targets
 from model.attention import packed_attn_kwargs, varlen_attention_forward
-from model.logprobs import token_log_probs
+from model.logprobs import chunk_rows, token_log_probs
 from model.models import build_model
 from packing.collate import make_experience_batch
 from model.parallel_dims import ParallelDims
@@ -101,6 +101,25 @@ def test_packed_log_probs_entropy_and_grads_match_padded(lm, records, padded, pa
     g_pad = grads_of(actor, loss(lp_pad, ent_pad, padded))
     g_pack = grads_of(actor, loss(lp_pack, ent_pack, pack))
     assert_parity("grads packed vs padded (relative to max |grad|)", rel_grad_diff(g_pad, g_pack), 1.0)
+
+
+@pytest.mark.parametrize("layout", ["padded", "pack"])
+def test_actions_only_scores_the_action_slots_alike_and_zeroes_the_rest(lm, layout, request):
+    """The trainer's Actor runs the lm head on the action slots only: the same numbers and
+    gradients on those slots as scoring every slot, exactly 0 with no gradient elsewhere."""
+    batch = request.getfixturevalue(layout)
+    full, only = Actor(lm), Actor(lm, actions_only=True)
+    lp_full, ent_full = full(batch, return_entropy=True)
+    lp_only, ent_only = only(batch, return_entropy=True)
+    act = batch.action_mask
+    assert lp_only.shape == act.shape and not lp_only[~act].any() and not ent_only[~act].any()
+    assert_parity("log-probs actions only vs all", (lp_full - lp_only)[act].abs().max(), lp_full[act].abs().max())
+    assert_parity("entropy actions only vs all", (ent_full - ent_only)[act].abs().max(), ent_full[act].abs().max())
+    loss = lambda lp, ent: token_mean(-batch.advantages * lp - 0.01 * ent, batch)  # noqa: E731
+    g_full, g_only = grads_of(full, loss(lp_full, ent_full)), grads_of(only, loss(lp_only, ent_only))
+    assert_parity("grads actions only vs all", rel_grad_diff(g_full, g_only), 1.0)
+    none = dataclasses.replace(batch, action_mask=torch.zeros_like(act))  # no action slot: every slot scored
+    assert torch.equal(only(none).detach(), lp_full.detach())
 
 
 def test_packed_critic_values_and_grads_match_padded(lm, records, padded, pack):
@@ -226,21 +245,25 @@ def test_ep_suffix_on_a_padded_batch_is_refused(dense, padded):
 
 
 # ------------------------------------------------------------- log-probs
+@pytest.mark.parametrize("entropy_grad", [True, False], ids=["entropy-loss", "entropy-logged"])
+@pytest.mark.parametrize("chunk_size", [7, None], ids=["chunks-recompute", "one-chunk-kept"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_log_probs_and_grads_equal_full_log_softmax(temperature):
+def test_chunked_log_probs_and_grads_equal_full_log_softmax(temperature, chunk_size, entropy_grad):
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, 50, 16, generator=gen, requires_grad=True)
     weight = torch.randn(40, 16, generator=gen, requires_grad=True)
     targets = torch.randint(0, 40, (1, 50), generator=gen)
     w = torch.randn(1, 50, generator=gen)
+    e = torch.randn(1, 50, generator=gen) if entropy_grad else torch.zeros(1, 50)
 
-    lp, ent = token_log_probs(hidden, weight, targets, temperature=temperature, chunk_size=7, return_entropy=True)
-    g = torch.autograd.grad((lp * w).sum() + ent.sum(), (hidden, weight))
+    lp, ent = token_log_probs(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size,
+                              return_entropy=True)
+    g = torch.autograd.grad((lp * w).sum() + ((ent * e).sum() if entropy_grad else 0), (hidden, weight))
 
     logp_all = (hidden @ weight.T / temperature).log_softmax(-1)
     ref_lp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     ref_ent = -(logp_all.exp() * logp_all).sum(-1)
-    ref_g = torch.autograd.grad((ref_lp * w).sum() + ref_ent.sum(), (hidden, weight))
+    ref_g = torch.autograd.grad((ref_lp * w).sum() + (ref_ent * e).sum(), (hidden, weight))
 
     torch.testing.assert_close(lp, ref_lp, rtol=1e-6, atol=1e-6)  # |log p| ~ 20 here: a few ulps
     torch.testing.assert_close(ent, ref_ent, rtol=1e-6, atol=1e-6)
@@ -260,6 +283,39 @@ def test_chunked_log_probs_keep_no_logits_for_backward():
     assert max(saved) <= max(n * h, v * h) < 16 * v
     (lp.sum() + ent.sum()).backward()
     assert hidden.grad is not None and weight.grad is not None
+
+
+def test_one_chunk_keeps_its_log_softmax_and_refuses_a_second_backward():
+    """Within the byte budget the chunk's log-softmax is kept for backward (no recompute)
+    and consumed there: retain_graph is refused rather than computed from a spent buffer."""
+    hidden = torch.randn(1, 20, 8, requires_grad=True)
+    weight = torch.randn(30, 8, requires_grad=True)
+    lp = token_log_probs(hidden, weight, torch.randint(0, 30, (1, 20)))
+    lp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph is not supported"):
+        lp.sum().backward()
+
+
+def test_chunk_rows_follow_the_byte_budget():
+    """rows = bytes // (4 V): a 152k and a 256 vocabulary fill the same [rows, V] fp32 bytes."""
+    budget = 64 * 2**20
+    for vocab in (151_936, 49_152, 256):
+        rows = chunk_rows(vocab, budget)
+        assert rows * vocab * 4 <= budget < (rows + 1) * vocab * 4
+    assert chunk_rows(10**9, 1) == 2  # never a 1-row matmul
+    with pytest.raises(ValueError, match="chunk_bytes=0"):
+        chunk_rows(256, 0)
+
+
+def test_log_probs_without_grad_match_with_grad():
+    hidden, weight = torch.randn(1, 33, 8), torch.randn(30, 8)
+    targets = torch.randint(0, 30, (1, 33))
+    for chunk_size in (None, 5):
+        with torch.no_grad():
+            a = token_log_probs(hidden, weight, targets, chunk_size=chunk_size, return_entropy=True)
+        b = token_log_probs(hidden.requires_grad_(), weight, targets, chunk_size=chunk_size, return_entropy=True)
+        hidden.requires_grad_(False)
+        assert all(torch.equal(x, y.detach()) for x, y in zip(a, b))
 
 
 def test_actor_divides_logits_by_temperature(dense, padded):

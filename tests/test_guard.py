@@ -23,7 +23,7 @@ def run_until_stopped(tr, steps: int) -> tuple[list[dict], str]:
 
 
 @pytest.mark.parametrize("samples, stop", [
-    (8, "step 3: non-finite grad_norm"),  # steps 1-3 skipped, then the stop
+    (16, "step 3: non-finite grad_norm"),  # steps 1-3 skipped, then the stop
     (4, "step 1: non-finite logits in the rollout"),  # step 0's weights already give inf logits
 ])
 def test_a_huge_learning_rate_stops_the_run_naming_the_step_and_the_term(samples, stop):

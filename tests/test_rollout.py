@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # FileTask imports "tests.test_rollout:my_reward" from the repo root
     sys.path.insert(0, str(ROOT))
 
-from rl.rollout import HFRolloutEngine, RolloutEngine, sample_seed  # noqa: E402
+from rl.rollout import (HFRolloutEngine, RolloutEngine, sample_inverse_cdf, sample_seed,  # noqa: E402
+                        sample_seeds, uniform_noise)
 from rl.tasks import FileTask, Task, build_task, load_callable, score  # noqa: E402
 
 VOCAB, TEMP, NEW = 64, 0.7, 10
@@ -124,6 +125,61 @@ def test_same_seed_same_samples_another_seed_differs(dense):
                for x, y in zip(a, b))
     assert any(not torch.equal(x.sequences, z.sequences) for x, z in zip(a, c))
     assert sample_seed(3, 0, 0) != sample_seed(3, 0, 1) != sample_seed(3, 1, 0)
+
+
+def splitmix64(seed: int, n: int) -> int:
+    """Output n (1-based) of the splitmix64 stream seeded with `seed`, in Python integers."""
+    mask = (1 << 64) - 1
+    z = (seed + n * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def test_uniform_noise_is_splitmix64_per_sample():
+    seeds = sample_seeds(5, [0, 0, 1, 2, 3]) + [0, 1, (1 << 63) - 1]
+    signed = torch.tensor([s - (1 << 64) if s >> 63 else s for s in seeds], dtype=torch.int64)
+    for step in (0, 1, 15, 1000):
+        u = uniform_noise(signed, step)
+        assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
+        want = torch.tensor([(splitmix64(s, step + 1) >> 11) * 2.0**-53 for s in seeds], dtype=torch.float64)
+        assert torch.equal(u, want)  # bit for bit: int64 products wrap like the unsigned ones
+        assert torch.equal(uniform_noise(signed[3:4], step), u[3:4])  # a row's draw ignores the others
+
+
+def test_inverse_cdf_samples_the_distribution():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05])
+    n = 40000
+    logp = probs.log().expand(n, -1).contiguous()
+    u = torch.rand(n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tok = sample_inverse_cdf(logp, u)
+    freq = torch.bincount(tok, minlength=5).double() / n
+    assert freq[1] == 0  # a zero-probability id is never drawn
+    assert (freq - probs.double()).abs().max() < 0.01  # ~4 standard deviations at n = 40000
+    edge = sample_inverse_cdf(logp[:3], torch.tensor([0.0, 0.6, 1 - 2.0**-53], dtype=torch.float64),
+                              out=torch.empty(3, 5, dtype=torch.float64))
+    assert edge.tolist() == [0, 2, 4]
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_shared_prompt_prefill_equals_one_row_at_a_time(kind, request):
+    """A GRPO group's samples share one prefill (copied to every row); each sample still
+    equals the same sample generated in a chunk of its own."""
+    engine = request.getfixturevalue(kind)
+    p = make_prompts(3)
+    prompts, indices = [p[0], p[1], p[0], p[0], p[2], p[1]], [0, 1, 0, 0, 2, 1]
+    grouped = generate(engine, prompts, indices=indices, seed=11)
+    single = HFRolloutEngine(engine.model, max_batch_size=1)
+    alone = generate(single, prompts, indices=indices, seed=11)
+    assert len({tuple(r.sequences.tolist()) for r in grouped}) == len(prompts)  # the group's samples differ
+    for a, b in zip(grouped, alone):
+        assert torch.equal(a.sequences, b.sequences)
+        assert (a.rollout_log_probs - b.rollout_log_probs).abs().max() <= 1e-5
+        if kind == "moe":
+            assert torch.equal(a.routed_experts, b.routed_experts)
+    for rec in grouped:
+        m = rec.action_mask
+        assert (fresh_log_probs(engine.model, rec)[m] - rec.rollout_log_probs[m]).abs().max() <= 1e-5
 
 
 # ------------------------------------------------------- log-probs and padding
