@@ -1,0 +1,302 @@
+"""packing/exchange.py and the trainer's data path (issue #20): ranks gather only per-sample
+metadata, and each sample moves once, as flat tensors, from the rank that generated it to
+the ranks the plan runs it on.
+
+* every rank's received samples: exactly at the ranks the plan names, bit for bit the
+  generating rank's record, routing narrowed in transit (int8 / int16) and restored;
+* advantages (grpo, rloo, reinforce_pp, reinforce_pp_baseline, whitened or not) on the
+  stand-ins equal those on the records all-gathered the old way (`all_gather_object`);
+* CP peers that generated different samples stop every rank with the same error;
+* the trainer: same seed -> the same metrics as the old `all_gather_object` path (kept
+  below as the reference), at 1 and 4 ranks (dp2 x cp2, ep2), with dynamic sampling.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_distributed
+from packing import Experience, plan_microbatches
+from packing.exchange import FIELDS, StandIn, exchange, gather_metadata, routing_dtype
+
+LAYERS, TOPK = 3, 2
+ESTIMATORS = [("grpo", None), ("grpo", True), ("rloo", None), ("reinforce_pp", None), ("reinforce_pp_baseline", None),
+              ("reinforce_pp", False)]
+
+
+def _records(dp_rank: int, n: int, experts: int | None, seed: int = 0, long: bool = False) -> list[Experience]:
+    """Rollout-like records (rl/rollout.py `make_record`) of one DP rank: bimodal lengths,
+    float32 rewards, int64 routing with some -1 (no record), a bf16 field (`long`: only
+    27..47-token samples, no two of which fit 47 tokens)."""
+    from rl.rollout import make_record
+
+    gen = torch.Generator().manual_seed(1000 * seed + dp_rank)
+    out = []
+    for i in range(n):
+        P = int(torch.randint(2, 9, (1,), generator=gen))
+        R = int(torch.randint(1, 6, (1,), generator=gen)) if i % 3 else int(torch.randint(20, 40, (1,), generator=gen))
+        R = int(torch.randint(25, 40, (1,), generator=gen)) if long else R
+        routed = None
+        if experts is not None:
+            routed = torch.randint(0, experts, (LAYERS, TOPK, P + R), generator=gen)
+            routed[:, :, :1] = -1
+        rec = make_record(torch.randint(0, 500, (P,), generator=gen), torch.randint(0, 500, (R,), generator=gen),
+                          -torch.rand(R, generator=gen), prompt_index=dp_rank * 100 + i // 2, routed_experts=routed)
+        rec.rewards = torch.rand((), generator=gen).round(decimals=1).to(torch.float32)
+        rec.values = torch.randn(P + R - 1, generator=gen).to(torch.bfloat16)
+        out.append(rec)
+    return out
+
+
+def _dest(standins, dp: int, max_tokens: int, mini_batches: int = 2, micro_batch_size=None) -> list[list[int]]:
+    """The ranks each sample runs on: the trainer's rule (rl/trainer.py `plan`)."""
+    bounds = [round(i * len(standins) / mini_batches) for i in range(mini_batches + 1)]
+    dest = [set() for _ in standins]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        plan = plan_microbatches([int(s.total_length) for s in standins[lo:hi]], max_tokens, dp,
+                                 micro_batch_size=micro_batch_size)
+        for rank, microbatches in enumerate(plan):
+            for items in microbatches:
+                for i in items or [0]:
+                    dest[lo + i].add(rank)
+    return [sorted(d) for d in dest]
+
+
+def exchange_rank(rank: int, world_size: int, cp: int, experts: int | None, n: int, max_tokens: int) -> dict:
+    from rl.advantages import compute_advantages
+
+    dp, dp_rank, cp_rank = world_size // cp, rank // cp, rank % cp
+    groups = [dist.new_group([d * cp + c for d in range(dp)]) for c in range(cp)]  # every rank creates every group
+    records = _records(dp_rank, n if dp_rank != 1 else n + 4, experts, long=n == 2)  # uneven counts per rank
+    standins = gather_metadata(records, "r0", dp_rank=dp_rank, dp=dp, cp=cp)
+    # the old path, as the reference: every record on every rank
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, records if cp_rank == 0 else None)
+    full = [rec for part in gathered if part is not None for rec in part]
+    same_advantages = {}
+    for name, whiten in ESTIMATORS:
+        compute_advantages(standins, name, whiten=whiten)
+        compute_advantages(full, name, whiten=whiten)
+        same_advantages[f"{name}/{whiten}"] = all(
+            torch.equal(s.advantages, f.advantages) and torch.equal(s.returns, f.returns) for s, f in zip(standins, full))
+    scalars = all(torch.equal(getattr(s, k), getattr(f, k)) and getattr(s, k).dtype == getattr(f, k).dtype
+                  for s, f in zip(standins, full) for k in ("rewards", "prompt_index", "response_length", "total_length",
+                                                             "action_mask"))
+    # n == 2: one sample per microbatch, 6 per mini-batch over dp 4: two ranks run an empty microbatch
+    dest = _dest(standins, dp, 47 if n == 2 else max_tokens)
+    calls = []
+    original = dist.all_to_all_single
+
+    def watch(output, input, *args, **kwargs):
+        calls.append(input.numel())
+        return original(output, input, *args, **kwargs)
+
+    dist.all_to_all_single, counter = watch, {}
+    try:
+        local = {("r0", i): rec for i, rec in enumerate(records)}
+        received = exchange(local, standins, dest, dp_rank=dp_rank, dp=dp, group=groups[cp_rank] if dp > 1 else None,
+                            counter=counter)
+    finally:
+        dist.all_to_all_single = original
+    return {"generated": records, "received": {j: r for j, r in enumerate(received) if r is not None},
+            "sources": [s.source for s in standins], "dest": dest, "same_advantages": same_advantages,
+            "scalars": scalars, "calls": len(calls), "counter": counter, "order": len(standins) == len(full)}
+
+
+def _check_delivery(results, world_size: int, cp: int, experts: int | None):
+    dp = world_size // cp
+    sources, dest = results[0]["sources"], results[0]["dest"]
+    assert all(r["sources"] == sources and r["dest"] == dest for r in results)  # the same decisions everywhere
+    assert all(r["scalars"] and r["order"] for r in results)
+    for r in results:
+        assert all(r["same_advantages"].values()), r["same_advantages"]
+    for rank, r in enumerate(results):
+        mine = {j for j, d in enumerate(dest) if rank // cp in d}
+        assert set(r["received"]) == mine, rank  # exactly the samples the plan runs on this rank
+        for j in mine:
+            src, (_, i) = sources[j]
+            want = results[src * cp + rank % cp]["generated"][i]  # the matching CP rank of the sender
+            got = r["received"][j]
+            for name in FIELDS:
+                a, b = getattr(want, name), getattr(got, name)
+                assert (a is None) == (b is None), name
+                if a is not None:
+                    assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (rank, j, name)
+    fields = [n for n in FIELDS if getattr(results[0]["generated"][0], n) is not None]
+    assert all(r["calls"] == len(fields) for r in results)  # one all_to_all_single per field
+    if experts is not None:
+        narrow = torch.int8 if experts <= 128 else torch.int16
+        assert all(r["counter"]["wire"]["routed_experts"] == narrow for r in results)
+        assert all(r["counter"]["wire"]["sequences"] == torch.int64 for r in results)
+    # bytes: a rank receives exactly the samples it runs that others generated, routing narrowed
+    for rank, r in enumerate(results):
+        run = [r["received"][j] for j in r["received"] if sources[j][0] != rank // cp]
+        narrowed = sum(_bytes(x) - (x.routed_experts.numel() * 7 if experts and experts <= 128 else
+                                    x.routed_experts.numel() * 6 if experts else 0) for x in run)
+        assert r["counter"]["received"] == narrowed, (rank, r["counter"]["received"], narrowed)
+
+
+def _bytes(rec: Experience) -> int:
+    return sum(getattr(rec, n).numel() * getattr(rec, n).element_size() for n in FIELDS if getattr(rec, n) is not None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,cp,experts,n", [(4, 1, 100, 8), (4, 2, 300, 6), (3, 1, None, 6), (4, 1, 100, 2)])
+def test_each_sample_reaches_the_planned_ranks_bit_for_bit(world_size, cp, experts, n):
+    results = run_distributed(exchange_rank, world_size, cp, experts, n, 50, timeout=120)
+    _check_delivery(results, world_size, cp, experts)
+    if n == 2:  # few samples: some rank runs an empty microbatch on a stand-in sample, which goes there too
+        assert any(len(d) > 1 for d in results[0]["dest"])
+
+
+def test_one_process_delivers_its_own_records():
+    records = _records(0, 9, 100)
+    standins = gather_metadata(records, 7)
+    assert all(isinstance(s, StandIn) and s.source == (0, (7, i)) for i, s in enumerate(standins))
+    got = exchange({(7, i): r for i, r in enumerate(records)}, standins, [[0]] * 9)
+    assert all(torch.equal(g.routed_experts, r.routed_experts) and torch.equal(g.sequences, r.sequences)
+               for g, r in zip(got, records))
+
+
+def test_routing_dtype_is_the_narrowest_that_holds_the_ids():
+    assert routing_dtype(-1, 127) == torch.int8 and routing_dtype(-1, 128) == torch.int16
+    assert routing_dtype(-1, 40000) == torch.int32 and routing_dtype(0, 2**40) == torch.int64
+
+
+def test_a_non_rollout_action_mask_is_refused_by_name():
+    records = _records(0, 3, None)
+    records[1].action_mask[-1] = False
+    with pytest.raises(ValueError, match="action_mask"):
+        gather_metadata(records)
+
+
+def cp_divergence_rank(rank: int, world_size: int) -> str:
+    records = _records(rank // 2, 4, 10)
+    if rank == 1:
+        records[2].sequences[0] += 1  # CP rank 1 of DP rank 0 generated another token
+    try:
+        gather_metadata(records, dp_rank=rank // 2, dp=world_size // 2, cp=2)
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.slow
+def test_cp_peers_that_generated_other_samples_stop_every_rank():
+    for message in run_distributed(cp_divergence_rank, 4, timeout=60):
+        assert "rank 1 (dp 0, cp 1)" in message and "CP rank 0" in message
+
+
+# ---------------------------------------------------------- the trainer, old vs new
+def _untimed(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.endswith("_s")}  # seconds and rates
+
+
+def _old_path(tr) -> None:
+    """The data path before issue #20, as the reference: every rank all-gathers every
+    record (pickled) and plans and collates from the whole step (rl/trainer.py at 570b134)."""
+    from packing import make_experience_batch
+    from rl.losses import LossAgg, loss_normalizer
+    from rl.reward import apply_overlong_penalty, filter_uniform_groups
+    from rl.tasks import score
+    from rl.trainer import MiniBatch, _groups
+
+    def _rollout(step, round_):
+        task, dims, algo = tr.cfg.task, tr.dims, tr.cfg.algo
+        per_rank = task.prompts_per_step // dims.dp
+        first = dims.dp_rank * per_rank
+        seed = tr.cfg.seed * 1_000_003 + step + round_ * 1_000_000_007
+        prompts = tr.task.prompts(task.prompts_per_step, seed=seed)[first:first + per_rank]
+        rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
+        base = (step * rounds + round_) * task.prompts_per_step + first
+        index = [base + i for i in range(per_rank) for _ in range(task.samples_per_prompt)]
+        records = tr.engine.generate(
+            [p for p, _ in prompts for _ in range(task.samples_per_prompt)], prompt_indices=index,
+            max_new_tokens=task.max_new_tokens, temperature=tr.cfg.model.temperature, seed=tr.cfg.seed * 7919 + step)
+        score(tr.task, records, [m for _, m in prompts for _ in range(task.samples_per_prompt)])
+        if algo.overlong_buffer is not None:
+            apply_overlong_penalty(records, task.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
+        if not algo.routing_replay:
+            for rec in records:
+                rec.routed_experts = None
+        if not dims.distributed:
+            return records
+        gathered = [None] * dims.world_size
+        dist.all_gather_object(gathered, records if dims.cp_rank == 0 else None)
+        return [rec for part in gathered if part is not None for rec in part]
+
+    def collect(step):
+        algo, want = tr.cfg.algo, tr.cfg.task.prompts_per_step
+        records = _rollout(step, 0)
+        tr.sampling = {}
+        if not algo.dynamic_sampling:
+            return records
+        kept, dropped = filter_uniform_groups(records)
+        rounds = 1
+        while _groups(kept) < want and rounds < algo.max_sampling_rounds:
+            more, lost = filter_uniform_groups(_rollout(step, rounds))
+            kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
+        first = set(sorted({int(r.prompt_index) for r in kept})[:want])
+        kept = [r for r in kept if int(r.prompt_index) in first]
+        tr.sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
+        return kept or records
+
+    def plan(records):
+        k, dims, b = tr.cfg.algo.mini_batches, tr.dims, tr.cfg.batch
+        bounds = [round(i * len(records) / k) for i in range(k + 1)]
+        out = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            part = records[lo:hi]
+            plan = plan_microbatches([r.sequences.numel() for r in part], b.max_tokens, dims.dp,
+                                     micro_batch_size=b.micro_batch_size)
+            batches, weights = [], []
+            for items in plan[dims.dp_rank]:
+                weights.append(1.0 if items else 0.0)
+                chosen = [part[i] for i in items] if items else [part[0]]
+                batches.append(make_experience_batch(chosen, packed=b.packed).to(dims.device))
+            out.append(MiniBatch(batches, weights, tokens=loss_normalizer(part, LossAgg.TOKEN_MEAN),
+                                 normalizer=loss_normalizer(part, tr.cfg.algo.loss_agg),
+                                 all_tokens=sum(r.sequences.numel() for r in part)))
+        return out
+
+    tr._rollout, tr.collect, tr.plan = _rollout, collect, plan
+
+
+def paths_rank(rank: int, world_size: int, overrides: tuple[str, ...], steps: int) -> dict:
+    """`steps` steps with the new data path and, from the same seed, with the old one."""
+    from inprocess import compose
+    from model.parallel_dims import init_distributed
+    from rl.trainer import build_trainer
+
+    cfg = compose(*overrides, world_size=world_size)
+    dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device="cpu")
+    out = {}
+    for name in ("new", "old"):
+        torch.manual_seed(cfg.seed)
+        tr = build_trainer(cfg, dims)
+        if name == "old":
+            _old_path(tr)
+        out[name] = [_untimed(tr.step(s)) for s in range(steps)]
+    return out
+
+
+SMALL = ("task.prompts_per_step=4", "task.samples_per_prompt=4", "trainer.progress=false")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,extra", [
+    (1, ("algo.dynamic_sampling=true", "algo.mini_batches=2", "algo.advantage=reinforce_pp_baseline")),
+    (4, ("parallel.cp=2", "parallel.ep=2", "algo.dynamic_sampling=true", "algo.mini_batches=2",
+         "batch.max_tokens=40")),
+])
+def test_the_trainer_gives_the_old_paths_metrics(world_size, extra):
+    overrides = SMALL + extra
+    if world_size == 1:
+        results = [paths_rank(0, 1, overrides, 2)]
+    else:
+        results = run_distributed(paths_rank, world_size, overrides, 2, timeout=600)
+    for r in results:
+        assert r["new"] == r["old"]
+    assert results[0]["new"][0]["tokens"] > 0
