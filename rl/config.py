@@ -58,7 +58,9 @@ class ModelConfig:
     dtype: DType = DType.FLOAT32  # the weights as built / loaded (FSDP keeps them as the fp32 master copy)
     param_dtype: Optional[DType] = None  # FSDP2 compute dtype (MixedPrecisionPolicy); None = dtype; grads reduce in fp32
     temperature: float = 1.0  # the sampling temperature: rollout samples and training scores the same softmax(z / T)
-    logprob_chunk_size: int = 1024  # tokens per chunk of the fp32 log-softmax
+    # bytes of one [rows, vocab] fp32 chunk of the log-prob head: rows = bytes // (4 x vocab), so every
+    # vocabulary reaches the same peak; a microbatch that fits one chunk skips the backward recompute
+    logprob_chunk_bytes: int = 512 * 2**20
     overrides: Dict[str, Any] = field(default_factory=dict)  # Hugging Face config fields
 
 
@@ -137,6 +139,25 @@ class TrainerConfig:
     progress: bool = True
 
 
+class RolloutEngineName(Choice):
+    HF = "hf"  # HFRolloutEngine: an embedded transformers copy of the policy (rl/rollout.py)
+    VLLM = "vllm"  # VLLMRolloutEngine (rl/vllm_engine.py): needs `make install-vllm`
+
+
+@dataclass
+class RolloutConfig:
+    """`rollout.*`: which engine generates, and the vLLM engine's settings (rl/vllm_engine.py)."""
+
+    engine: RolloutEngineName = RolloutEngineName.HF
+    sync_bucket_bytes: int = 64 << 20  # weight sync: bytes per shared-memory bucket (trainer -> vLLM)
+    tensor_parallel_size: int = 1  # vLLM TP inside the torchrun ranks (cuda, external_launcher); 1 on cpu
+    gpu_memory_utilization: float = 0.3  # cuda: vLLM's share of the GPU beside the colocated trainer
+    enable_sleep_mode: bool = True  # cuda: vLLM sleeps (level 1) during training, wakes for the sync
+    enforce_eager: bool = True  # no torch.compile / CUDA graphs (start-up in seconds)
+    kv_cache_gb: float = 1.0  # cpu: VLLM_CPU_KVCACHE_SPACE
+    max_model_len: Optional[int] = None  # None = the longest prompt of the task + task.max_new_tokens
+
+
 @dataclass
 class EvalConfig:
     """Greedy pass@1 on the task's held-out split (rl/evaluate.py)."""
@@ -165,6 +186,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     resume: str = "never"  # never | auto (newest complete checkpoint of checkpoint.dir) | a checkpoint path
     seed: int = 0
 
@@ -284,6 +306,7 @@ def validate(cfg: Config, world_size: int) -> None:
                              f"model.overrides.max_position_embeddings={limit}")
     _check_layout(cfg, world_size, dp)
     _check_device(cfg)
+    _check_rollout(cfg, world_size)
 
 
 def _check_layout(cfg: Config, world_size: int, dp: int) -> None:
@@ -338,6 +361,26 @@ def model_family(cfg: Config) -> str:
         raise ValueError(f"model.name={cfg.model.name.value!r} but model.pretrained_path={cfg.model.pretrained_path!r} "
                          f"holds a {found!r} checkpoint (set model.name=null: the checkpoint names its family)")
     return found
+
+
+def _check_rollout(cfg: Config, world_size: int) -> None:
+    """`rollout.*`: sizes, and for the vLLM engine that the extra is installed, that vLLM
+    knows the model's family and, for MoE routing replay, can return routed experts."""
+    r = cfg.rollout
+    if r.sync_bucket_bytes < 1 << 20:
+        raise ValueError(f"rollout.sync_bucket_bytes={r.sync_bucket_bytes}: expected >= 1 MiB (1048576)")
+    if not 0 < r.gpu_memory_utilization < 1:
+        raise ValueError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: expected a fraction in (0, 1)")
+    if r.kv_cache_gb <= 0:
+        raise ValueError(f"rollout.kv_cache_gb={r.kv_cache_gb}: expected > 0")
+    if r.tensor_parallel_size < 1 or world_size % r.tensor_parallel_size:
+        raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: expected >= 1 dividing "
+                         f"world_size={world_size}")
+    if RolloutEngineName(r.engine) is not RolloutEngineName.VLLM:
+        return
+    from rl.vllm_engine import check_vllm_config  # imports vllm: only for rollout.engine=vllm
+
+    check_vllm_config(cfg, world_size)
 
 
 def _check_device(cfg: Config) -> None:

@@ -1,8 +1,9 @@
 """One RL step, top to bottom:
 
-    collect   rollout on this DP rank's prompts, rewards, gather the step's global batch
+    collect   rollout on this DP rank's prompts, rewards; gather the step's metadata
     advantages that need no model (GRPO, RLOO, REINFORCE++ without KL shaping)
-    plan      split into `algo.mini_batches`; each planned into microbatches balanced over DP
+    plan      split into `algo.mini_batches`; each planned into microbatches balanced over DP;
+              each sample sent once, from the rank that generated it to the rank that trains it
     collate   each of this rank's microbatches, once, onto the rank's device
     score     no grad, in place on the collated batches: old-policy log-probs (when the
               policy changes within the step), reference log-probs, values, KL; GAE
@@ -12,9 +13,13 @@
     log       every metric reduced in one collective
 
 Data flow across ranks: each DP rank rolls out its slice of the step's prompts (CP peers
-of one DP rank generate the same samples); the records are all-gathered, so every rank
-holds the step's global batch, computes advantages and the token normalizers locally, and
-runs the planner identically. Each DP rank then trains on its own plan entry.
+of one DP rank generate the same samples); the records stay there. Only per-sample metadata
+(lengths, prompt index, reward, action tokens) is all-gathered (packing/exchange.py), so every
+rank holds the step as lightweight stand-ins, computes the advantages, the token normalizers,
+the dynamic-sampling decisions and the plan identically from them; then each sample moves
+once, as flat tensors (one `all_to_all_single` per field over the DP group, the splits known
+from the metadata), from the rank that generated it to the DP rank whose plan entry holds it
+(CP rank c of the sender to CP rank c of the receiver). No rank holds the whole step.
 The step's prompts and samples depend only on the seed, the step and the global prompt
 index, never on the DP rank or the world size, so a layout change does not change the
 experiment.
@@ -36,6 +41,7 @@ from model.moe import moe_blocks, reset_expert_load, router_aux_loss
 from model.parallel_dims import ParallelDims
 from model.parallelize import clip_grad_norm_, expert_load_metrics, full_parameters, parallelize
 from packing import Experience, make_experience_batch, plan_microbatches
+from packing.exchange import StandIn, exchange, gather_metadata
 from rl.advantages import (compute_advantages, gae_advantages_batch, get_advantage_estimator,
                            masked_moments, whiten_with_moments)
 from rl.checkpoint import load_sharded_state, sharded_state
@@ -44,7 +50,7 @@ from rl.guard import DivergenceGuard, poison
 from rl.losses import LossAgg, aggregate, build_kl_controller, kl_penalty, loss_normalizer, policy_loss, value_loss
 from rl.schedule import make_lr_scheduler
 from rl.reward import apply_overlong_penalty, filter_uniform_groups
-from rl.rollout import HFRolloutEngine
+from rl.vllm_engine import build_engine
 from rl.evaluate import evaluate, heldout_problems
 from rl.tasks import build_task, score
 
@@ -70,13 +76,14 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
         return parallelize(module, dims, param_dtype=param_dtype,
                            activation_checkpointing=cfg.trainer.activation_checkpointing)
 
-    actor = shard(Actor(new_model(), temperature=m.temperature, chunk_size=m.logprob_chunk_size, dims=dims))
+    actor = shard(Actor(new_model(), temperature=m.temperature, chunk_bytes=m.logprob_chunk_bytes, dims=dims,
+                        actions_only=True))
     critic = shard(Critic(new_model(), dims=dims)) if cfg.algo.uses_critic else None
     reference = None
     if cfg.algo.kl_coef:
-        reference = shard(Actor(new_model().requires_grad_(False), temperature=m.temperature, dims=dims))
-    engine = HFRolloutEngine(new_model().to(dims.device), stop_token_id=getattr(task, "stop_token_id", None))
-    engine.load_weights(full_parameters(actor.model))
+        reference = shard(Actor(new_model().requires_grad_(False), temperature=m.temperature,
+                                chunk_bytes=m.logprob_chunk_bytes, dims=dims, actions_only=True))
+    engine = build_engine(cfg, dims, task, actor, new_model)  # rollout.engine: hf | vllm (rl/vllm_engine.py)
     return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine, task=task,
                    heldout=heldout)
 
@@ -136,6 +143,8 @@ class Trainer:
         with self.guard.rollout(step):  # non-finite logits: a DivergenceError naming the step
             records = self.collect(step)
         t_rollout = time.perf_counter() - t0
+        if hasattr(self.engine, "sleep"):
+            self.engine.sleep()  # colocated vLLM (cuda, rollout.enable_sleep_mode): free its memory for training
         self.record_advantages(records)
         minibatches = self.plan(records)
         self.score(minibatches)
@@ -149,19 +158,24 @@ class Trainer:
                 for batch, weight in zip(mb.batches, mb.weights):
                     self.train_microbatch(batch, weight, mb, stats)
                 stats.add_step(self.optimizer_step())
-        self.engine.load_weights(full_parameters(self.actor.model))
+        t_sync = time.perf_counter()
+        self.engine.load_weights(full_parameters(self.actor.model))  # vLLM: wakes, reloads in place, resets its cache
+        t_sync = time.perf_counter() - t_sync
         elapsed = time.perf_counter() - t0
         stats.add(self.guard.flags())
         metrics = self.metrics(step, records, minibatches, stats, t_rollout=t_rollout, elapsed=elapsed)
+        metrics["weight_sync_s"] = t_sync  # trainer -> rollout engine, after the step's last update
         self.guard.end(step, metrics)  # warns; raises after trainer.max_bad_steps bad steps in a row
         return dict(sorted((metrics | evaluation).items()))
 
     # ----------------------------------------------------------------- collect
     def collect(self, step: int) -> list[Experience]:
-        """The step's global batch, gathered from every DP rank. With dynamic sampling,
+        """The step's global batch as `StandIn`s (metadata; the records stay on the rank that
+        generated them, in `self._local`, until `plan` delivers them). With dynamic sampling,
         groups whose rewards are all equal are dropped and more prompts rolled out until
         the step holds `task.prompts_per_step` groups (at most `algo.max_sampling_rounds`)."""
         algo, want = self.cfg.algo, self.cfg.task.prompts_per_step
+        self._local: dict = {}  # (round, index) -> this rank's record
         records = self._rollout(step, 0)
         self.sampling = {}
         if not algo.dynamic_sampling:
@@ -179,7 +193,8 @@ class Trainer:
     def _rollout(self, step: int, round_: int) -> list[Experience]:
         """One rollout round. Every rank draws the round's global prompt list from the same
         seed and takes its DP slice, so which prompt a sample comes from (and its seed)
-        never depends on the layout; prompt indices are unique within the step."""
+        never depends on the layout; prompt indices are unique within the step. The records
+        stay in `self._local`; what returns is every rank's samples as stand-ins (metadata)."""
         task, dims, algo = self.cfg.task, self.dims, self.cfg.algo
         per_rank = task.prompts_per_step // dims.dp
         first = dims.dp_rank * per_rank
@@ -198,15 +213,15 @@ class Trainer:
         if not algo.routing_replay:
             for rec in records:
                 rec.routed_experts = None
-        if not dims.distributed:
-            return records
-        gathered: list[Any] = [None] * dims.world_size
-        dist.all_gather_object(gathered, records if dims.cp_rank == 0 else None)  # CP peers hold the same samples
-        return [rec for part in gathered if part is not None for rec in part]
+        self._local.update(((round_, i), rec) for i, rec in enumerate(records))
+        # every rank: the round's samples, DP rank by DP rank, as metadata (CP peers checked alike)
+        return gather_metadata(records, round_, dp_rank=dims.dp_rank, dp=dims.dp, cp=dims.cp, device=dims.device)
 
     def record_advantages(self, records: list[Experience]) -> None:
-        """Advantages computed from rewards alone, on the records (GAE waits for the values
-        of the scoring pass). Every rank holds the whole step, so whitening is global."""
+        """Advantages computed from rewards alone (GAE waits for the values of the scoring
+        pass), on the step's stand-ins: rewards, prompt groups and action masks are those of
+        the records, every rank computes the whole step's alike, so whitening is global, and
+        `plan` hands each record its own."""
         algo = self.cfg.algo
         if not algo.uses_critic:
             compute_advantages(records, algo.advantage, whiten=algo.whiten_advantages,
@@ -215,23 +230,55 @@ class Trainer:
     # -------------------------------------------------------------------- plan
     def plan(self, records: list[Experience]) -> list[MiniBatch]:
         """Mini-batches (contiguous slices of the global batch, whole prompt groups when
-        `mini_batches` divides the prompt count), each planned over DP ranks and collated."""
+        `mini_batches` divides the prompt count), each planned over DP ranks (identically on
+        every rank, from the lengths), then each sample delivered to the ranks that run it
+        (`_deliver`) and this rank's microbatches collated. A rank with an empty microbatch
+        runs a zero-weight one on the mini-batch's first sample, so that sample goes there too."""
         k, dims, b = self.cfg.algo.mini_batches, self.dims, self.cfg.batch
         bounds = [round(i * len(records) / k) for i in range(k + 1)]
-        out = []
+        plans, counts, dest = [], [], [set() for _ in records]
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             part = records[lo:hi]
-            plan = plan_microbatches([r.sequences.numel() for r in part], b.max_tokens, dims.dp,
+            counts.append(dict(tokens=loss_normalizer(part, LossAgg.TOKEN_MEAN),
+                               normalizer=loss_normalizer(part, self.cfg.algo.loss_agg),
+                               all_tokens=sum(_length(r) for r in part)))
+            plan = plan_microbatches([_length(r) for r in part], b.max_tokens, dims.dp,
                                      micro_batch_size=b.micro_batch_size)
+            for rank, microbatches in enumerate(plan):
+                for items in microbatches:
+                    for i in items or [0]:  # [0]: the zero-weight stand-in
+                        dest[lo + i].add(rank)
+            plans.append(plan[dims.dp_rank])
+        mine = self._deliver(records, dest)
+        out = []
+        for lo, plan, count in zip(bounds, plans, counts):
             batches, weights = [], []
-            for items in plan[dims.dp_rank]:
+            for items in plan:
                 weights.append(1.0 if items else 0.0)
-                chosen = [part[i] for i in items] if items else [part[0]]  # zero-weight stand-in
+                chosen = [mine[lo + i] for i in items] if items else [mine[lo]]  # zero-weight stand-in
                 batches.append(make_experience_batch(chosen, packed=b.packed).to(dims.device))
-            out.append(MiniBatch(batches, weights, tokens=loss_normalizer(part, LossAgg.TOKEN_MEAN),
-                                 normalizer=loss_normalizer(part, self.cfg.algo.loss_agg),
-                                 all_tokens=sum(r.sequences.numel() for r in part)))
+            out.append(MiniBatch(batches, weights, **count))
         return out
+
+    def _deliver(self, records: list[Experience], dest: list[set[int]]) -> list[Experience | None]:
+        """The records this rank runs, at their places in `records` (None elsewhere): each
+        sample from the rank that generated it (packing/exchange.py `exchange`), with the
+        fields the step computed on its stand-in (advantages, returns) attached. Then the
+        generated records are let go, and the stand-ins keep only their scalars."""
+        if not any(isinstance(r, StandIn) for r in records):  # full records (a caller's own list)
+            return list(records)
+        dims = self.dims
+        mine = exchange(self._local, records, [sorted(d) for d in dest], dp_rank=dims.dp_rank, dp=dims.dp,
+                        group=dims.dp_group, device=dims.device)
+        self._local = {}
+        for rec, standin in zip(mine, records):
+            if rec is not None:
+                for name, value in standin.items():
+                    if getattr(rec, name) is None:
+                        setattr(rec, name, value)
+        for standin in records:
+            standin.action_mask = standin.advantages = standin.returns = None
+        return mine
 
     # ------------------------------------------------------------------- score
     @torch.no_grad()
@@ -312,6 +359,12 @@ class Trainer:
         terms["approx_kl"] = ((log_ratio.exp() - 1) - log_ratio).sum() / mb.tokens  # k3 of old -> new
         if batch.base_action_log_probs is not None:
             terms["kl"] = (self._kl(log_probs.detach(), batch.base_action_log_probs, "k3") * m).sum() / mb.tokens
+        if batch.rollout_log_probs is not None:  # rollout engine vs training forward (fix: algo.tis_cap)
+            gap = (log_probs.detach() - batch.rollout_log_probs) * m  # log(pi_train / pi_rollout)
+            terms["rollout_logprob_abs_diff"] = gap.abs().sum() / mb.tokens
+            terms["rollout_kl"] = ((gap.exp() - 1) - gap).sum() / mb.tokens  # k3 of rollout -> training
+            if weight:
+                stats.add_max({"rollout_logprob_abs_diff_max": gap.abs().max()})
         stats.add({k: v * weight for k, v in terms.items()})
 
     def optimizer_step(self) -> dict[str, torch.Tensor]:
@@ -341,7 +394,7 @@ class Trainer:
     def metrics(self, step: int, records: list[Experience], minibatches: list[MiniBatch], stats: "Stats", *,
                 t_rollout: float, elapsed: float) -> dict[str, float]:
         dims = self.dims
-        real = sum(r.sequences.numel() for r in records)
+        real = sum(_length(r) for r in records)  # the gathered metadata: no rank holds every record
         local_real = sum(b.sequences.numel() * w if b.is_packed else int(b.attention_mask.sum()) * w
                          for mb in minibatches for b, w in zip(mb.batches, mb.weights))
         processed = sum(b.sequences.numel() for mb in minibatches for b in mb.batches)
@@ -350,6 +403,7 @@ class Trainer:
         per_update = 1.0 / (self.cfg.algo.epochs * len(minibatches))  # loss terms: averages over updates
         metrics = {k: v * per_update for k, v in reduced.items() if not k.startswith("_")}
         metrics.update({k: v / stats.steps for k, v in stats.step_sums.items()})  # grad_norm, lr: mean over updates
+        metrics.update(reduce_maxes(stats.maxes, dims))
         train_s = elapsed - t_rollout
         metrics.update(
             step=step,
@@ -404,11 +458,17 @@ def _groups(records: list[Experience]) -> int:
     return len({int(r.prompt_index) for r in records})
 
 
+def _length(record: Experience) -> int:
+    """Tokens (prompt + response) of a record or a stand-in."""
+    return int(record.total_length) if record.total_length is not None else record.sequences.numel()
+
+
 class Stats:
     """Per-microbatch terms (each already a share of a global mean) and per-update values."""
 
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
+        self.maxes: dict[str, torch.Tensor] = {}
         self.step_sums: dict[str, float] = {}
         self.steps = 0
 
@@ -416,10 +476,27 @@ class Stats:
         for k, v in terms.items():
             self.sums[k] = self.sums.get(k, 0.0) + v.detach().double()  # stays on the device: no sync per microbatch
 
+    def add_max(self, values: dict[str, torch.Tensor]) -> None:
+        """Maxima over microbatches (and updates, and DP ranks: `reduce_sums` takes `max_` keys' MAX)."""
+        for k, v in values.items():
+            v = v.detach().double()
+            self.maxes[k] = torch.maximum(self.maxes[k], v) if k in self.maxes else v
+
     def add_step(self, values: dict[str, torch.Tensor]) -> None:
         self.steps += 1
         for k, v in values.items():
             self.step_sums[k] = self.step_sums.get(k, 0.0) + float(v)
+
+
+def reduce_maxes(maxes: dict[str, torch.Tensor], dims: ParallelDims) -> dict[str, float]:
+    """Every value's maximum over the DP ranks in one all-reduce (MAX)."""
+    if not maxes:
+        return {}
+    keys = sorted(maxes)
+    flat = torch.stack([torch.as_tensor(maxes[k], dtype=torch.float64, device=dims.device).reshape(()) for k in keys])
+    if dims.dp_group is not None:
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=dims.dp_group)
+    return dict(zip(keys, flat.tolist()))
 
 
 def reduce_sums(sums: dict[str, torch.Tensor], dims: ParallelDims) -> dict[str, float]:

@@ -119,7 +119,7 @@ def test_evaluation_is_logged_and_does_not_change_the_training_run(tiny_llama, t
     a = [with_eval.step(s) for s in range(3)]
     b = [without.step(s) for s in range(3)]
     assert ["eval_accuracy" in m for m in a] == [True, False, True] and not any("eval_accuracy" in m for m in b)
-    timing = {"tokens_per_s", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "step_s"}
+    timing = {"tokens_per_s", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "step_s", "weight_sync_s"}
     strip = lambda m: {k: v for k, v in m.items() if k not in timing and not k.startswith("eval_")}  # noqa: E731
     assert [strip(m) for m in a] == [strip(m) for m in b]
     assert 0.0 <= a[0]["eval_accuracy"] <= 1.0 and len(with_eval.heldout) == 12

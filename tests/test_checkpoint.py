@@ -23,7 +23,7 @@ from rl.checkpoint import Checkpointer, check_config, complete_checkpoints, find
 from rl.export import main as export_main
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = {"tokens_per_s", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "step_s"}
+TIMING = {"tokens_per_s", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "step_s", "weight_sync_s"}
 RUN = ["trainer.max_steps=8", "trainer.plot=false", "trainer.progress=false"]
 FOUR = ["parallel=cp2_ep2", "task.prompts_per_step=8", "task.samples_per_prompt=4"]  # dp2 x cp2, ep2
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

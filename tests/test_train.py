@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.slow  # each test launches train.py (~5 s of imports per process)
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = {"tokens_per_s", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "step_s"}
+TIMING = {"tokens_per_s", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "step_s", "weight_sync_s"}
 
 
 def train(tmp_path: Path, name: str, *overrides: str, nproc: int = 1) -> list[dict]:

@@ -1,0 +1,237 @@
+"""The vLLM rollout engine (rl/vllm_engine.py) and the rollout/training mismatch metrics.
+
+Tests marked `vllm` need the extra (`make install-vllm`) and run with `make test-vllm`
+(CI runs it after `make test`); the others (LLM arguments, thread binding, the install
+hint, the mismatch metrics with the HF engine) run everywhere.
+
+The vLLM tests share one trainer (a tiny random dense Qwen3, fp32, on CPU) whose engine
+starts once (~30-60 s on 2 cores). vLLM's CPU attention has no kernel for head_dim 16,
+so the tiny model uses head_dim 32.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from tests.inprocess import SMALL, compose
+
+TOL = 1e-4  # fp32: |vLLM log-prob - training forward log-prob| of the same tokens, measured ~5e-7
+VLLM_TINY = ("model=dense_tiny", "model.overrides.head_dim=32", "trainer.device=cpu", "rollout.engine=vllm",
+             "task.max_new_tokens=8", *SMALL)
+
+
+# ------------------------------------------------------------ everywhere
+def test_llm_kwargs_cpu_and_cuda_colocated():
+    from rl.vllm_engine import llm_kwargs
+
+    cpu = llm_kwargs("/m", device="cpu", max_model_len=64)
+    assert cpu["logprobs_mode"] == "processed_logprobs" and cpu["skip_tokenizer_init"]
+    assert cpu["worker_extension_cls"] == "rl.vllm_engine.WorkerExtension" and cpu["max_model_len"] == 64
+    assert "distributed_executor_backend" not in cpu and "enable_sleep_mode" not in cpu
+    cuda = llm_kwargs("/m", device="cuda", tensor_parallel_size=2, world_size=8, gpu_memory_utilization=0.4,
+                      enable_sleep_mode=True)
+    assert cuda["distributed_executor_backend"] == "external_launcher"
+    assert (cuda["tensor_parallel_size"], cuda["data_parallel_size"]) == (2, 4)
+    assert cuda["gpu_memory_utilization"] == 0.4 and cuda["enable_sleep_mode"] is True
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        llm_kwargs("/m", device="cuda", tensor_parallel_size=3, world_size=8)
+    with pytest.raises(ValueError, match="on cpu"):
+        llm_kwargs("/m", device="cpu", tensor_parallel_size=2)
+
+
+def test_cpu_threads_bind_covers_every_allowed_core(monkeypatch):
+    from rl import vllm_engine
+
+    monkeypatch.setattr(vllm_engine.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    assert vllm_engine.cpu_threads_bind() == "0-1"
+    monkeypatch.setattr(vllm_engine.os, "sched_getaffinity", lambda _: {0, 1, 2, 5, 7, 8}, raising=False)
+    assert vllm_engine.cpu_threads_bind() == "0-2,5,7-8"
+
+
+def test_vllm_engine_without_the_extra_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    with pytest.raises(ImportError, match="make install-vllm") as info:
+        compose("model=dense_tiny", "rollout.engine=vllm")
+    assert "\n" not in str(info.value)
+
+
+def test_rollout_config_checks_name_their_key():
+    with pytest.raises(ValueError, match="rollout.sync_bucket_bytes"):
+        compose("rollout.sync_bucket_bytes=10")
+    with pytest.raises(ValueError, match="rollout.tensor_parallel_size"):
+        compose("rollout.tensor_parallel_size=3", world_size=2)
+    with pytest.raises(Exception, match="rollout.engine"):
+        compose("rollout.engine=sglang")
+
+
+def test_mismatch_metrics_with_the_hf_engine():
+    from tests.inprocess import trainer
+
+    tr = trainer("model=dense_tiny", "trainer.device=cpu", *SMALL)
+    m = tr.step(0)
+    for key in ("rollout_logprob_abs_diff", "rollout_logprob_abs_diff_max", "rollout_kl", "weight_sync_s"):
+        assert key in m, key
+    # the HF engine samples from the same weights: float rounding only
+    assert 0 <= m["rollout_logprob_abs_diff"] <= m["rollout_logprob_abs_diff_max"] < TOL
+    assert abs(m["rollout_kl"]) < TOL
+
+
+# ------------------------------------------------------------ vLLM
+def _forward_log_probs(tr, records):
+    """The trainer's forward over `records` (its action-slot log-probs, one row per record)."""
+    from packing import make_experience_batch
+
+    tr.actor.eval()
+    with torch.no_grad():
+        out = []
+        for rec in records:
+            batch = make_experience_batch([rec], packed=False)
+            lp = tr.actor(batch)[0]
+            out.append(lp[rec.action_mask])
+    tr.actor.train()
+    return out
+
+
+def _gap(tr, records) -> float:
+    lps = _forward_log_probs(tr, records)
+    return max(float((lp - rec.rollout_log_probs[rec.action_mask]).abs().max()) for lp, rec in zip(lps, records))
+
+
+@pytest.fixture(scope="module")
+def vtrainer():
+    from tests.inprocess import trainer
+
+    tr = trainer(*VLLM_TINY)
+    yield tr
+    tr.engine.close()
+
+
+PROMPTS = [torch.tensor([1, 2, 3, 4, 5]), torch.tensor([7, 8, 9]), torch.tensor([1, 2, 3, 4, 5]),
+           torch.tensor([10, 11, 12, 13])]
+
+
+@pytest.mark.vllm
+def test_records_follow_the_hf_engine_contract(vtrainer):
+    from rl.vllm_engine import VLLMRolloutEngine
+
+    engine = vtrainer.engine
+    assert isinstance(engine, VLLMRolloutEngine)
+    engine.stop_token_id = 3
+    try:
+        recs = engine.generate(PROMPTS, prompt_indices=[0, 1, 0, 2], max_new_tokens=8, temperature=1.0, seed=5)
+        alone = engine.generate(PROMPTS[2:3], prompt_indices=[0], max_new_tokens=8, temperature=1.0, seed=5)
+    finally:
+        engine.stop_token_id = getattr(vtrainer.task, "stop_token_id", None)
+    for p, rec in zip(PROMPTS, recs):
+        P, T = p.numel(), rec.sequences.numel()
+        R = int(rec.response_length)
+        assert torch.equal(rec.sequences[:P], p) and T == P + R == int(rec.total_length) and 1 <= R <= 8
+        assert rec.action_mask.shape == (T - 1,) and rec.action_mask.sum() == R and rec.action_mask[P - 1:].all()
+        assert (rec.rollout_log_probs[~rec.action_mask] == 0).all() and (rec.rollout_log_probs <= 0).all()
+        stops = (rec.sequences[P:] == 3).nonzero().flatten().tolist()
+        assert stops in ([], [R - 1]), "the stop token ends the sample and stays its last token"
+    assert [int(r.prompt_index) for r in recs] == [0, 1, 0, 2]
+    # per-sample seeds (sample k of a prompt_index): sample 0 of prompt 0 alone equals it in the batch
+    assert torch.equal(alone[0].sequences, recs[0].sequences)
+    assert _gap(vtrainer, recs) < TOL
+
+
+@pytest.mark.vllm
+def test_log_probs_are_of_the_tempered_softmax(vtrainer):
+    engine = vtrainer.engine
+    recs = engine.generate(PROMPTS, prompt_indices=[0, 1, 2, 3], max_new_tokens=6, temperature=0.5, seed=1)
+    old = vtrainer.actor.temperature
+    vtrainer.actor.temperature = 0.5
+    try:
+        assert _gap(vtrainer, recs) < TOL
+    finally:
+        vtrainer.actor.temperature = old
+    assert _gap(vtrainer, recs) > 10 * TOL  # scored at T=1 they differ: the temperature is applied
+    greedy = engine.generate(PROMPTS[:2], prompt_indices=[0, 1], max_new_tokens=6, temperature=0.0, seed=0)
+    again = engine.generate(PROMPTS[:2], prompt_indices=[7, 8], max_new_tokens=6, temperature=0.0, seed=9)
+    assert all(torch.equal(a.sequences, b.sequences) for a, b in zip(greedy, again))
+
+
+@pytest.mark.vllm
+def test_weights_sync_after_two_steps_and_a_skipped_sync_misses(vtrainer):
+    from model.parallelize import full_parameters
+
+    initial = {k: v.clone() for k, v in full_parameters(vtrainer.actor.model)}
+    metrics = [vtrainer.step(s) for s in range(2)]
+    for m in metrics:  # each step's rollout came from the weights the training forward starts from
+        assert m["rollout_logprob_abs_diff_max"] < TOL, m
+        assert m["weight_sync_s"] > 0
+    moved = max(float((v - initial[k]).abs().max()) for k, v in full_parameters(vtrainer.actor.model))
+    assert moved > 1e-3, "two steps changed the weights"
+    recs = vtrainer.engine.generate(PROMPTS, prompt_indices=[0, 1, 2, 3], max_new_tokens=8, temperature=1.0,
+                                    seed=11)
+    synced = _gap(vtrainer, recs)
+    assert synced < TOL
+    # control: the engine with the weights it would hold had the syncs been skipped
+    vtrainer.engine.load_weights(initial.items())
+    stale = vtrainer.engine.generate(PROMPTS, prompt_indices=[0, 1, 2, 3], max_new_tokens=8, temperature=1.0,
+                                     seed=11)
+    missed = _gap(vtrainer, stale)
+    print(f"synced max |dlogp| {synced:.2e}, stale (sync skipped) {missed:.2e}")
+    assert missed > 100 * TOL
+    vtrainer.engine.load_weights(full_parameters(vtrainer.actor.model))  # back in sync
+    assert _gap(vtrainer, vtrainer.engine.generate(PROMPTS, prompt_indices=[0, 1, 2, 3], max_new_tokens=8,
+                                                   temperature=1.0, seed=11)) < TOL
+
+
+@pytest.mark.vllm
+def test_small_buckets_stream_through_shared_memory(vtrainer):
+    import os
+
+    from model.parallelize import full_parameters
+    from rl import vllm_engine
+
+    engine = vtrainer.engine
+    size = engine.sync_bucket_bytes
+    engine.sync_bucket_bytes = 16 << 10
+    try:
+        engine.load_weights(full_parameters(vtrainer.actor.model))
+    finally:
+        engine.sync_bucket_bytes = size
+    assert engine.last_sync["buckets"] > 3 and engine.last_sync["sync_s"] > 0
+    assert not [f for f in os.listdir(vllm_engine.SHM_ROOT) if f.startswith(f"rl-vllm-sync-{os.getpid()}-")]
+    recs = engine.generate(PROMPTS, prompt_indices=[0, 1, 2, 3], max_new_tokens=8, temperature=1.0, seed=2)
+    assert _gap(vtrainer, recs) < TOL
+
+
+@pytest.mark.vllm
+def test_load_weights_is_strict(vtrainer):
+    from model.parallelize import full_parameters
+
+    engine = vtrainer.engine
+    with pytest.raises(KeyError, match="unexpected tensor 'nope'"):
+        engine.load_weights([("nope", torch.zeros(1))])
+    with pytest.raises(KeyError, match="not given"):
+        engine.load_weights(list(full_parameters(vtrainer.actor.model))[:-1])
+    engine.load_weights(full_parameters(vtrainer.actor.model))  # a failed sync leaves a usable engine
+    recs = engine.generate(PROMPTS[:1], prompt_indices=[0], max_new_tokens=4, temperature=1.0, seed=2)
+    assert _gap(vtrainer, recs) < TOL
+
+
+@pytest.mark.vllm
+def test_unsupported_family_and_moe_replay_fail_at_start_up(tmp_path):
+    import json
+
+    from rl.vllm_engine import check_family
+
+    with pytest.raises(ValueError, match="'frobnicator'"):
+        check_family("frobnicator", ["FrobnicatorForCausalLM"])
+    with pytest.raises(ValueError, match="algo.routing_replay=true with the MoE family 'qwen3_moe'"):
+        compose("model=moe_tiny", "rollout.engine=vllm", "trainer.device=cpu")
+    compose("model=moe_tiny", "rollout.engine=vllm", "trainer.device=cpu", "algo.routing_replay=false")
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "frobnicator",
+                                                    "architectures": ["FrobnicatorForCausalLM"]}))
+    from rl.vllm_engine import VLLMRolloutEngine
+
+    with pytest.raises(ValueError, match="family 'frobnicator'"):
+        VLLMRolloutEngine(folder)
