@@ -16,10 +16,10 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from model.parallel_dims import init_distributed
-from rl.checkpoint import Checkpointer
+from rl.trainer.checkpoint import Checkpointer
 from rl.config import Config, load, register, validate
-from rl.metrics import MetricsWriter
-from rl.trainer import build_trainer
+from rl.trainer.metrics import MetricsWriter
+from rl.trainer.trainer import build_trainer
 
 register()
 log = logging.getLogger("train")

@@ -4,7 +4,7 @@ packing/exchange.py: metadata all-gathered, each sample sent once to the rank th
 
 8 gloo ranks on 127.0.0.1, one process group per path (fresh processes, so each path's
 peak memory is its own). Each rank generates its 1/8 of the step's records as a rollout
-does (rl/rollout.py `make_record`: int64 tokens, bool action mask, fp32 rollout log-probs,
+does (rl/rollout/engine.py `make_record`: int64 tokens, bool action mask, fp32 rollout log-probs,
 int64 `routed_experts [L, K, T]`, 0-d episode scalars), then, after the high-water mark is
 reset (`/proc/self/clear_refs`), runs the path: the global decisions (GRPO advantages, the
 microbatch plan over the 8 ranks) and the move of the records to the rank whose plan entry
@@ -62,7 +62,7 @@ def _trim() -> None:
 
 def make_step(rank: int, world: int, a) -> tuple[list[int], list]:
     """The step's lengths (all ranks) and this rank's records (its slice of the samples)."""
-    from rl.rollout import make_record
+    from rl.rollout.engine import make_record
 
     seq = lengths("bimodal", a.samples, seed=0, max_len=a.max_len, prompt=(16, 48))
     per = a.samples // world
@@ -121,7 +121,7 @@ def _count_collectives(counter: dict, world: int) -> list:
 
 def rank_body(rank: int, world: int, path: str, a) -> dict:
     from packing.exchange import exchange, gather_metadata
-    from rl.advantages import compute_advantages
+    from rl.algos.advantages import compute_advantages
 
     seq, records = make_step(rank, world, a)
     generated = sum(_bytes(r) for r in records)
@@ -133,7 +133,7 @@ def rank_body(rank: int, world: int, path: str, a) -> dict:
     counter = {"sent": 0, "received": 0}
     saved = _count_collectives(counter, world)
     t0 = time.perf_counter()
-    if path == "old":  # rl/trainer.py before issue #20
+    if path == "old":  # rl/trainer/trainer.py before issue #20
         gathered = [None] * world
         dist.all_gather_object(gathered, records)
         del records

@@ -4,12 +4,12 @@ Runs inside `.venv-trl` (TRL 1.16.0, torch 2.13.0+cpu, transformers 5.18.0; requ
 never in the project's `.venv`. The job is the project's `+experiment=smollm2_arithmetic`:
 
 * model: SmolLM2-135M-Instruct (the folder `make model` writes), fp32, `--threads` threads
-* task: the project's `ArithmeticTask` (rl/tasks.py, imported from the repo root; it needs only
+* task: the project's `ArithmeticTask` (rl/tasks/task.py, imported from the repo root; it needs only
   torch and transformers): step s trains on `task.prompts(4, seed=seed * 1_000_003 + s)`, the
-  prompts the project's trainer draws at step s (rl/trainer.py `Trainer._rollout`), in that
+  prompts the project's trainer draws at step s (rl/trainer/trainer.py `Trainer._rollout`), in that
   order (`shuffle_dataset=False`), each as one user message that TRL renders with the
   tokenizer's chat template (checked token for token against the project's prompt ids)
-* reward: `rl.tasks.math_reward` on the completion text (its last number against the answer)
+* reward: `rl.tasks.task.math_reward` on the completion text (its last number against the answer)
 * GRPO as TRL runs it by default: group-normalized advantages (`scale_rewards="group"`),
   `loss_type="dapo"` (token-mean over the global batch), `beta=0` (no reference model),
   `num_iterations=1`, clip epsilon 0.2; 4 prompts x 8 samples per optimizer step
@@ -99,7 +99,7 @@ def greedy_accuracy(model, tokenizer, problems, *, batch_size: int) -> dict:
     import torch
     from transformers import GenerationConfig
 
-    from rl.tasks import math_reward
+    from rl.tasks.task import math_reward
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -141,7 +141,7 @@ def main(argv=None) -> dict:
     from trl import GRPOConfig, GRPOTrainer
     from trl.extras import profiling
 
-    from rl.tasks import ArithmeticTask, math_reward
+    from rl.tasks.task import ArithmeticTask, math_reward
 
     t_start = time.perf_counter()
     task = ArithmeticTask(args.model)  # the project's task, its tokenizer being the model's

@@ -2,7 +2,7 @@
 
 The same prompts and sampling for three generators: transformers `generate` (do_sample,
 temperature 1, no top-k/top-p), the project's `HFRolloutEngine` and `VLLMRolloutEngine`
-(rl/vllm_engine.py; its threads bound to every allowed core: VLLM_CPU_OMP_THREADS_BIND
+(rl/rollout/vllm_engine.py; its threads bound to every allowed core: VLLM_CPU_OMP_THREADS_BIND
 computed from the process affinity). Prompts: SmolLM2-135M-Instruct's chat template around
 addition problems when `make model` has written .cache/models/SmolLM2-135M-Instruct,
 else a tiny random Llama checkpoint with random prompts. Figure: response tokens per
@@ -87,8 +87,8 @@ def main() -> None:
     import torch
 
     from model.models import build_model
-    from rl.rollout import HFRolloutEngine
-    from rl.vllm_engine import VLLMRolloutEngine, cpu_threads_bind
+    from rl.rollout.engine import HFRolloutEngine
+    from rl.rollout.vllm_engine import VLLMRolloutEngine, cpu_threads_bind
     from common import emit
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

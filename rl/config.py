@@ -16,10 +16,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from model.parallel_dims import resolve_device
-from rl.advantages import AdvantageConfig, get_advantage_estimator
+from rl.algos.advantages import AdvantageConfig, get_advantage_estimator
 from rl.choice import Choice
-from rl.losses import KLConfig, KLMode, PolicyLossConfig, check_policy_loss_config
-from rl.schedule import LRSchedule
+from rl.algos.losses import KLConfig, KLMode, PolicyLossConfig, check_policy_loss_config
+from rl.trainer.schedule import LRSchedule
 
 
 class ModelName(Choice):
@@ -81,7 +81,7 @@ class BatchConfig:
 @dataclass
 class AlgoConfig(PolicyLossConfig, KLConfig, AdvantageConfig):
     """`algo.*`: the policy-loss, KL and advantage fields (one source of truth each, in
-    rl/losses.py and rl/advantages.py) plus how a step turns into updates. A critic is
+    rl/algos/losses.py and rl/algos/advantages.py) plus how a step turns into updates. A critic is
     trained when `advantage=gae`."""
 
     mini_batches: int = 1  # optimizer steps per epoch: the step's global batch split in k
@@ -140,13 +140,13 @@ class TrainerConfig:
 
 
 class RolloutEngineName(Choice):
-    HF = "hf"  # HFRolloutEngine: an embedded transformers copy of the policy (rl/rollout.py)
-    VLLM = "vllm"  # VLLMRolloutEngine (rl/vllm_engine.py): needs `make install-vllm`
+    HF = "hf"  # HFRolloutEngine: an embedded transformers copy of the policy (rl/rollout/engine.py)
+    VLLM = "vllm"  # VLLMRolloutEngine (rl/rollout/vllm_engine.py): needs `make install-vllm`
 
 
 @dataclass
 class RolloutConfig:
-    """`rollout.*`: which engine generates, and the vLLM engine's settings (rl/vllm_engine.py)."""
+    """`rollout.*`: which engine generates, and the vLLM engine's settings (rl/rollout/vllm_engine.py)."""
 
     engine: RolloutEngineName = RolloutEngineName.HF
     sync_bucket_bytes: int = 64 << 20  # weight sync: bytes per shared-memory bucket (trainer -> vLLM)
@@ -160,7 +160,7 @@ class RolloutConfig:
 
 @dataclass
 class EvalConfig:
-    """Greedy pass@1 on the task's held-out split (rl/evaluate.py)."""
+    """Greedy pass@1 on the task's held-out split (rl/tasks/evaluate.py)."""
 
     every: int = 0  # evaluate before step 0, every k steps and after the last; 0 = never
     num_prompts: int = 200  # held-out problems, split over the DP ranks
@@ -378,7 +378,7 @@ def _check_rollout(cfg: Config, world_size: int) -> None:
                          f"world_size={world_size}")
     if RolloutEngineName(r.engine) is not RolloutEngineName.VLLM:
         return
-    from rl.vllm_engine import check_vllm_config  # imports vllm: only for rollout.engine=vllm
+    from rl.rollout.vllm_engine import check_vllm_config  # imports vllm: only for rollout.engine=vllm
 
     check_vllm_config(cfg, world_size)
 

@@ -1,7 +1,7 @@
 """`python -m rl.registry`: the registered advantage estimators and policy losses.
 
 Adding one is one function in one file: `@register_advantage_estimator("name")` in
-rl/advantages.py or `@register_policy_loss("name")` in rl/losses.py (or any module imported
+rl/algos/advantages.py or `@register_policy_loss("name")` in rl/algos/losses.py (or any module imported
 before the config is checked); `algo.advantage=name` / `algo.policy_loss=name` then work.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import inspect
 
-from rl.advantages import ADVANTAGE_ESTIMATORS
-from rl.losses import POLICY_LOSSES
+from rl.algos.advantages import ADVANTAGE_ESTIMATORS
+from rl.algos.losses import POLICY_LOSSES
 
 
 def describe() -> str:

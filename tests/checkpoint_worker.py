@@ -12,9 +12,9 @@ from torch.distributed.tensor import DTensor
 
 from model.parallel_dims import init_distributed
 from model.parallelize import full_parameters
-from rl.checkpoint import load_checkpoint, save_checkpoint, sharded_state
+from rl.trainer.checkpoint import load_checkpoint, save_checkpoint, sharded_state
 from rl.config import Config, load, register
-from rl.trainer import Trainer, build_trainer
+from rl.trainer.trainer import Trainer, build_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ from model.models import build_model
 from model.parallel_dims import ParallelDims, init_distributed
 from model.parallelize import clip_grad_norm_, full_parameters, parallelize
 from packing import make_experience_batch, plan_microbatches
-from rl.losses import PolicyLossConfig, aggregate, policy_loss
+from rl.algos.losses import PolicyLossConfig, aggregate, policy_loss
 
 LENGTHS = [5, 17, 9, 33, 12, 7, 21, 3, 14, 26, 8, 11]
 TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

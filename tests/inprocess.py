@@ -34,7 +34,7 @@ def compose(*overrides: str, world_size: int = 1, check: bool = True) -> Config:
 def trainer(*overrides: str):
     """A one-process Trainer as train.py builds it (seeded like a run)."""
     from model.parallel_dims import init_distributed
-    from rl.trainer import build_trainer
+    from rl.trainer.trainer import build_trainer
 
     cfg = compose(*overrides)
     dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device=cfg.trainer.device.value)
@@ -68,7 +68,7 @@ def steps_rank(rank: int, world_size: int, overrides: tuple[str, ...], steps: in
     """`steps` steps on `world_size` ranks; the metrics of each step and whether each rank
     ever ran a zero-weight (empty) microbatch."""
     from model.parallel_dims import init_distributed
-    from rl.trainer import build_trainer
+    from rl.trainer.trainer import build_trainer
 
     cfg = compose(*overrides, world_size=world_size)
     dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device="cpu")
@@ -90,10 +90,10 @@ def steps_rank(rank: int, world_size: int, overrides: tuple[str, ...], steps: in
 def nan_loss_on_one_rank(rank: int, world_size: int, bad_rank: int) -> dict:
     """A NaN loss on `bad_rank` only, from step 1: every rank skips the update and stops
     with the same message; the weights stay those after step 0 on every rank."""
-    import rl.trainer as trainer_module
+    import rl.trainer.trainer as trainer_module
     from model.parallel_dims import init_distributed
-    from rl.guard import DivergenceError
-    from rl.trainer import build_trainer
+    from rl.trainer.guard import DivergenceError
+    from rl.trainer.trainer import build_trainer
 
     cfg = compose(*SMALL, "trainer.max_bad_steps=2", world_size=world_size)
     dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device="cpu")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from packing import Experience, make_experience_batch
-from rl.advantages import (
+from rl.algos.advantages import (
     AdvantageConfig,
     compute_advantages,
     gae_advantages,
@@ -20,7 +20,7 @@ from rl.advantages import (
     whiten_advantages,
     whiten_with_moments,
 )
-from rl.reward import apply_overlong_penalty, filter_uniform_groups, overlong_penalty
+from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups, overlong_penalty
 
 
 def record(mask, reward=0.0, prompt=0, kl=None, values=None):
@@ -232,9 +232,9 @@ def test_dynamic_sampling_drops_groups_whose_rewards_are_all_equal():
 def test_a_registered_estimator_is_checked_by_the_config_and_dispatched(monkeypatch):
     from inprocess import compose
 
-    from rl.advantages import ADVANTAGE_ESTIMATORS, register_advantage_estimator
+    from rl.algos.advantages import ADVANTAGE_ESTIMATORS, register_advantage_estimator
 
-    monkeypatch.setattr("rl.advantages.ADVANTAGE_ESTIMATORS", dict(ADVANTAGE_ESTIMATORS))
+    monkeypatch.setattr("rl.algos.advantages.ADVANTAGE_ESTIMATORS", dict(ADVANTAGE_ESTIMATORS))
     with pytest.raises(ValueError, match=r"algo.advantage='max_baseline': not a registered advantage estimator"):
         compose("algo.advantage=max_baseline")
 

@@ -1,4 +1,4 @@
-"""`task=arithmetic` and the held-out evaluation (rl/evaluate.py).
+"""`task=arithmetic` and the held-out evaluation (rl/tasks/evaluate.py).
 
 The tokenizer is the one tests/test_tasks.py trains here (a small BPE with a chat template);
 the model is a tiny random Llama checkpoint of that vocabulary: nothing is downloaded.
@@ -14,9 +14,9 @@ from test_tasks import CHAT, tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 
 from model.models import build_model
 from model.parallel_dims import ParallelDims
-from rl.evaluate import evaluate
-from rl.rollout import make_record
-from rl.tasks import ArithmeticTask, arithmetic_value, build_task
+from rl.tasks.evaluate import evaluate
+from rl.rollout.engine import make_record
+from rl.tasks.task import ArithmeticTask, arithmetic_value, build_task
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_evaluation_is_logged_and_does_not_change_the_training_run(tiny_llama, t
 
 
 def test_greedy_decoding_takes_the_argmax_and_ignores_the_seed(tiny_llama, task):
-    from rl.rollout import HFRolloutEngine
+    from rl.rollout.engine import HFRolloutEngine
 
     lm = build_model(None, pretrained_path=str(tiny_llama))
     engine = HFRolloutEngine(lm, stop_token_id=task.stop_token_id)

@@ -19,8 +19,8 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 
 from model.models import build_model
 from model.parallel_dims import ParallelDims
-from rl.checkpoint import Checkpointer, check_config, complete_checkpoints, find_checkpoint, load_checkpoint
-from rl.export import main as export_main
+from rl.trainer.checkpoint import Checkpointer, check_config, complete_checkpoints, find_checkpoint, load_checkpoint
+from rl.trainer.export import main as export_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"tokens_per_s", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "step_s", "weight_sync_s"}
@@ -31,7 +31,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 def launch(out: Path, *overrides: str, nproc: int = 1, kill: str | None = None, restarts: int | None = None):
     """train.py in a subprocess (torchrun for nproc > 1; launch/local.sh when `restarts` is
-    set); `kill` sets the RL_TEST_KILL fault hook (rl/checkpoint.py `inject_fault`)."""
+    set); `kill` sets the RL_TEST_KILL fault hook (rl/trainer/checkpoint.py `inject_fault`)."""
     args = [f"hydra.run.dir={out}", *overrides]
     if restarts is not None:
         cmd = ["launch/local.sh", str(nproc), *args]
@@ -189,7 +189,7 @@ def test_saved_at_world_4_loads_at_world_2_and_1_and_exports_the_policy(tmp_path
     assert any(v.abs().max() > 0 for k, v in saved["state"].items() if k.endswith("experts.down_proj.exp_avg"))
 
     out = tmp_path / "hf"
-    export_main([str(path), str(out)])  # python -m rl.export CKPT OUT
+    export_main([str(path), str(out)])  # python -m rl.trainer.export CKPT OUT
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
 
     exported = AutoModelForCausalLM.from_pretrained(out)

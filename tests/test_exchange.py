@@ -27,10 +27,10 @@ ESTIMATORS = [("grpo", None), ("grpo", True), ("rloo", None), ("reinforce_pp", N
 
 
 def _records(dp_rank: int, n: int, experts: int | None, seed: int = 0, long: bool = False) -> list[Experience]:
-    """Rollout-like records (rl/rollout.py `make_record`) of one DP rank: bimodal lengths,
+    """Rollout-like records (rl/rollout/engine.py `make_record`) of one DP rank: bimodal lengths,
     float32 rewards, int64 routing with some -1 (no record), a bf16 field (`long`: only
     27..47-token samples, no two of which fit 47 tokens)."""
-    from rl.rollout import make_record
+    from rl.rollout.engine import make_record
 
     gen = torch.Generator().manual_seed(1000 * seed + dp_rank)
     out = []
@@ -51,7 +51,7 @@ def _records(dp_rank: int, n: int, experts: int | None, seed: int = 0, long: boo
 
 
 def _dest(standins, dp: int, max_tokens: int, mini_batches: int = 2, micro_batch_size=None) -> list[list[int]]:
-    """The ranks each sample runs on: the trainer's rule (rl/trainer.py `plan`)."""
+    """The ranks each sample runs on: the trainer's rule (rl/trainer/trainer.py `plan`)."""
     bounds = [round(i * len(standins) / mini_batches) for i in range(mini_batches + 1)]
     dest = [set() for _ in standins]
     for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -65,7 +65,7 @@ def _dest(standins, dp: int, max_tokens: int, mini_batches: int = 2, micro_batch
 
 
 def exchange_rank(rank: int, world_size: int, cp: int, experts: int | None, n: int, max_tokens: int) -> dict:
-    from rl.advantages import compute_advantages
+    from rl.algos.advantages import compute_advantages
 
     dp, dp_rank, cp_rank = world_size // cp, rank // cp, rank % cp
     groups = [dist.new_group([d * cp + c for d in range(dp)]) for c in range(cp)]  # every rank creates every group
@@ -196,12 +196,12 @@ def _untimed(metrics: dict) -> dict:
 
 def _old_path(tr) -> None:
     """The data path before issue #20, as the reference: every rank all-gathers every
-    record (pickled) and plans and collates from the whole step (rl/trainer.py at 570b134)."""
+    record (pickled) and plans and collates from the whole step (rl/trainer/trainer.py at 570b134)."""
     from packing import make_experience_batch
-    from rl.losses import LossAgg, loss_normalizer
-    from rl.reward import apply_overlong_penalty, filter_uniform_groups
-    from rl.tasks import score
-    from rl.trainer import MiniBatch, _groups
+    from rl.algos.losses import LossAgg, loss_normalizer
+    from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups
+    from rl.tasks.task import score
+    from rl.trainer.trainer import MiniBatch, _groups
 
     def _rollout(step, round_):
         task, dims, algo = tr.cfg.task, tr.dims, tr.cfg.algo
@@ -268,7 +268,7 @@ def paths_rank(rank: int, world_size: int, overrides: tuple[str, ...], steps: in
     """`steps` steps with the new data path and, from the same seed, with the old one."""
     from inprocess import compose
     from model.parallel_dims import init_distributed
-    from rl.trainer import build_trainer
+    from rl.trainer.trainer import build_trainer
 
     cfg = compose(*overrides, world_size=world_size)
     dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device="cpu")

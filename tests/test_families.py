@@ -126,8 +126,8 @@ def test_a_model_name_that_disagrees_with_the_checkpoint_is_refused(tmp_path):
 
 # ----------------------------------------- tied head: train, sync, checkpoint, export
 def test_a_tied_checkpoint_trains_syncs_checkpoints_and_exports_to_the_same_logits(tmp_path):
-    from rl.checkpoint import save_checkpoint
-    from rl.export import export
+    from rl.trainer.checkpoint import save_checkpoint
+    from rl.trainer.export import export
 
     path = tiny_checkpoint(tmp_path / "ck", "llama", True, vocab_size=64, max_position_embeddings=512)
     overrides = ("model=pretrained", f"model.pretrained_path={path}", "model.dtype=float32", *SMALL)

@@ -1,4 +1,4 @@
-"""The divergence guard (rl/guard.py): a non-finite reward, advantage, loss or gradient norm
+"""The divergence guard (rl/trainer/guard.py): a non-finite reward, advantage, loss or gradient norm
 skips the update on every rank; `trainer.max_bad_steps` bad steps in a row stop the run
 naming the step and the term; the weights and optimizer state never hold a NaN/inf."""
 
@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-import rl.trainer as trainer_module
+import rl.trainer.trainer as trainer_module
 from distributed import run_distributed
 from inprocess import SMALL, all_finite, nan_loss_on_one_rank, trainer, weights
-from rl.guard import DivergenceError
+from rl.trainer.guard import DivergenceError
 
 
 def run_until_stopped(tr, steps: int) -> tuple[list[dict], str]:

@@ -1,6 +1,6 @@
 """Run output: metrics.jsonl and TensorBoard continue a resumed run without its redone steps."""
 
-from rl.metrics import MetricsWriter, plot_curves
+from rl.trainer.metrics import MetricsWriter, plot_curves
 
 
 def tensorboard_steps(folder, tag="reward_mean") -> list[tuple[int, float]]:

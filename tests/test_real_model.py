@@ -13,8 +13,8 @@ from parity_check import assert_parity
 from model.actor import Actor
 from model.models import build_model
 from packing.collate import make_experience_batch
-from rl.rollout import HFRolloutEngine
-from rl.tasks import build_task
+from rl.rollout.engine import HFRolloutEngine
+from rl.tasks.task import build_task
 
 pytestmark = pytest.mark.model
 MODEL = Path(__file__).resolve().parents[1] / ".cache" / "models" / "SmolLM2-135M-Instruct"

@@ -1,4 +1,4 @@
-"""Rollout engine (rl/rollout.py) and tasks (rl/tasks.py): records, seeding, log-probs, routing."""
+"""Rollout engine (rl/rollout/engine.py) and tasks (rl/tasks/task.py): records, seeding, log-probs, routing."""
 
 import json
 import sys
@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # FileTask imports "tests.test_rollout:my_reward" from the repo root
     sys.path.insert(0, str(ROOT))
 
-from rl.rollout import (HFRolloutEngine, RolloutEngine, sample_inverse_cdf, sample_seed,  # noqa: E402
+from rl.rollout.engine import (HFRolloutEngine, RolloutEngine, sample_inverse_cdf, sample_seed,  # noqa: E402
                         sample_seeds, uniform_noise)
-from rl.tasks import FileTask, Task, build_task, load_callable, score  # noqa: E402
+from rl.tasks.task import FileTask, Task, build_task, load_callable, score  # noqa: E402
 
 VOCAB, TEMP, NEW = 64, 0.7, 10
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

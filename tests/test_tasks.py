@@ -1,4 +1,4 @@
-"""Text tasks (rl/tasks.py `math`), the answer checker, and `score`'s reward checks.
+"""Text tasks (rl/tasks/task.py `math`), the answer checker, and `score`'s reward checks.
 
 The tokenizer is trained here on generated text (the `tokenizers` library) and saved to a
 temp folder: nothing is downloaded.
@@ -18,7 +18,7 @@ if str(ROOT) not in sys.path:  # reward functions are imported as "tests.test_ta
     sys.path.insert(0, str(ROOT))
 
 from packing import Experience  # noqa: E402
-from rl.tasks import (  # noqa: E402
+from rl.tasks.task import (  # noqa: E402
     FileTask,
     MathTask,
     Task,

@@ -1,4 +1,4 @@
-"""The vLLM rollout engine (rl/vllm_engine.py) and the rollout/training mismatch metrics.
+"""The vLLM rollout engine (rl/rollout/vllm_engine.py) and the rollout/training mismatch metrics.
 
 Tests marked `vllm` need the extra (`make install-vllm`) and run with `make test-vllm`
 (CI runs it after `make test`); the others (LLM arguments, thread binding, the install
@@ -25,11 +25,11 @@ VLLM_TINY = ("model=dense_tiny", "model.overrides.head_dim=32", "trainer.device=
 
 # ------------------------------------------------------------ everywhere
 def test_llm_kwargs_cpu_and_cuda_colocated():
-    from rl.vllm_engine import llm_kwargs
+    from rl.rollout.vllm_engine import llm_kwargs
 
     cpu = llm_kwargs("/m", device="cpu", max_model_len=64)
     assert cpu["logprobs_mode"] == "processed_logprobs" and cpu["skip_tokenizer_init"]
-    assert cpu["worker_extension_cls"] == "rl.vllm_engine.WorkerExtension" and cpu["max_model_len"] == 64
+    assert cpu["worker_extension_cls"] == "rl.rollout.vllm_engine.WorkerExtension" and cpu["max_model_len"] == 64
     assert "distributed_executor_backend" not in cpu and "enable_sleep_mode" not in cpu
     cuda = llm_kwargs("/m", device="cuda", tensor_parallel_size=2, world_size=8, gpu_memory_utilization=0.4,
                       enable_sleep_mode=True)
@@ -43,7 +43,7 @@ def test_llm_kwargs_cpu_and_cuda_colocated():
 
 
 def test_cpu_threads_bind_covers_every_allowed_core(monkeypatch):
-    from rl import vllm_engine
+    from rl.rollout import vllm_engine
 
     monkeypatch.setattr(vllm_engine.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
     assert vllm_engine.cpu_threads_bind() == "0-1"
@@ -115,7 +115,7 @@ PROMPTS = [torch.tensor([1, 2, 3, 4, 5]), torch.tensor([7, 8, 9]), torch.tensor(
 
 @pytest.mark.vllm
 def test_records_follow_the_hf_engine_contract(vtrainer):
-    from rl.vllm_engine import VLLMRolloutEngine
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
 
     engine = vtrainer.engine
     assert isinstance(engine, VLLMRolloutEngine)
@@ -187,7 +187,7 @@ def test_small_buckets_stream_through_shared_memory(vtrainer):
     import os
 
     from model.parallelize import full_parameters
-    from rl import vllm_engine
+    from rl.rollout import vllm_engine
 
     engine = vtrainer.engine
     size = engine.sync_bucket_bytes
@@ -220,7 +220,7 @@ def test_load_weights_is_strict(vtrainer):
 def test_unsupported_family_and_moe_replay_fail_at_start_up(tmp_path):
     import json
 
-    from rl.vllm_engine import check_family
+    from rl.rollout.vllm_engine import check_family
 
     with pytest.raises(ValueError, match="'frobnicator'"):
         check_family("frobnicator", ["FrobnicatorForCausalLM"])
@@ -231,7 +231,7 @@ def test_unsupported_family_and_moe_replay_fail_at_start_up(tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "frobnicator",
                                                     "architectures": ["FrobnicatorForCausalLM"]}))
-    from rl.vllm_engine import VLLMRolloutEngine
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
 
     with pytest.raises(ValueError, match="family 'frobnicator'"):
         VLLMRolloutEngine(folder)

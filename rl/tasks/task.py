@@ -281,7 +281,7 @@ class ArithmeticTask:
         self.space = (high - low + 1) ** operands * len(operators) ** (operands - 1)  # distinct problems
         self.tokenizer = tokenizer = load_tokenizer(tokenizer_path)
         self._encode = _chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path)
-        self.reward_name = "rl.tasks:math_reward"
+        self.reward_name = "rl.tasks.task:math_reward"
         self.stop_token_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
         longest = self._encode(template.format(problem=f" {operators[0]} ".join([str(high)] * operands)))
         self.max_prompt_len = len(longest) + 4  # digits tokenize one by one: the widest operands, plus slack

@@ -1,7 +1,7 @@
-"""A checkpoint's policy as a Hugging Face folder: `python -m rl.export CKPT OUT`.
+"""A checkpoint's policy as a Hugging Face folder: `python -m rl.trainer.export CKPT OUT`.
 
-    python -m rl.export outputs/<run>/checkpoints/step_00000020 exported/
-    python -m rl.export outputs/<run>/checkpoints exported/     # the newest complete checkpoint
+    python -m rl.trainer.export outputs/<run>/checkpoints/step_00000020 exported/
+    python -m rl.trainer.export outputs/<run>/checkpoints exported/     # the newest complete checkpoint
     AutoModelForCausalLM.from_pretrained("exported/")            # the trained policy
     python train.py model=pretrained model.pretrained_path=exported/
 
@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 import yaml
 
 from model.models import MODELS, family
-from rl.checkpoint import quiet_single_process, find_checkpoint
+from rl.trainer.checkpoint import quiet_single_process, find_checkpoint
 
 POLICY = "actor.weights."  # checkpoint keys of the policy: "actor.weights." + Actor state-dict name
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -65,7 +65,7 @@ def _copy_tokenizer(saved: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m rl.export", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m rl.trainer.export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a checkpoint folder (step_N) or a folder of them (the newest is taken)")
     parser.add_argument("out", help="the Hugging Face folder to write")
     args = parser.parse_args(argv)

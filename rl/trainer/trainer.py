@@ -42,17 +42,17 @@ from model.parallel_dims import ParallelDims
 from model.parallelize import clip_grad_norm_, expert_load_metrics, full_parameters, parallelize
 from packing import Experience, make_experience_batch, plan_microbatches
 from packing.exchange import StandIn, exchange, gather_metadata
-from rl.advantages import (compute_advantages, gae_advantages_batch, get_advantage_estimator,
+from rl.algos.advantages import (compute_advantages, gae_advantages_batch, get_advantage_estimator,
                            masked_moments, whiten_with_moments)
-from rl.checkpoint import load_sharded_state, sharded_state
+from rl.trainer.checkpoint import load_sharded_state, sharded_state
 from rl.config import Config, check_task_fits, model_config_value
-from rl.guard import DivergenceGuard, poison
-from rl.losses import LossAgg, aggregate, build_kl_controller, kl_penalty, loss_normalizer, policy_loss, value_loss
-from rl.schedule import make_lr_scheduler
-from rl.reward import apply_overlong_penalty, filter_uniform_groups
-from rl.vllm_engine import build_engine
-from rl.evaluate import evaluate, heldout_problems
-from rl.tasks import build_task, score
+from rl.trainer.guard import DivergenceGuard, poison
+from rl.algos.losses import LossAgg, aggregate, build_kl_controller, kl_penalty, loss_normalizer, policy_loss, value_loss
+from rl.trainer.schedule import make_lr_scheduler
+from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups
+from rl.rollout.vllm_engine import build_engine
+from rl.tasks.evaluate import evaluate, heldout_problems
+from rl.tasks.task import build_task, score
 
 
 def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
@@ -83,7 +83,7 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
     if cfg.algo.kl_coef:
         reference = shard(Actor(new_model().requires_grad_(False), temperature=m.temperature,
                                 chunk_bytes=m.logprob_chunk_bytes, dims=dims, actions_only=True))
-    engine = build_engine(cfg, dims, task, actor, new_model)  # rollout.engine: hf | vllm (rl/vllm_engine.py)
+    engine = build_engine(cfg, dims, task, actor, new_model)  # rollout.engine: hf | vllm (rl/rollout/vllm_engine.py)
     return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine, task=task,
                    heldout=heldout)
 
@@ -129,7 +129,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- the step
     def evaluate(self) -> dict[str, float]:
-        """Greedy pass@1 of the current policy on the held-out problems (rl/evaluate.py)."""
+        """Greedy pass@1 of the current policy on the held-out problems (rl/tasks/evaluate.py)."""
         e = self.cfg.eval
         return evaluate(self.engine, self.task, self.heldout, self.dims, batch_size=e.batch_size,
                         max_new_tokens=e.max_new_tokens or self.cfg.task.max_new_tokens)
@@ -369,7 +369,7 @@ class Trainer:
 
     def optimizer_step(self) -> dict[str, torch.Tensor]:
         """Clip by the global norm and step; or skip the update, on every rank alike, when a
-        term of the step is not finite (rl/guard.py): a rank that saw a non-finite reward,
+        term of the step is not finite (rl/trainer/guard.py): a rank that saw a non-finite reward,
         advantage or loss poisons its gradients, so the global norm is NaN everywhere."""
         clip = self.cfg.trainer.grad_clip
         out = {"lr": self.optimizer.param_groups[0]["lr"]}
@@ -424,13 +424,18 @@ class Trainer:
         metrics.update(self.sampling)
         if self.cfg.algo.kl_coef:
             metrics["kl_coef"] = self.kl_ctl.value
-            if math.isfinite(metrics.get("kl", 0.0)):  # a bad step (rl/guard.py) leaves the coefficient as is
+            if math.isfinite(metrics.get("kl", 0.0)):  # a bad step (rl/trainer/guard.py) leaves the coefficient as is
                 self.kl_ctl.update(metrics.get("kl", 0.0), len(records))
         return dict(sorted(metrics.items()))
 
     # -------------------------------------------------------------- checkpoint
+    @property
+    def hf_config(self) -> Any:
+        """The policy's Hugging Face config (a checkpoint writes it for `rl.trainer.export`)."""
+        return self.actor.model.config
+
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint holds of the trainer (rl/checkpoint.py): the policy and critic,
+        """What a checkpoint holds of the trainer (rl/trainer/checkpoint.py): the policy and critic,
         each `{"weights", "optimizer"}` as sharded DTensors of their global shapes, the LR
         schedule, the KL coefficient and the divergence guard's count of bad steps in a row.
         The reference is frozen (rebuilt from the seed or pretrained path), so it is not part

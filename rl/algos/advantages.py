@@ -70,7 +70,7 @@ def get_advantage_estimator(name: str, key: str = "algo.advantage") -> Estimator
     est = ADVANTAGE_ESTIMATORS.get(str(name))
     if est is None:
         raise ValueError(f"{key}={name!r}: not a registered advantage estimator; registered: "
-                         f"{sorted(ADVANTAGE_ESTIMATORS)} (rl/advantages.py: register_advantage_estimator)")
+                         f"{sorted(ADVANTAGE_ESTIMATORS)} (rl/algos/advantages.py: register_advantage_estimator)")
     return est
 
 

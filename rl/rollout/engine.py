@@ -5,7 +5,7 @@ The engine only generates; it never sees the task. One RL step reads:
     prompts = task.prompts(n, seed=...)                    # [(prompt_ids [P], meta)]
     records = engine.generate([p for p, _ in prompts], prompt_indices=..., max_new_tokens=...,
                               temperature=..., seed=...)   # one record per sample
-    score(task, records, [m for _, m in prompts])          # rl.tasks: sets rec.rewards
+    score(task, records, [m for _, m in prompts])          # rl.tasks.task: sets rec.rewards
     ... buffer -> plan -> collate -> train -> optimizer step ...
     engine.load_weights(full_parameters(policy))           # weight sync, one tensor at a time
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from model.parallel_dims import ParallelDims
-from rl.tasks import Prompt, Task, score
+from rl.tasks.task import Prompt, Task, score
 
 
 def heldout_problems(task: Task, n: int, task_name: str) -> list[Prompt]:

@@ -13,7 +13,7 @@ One folder per save, named by the steps it completed, under `checkpoint.dir` (de
     step_00000004/
         .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP): each rank writes its shards
         config.yaml                    the run's resolved config: provenance, and checked on resume
-        hf_config.json                 the policy's Hugging Face config (what `rl.export` rebuilds)
+        hf_config.json                 the policy's Hugging Face config (what `rl.trainer.export` rebuilds)
         COMPLETE                       written last (JSON: step, layout); a folder without it is never loaded
 
 `resume`: `never` (the default) starts fresh, `auto` takes the newest complete checkpoint
@@ -33,7 +33,7 @@ What a checkpoint holds (`Trainer.state_dict` plus the two entries added here):
   step      steps completed                   rng       every rank's RNG states (torch CPU/CUDA, python)
 The reference model is frozen and rebuilt from the same seed or pretrained path, so it is not
 saved. There is no separate data cursor: a step's prompts and samples come from generators
-seeded by (seed, step, prompt index) (rl/trainer.py `collect`), so the step is the cursor.
+seeded by (seed, step, prompt index) (rl/trainer/trainer.py `collect`), so the step is the cursor.
 
 Resharding: with world_size > 1 every entry is a DTensor, and DCP stores each shard at its
 global offsets, so any layout loads any other's checkpoint (RNG states only load on the same
@@ -59,7 +59,7 @@ import signal
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -76,7 +76,16 @@ from model.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from rl.config import Config
-    from rl.trainer import Trainer
+
+
+class Checkpointable(Protocol):
+    """What a checkpoint saves and restores (the trainer is one; this module never imports it)."""
+
+    hf_config: Any  # the policy's Hugging Face config, written beside the tensors for `rl.trainer.export`
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +185,7 @@ def set_rng_state(state: dict[str, Any], dims: ParallelDims) -> None:
 
 
 # ------------------------------------------------------------------- save / load
-def save_checkpoint(trainer: "Trainer", root: Path, step: int, cfg: "Config", dims: ParallelDims) -> Path:
+def save_checkpoint(trainer: Checkpointable, root: Path, step: int, cfg: "Config", dims: ParallelDims) -> Path:
     """Write the training state after `step` completed steps to `root/step_XXXXXXXX` (atomic:
     see the module docstring). A collective: every rank calls it."""
     final = root / checkpoint_name(step)
@@ -191,7 +200,7 @@ def save_checkpoint(trainer: "Trainer", root: Path, step: int, cfg: "Config", di
     inject_fault("in_save", step, dims.rank)
     if dims.rank == 0:
         (tmp / "config.yaml").write_text(config_yaml(cfg))
-        trainer.actor.model.config.to_json_file(tmp / "hf_config.json")
+        trainer.hf_config.to_json_file(tmp / "hf_config.json")
         info = {"step": step, "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "ep": dims.ep,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         _write_synced(tmp / MARKER, json.dumps(info) + "\n")
@@ -210,7 +219,7 @@ def save_checkpoint(trainer: "Trainer", root: Path, step: int, cfg: "Config", di
     return final
 
 
-def load_checkpoint(trainer: "Trainer", path: str | Path, dims: ParallelDims) -> int:
+def load_checkpoint(trainer: Checkpointable, path: str | Path, dims: ParallelDims) -> int:
     """Load the checkpoint at `path` into `trainer` (weights, optimizers, LR schedule, KL
     coefficient; the rollout engine gets the policy's weights) and this rank's RNG states
     when the world size is the saved one. Returns the steps it completed. A collective."""
@@ -324,7 +333,7 @@ class Checkpointer:
             raise ValueError(f"resume={resume!r}: {e}; expected never, auto, a checkpoint folder "
                              f"(e.g. {self.root / checkpoint_name(4)}) or a folder of them") from None
 
-    def resume(self, trainer: "Trainer") -> int:
+    def resume(self, trainer: Checkpointable) -> int:
         """Load the checkpoint chosen by `resume`; the number of steps already done (0 when fresh)."""
         if self.resume_from is None:
             return 0
@@ -336,7 +345,7 @@ class Checkpointer:
                         self.cfg.trainer.max_steps)
         return step
 
-    def after_step(self, trainer: "Trainer", step: int) -> Path | None:
+    def after_step(self, trainer: Checkpointable, step: int) -> Path | None:
         """`step` steps are complete: save when one is due (every `checkpoint.every`, and the last)."""
         c, path = self.cfg.checkpoint, None
         if (c.every and step % c.every == 0) or (c.final and step == self.cfg.trainer.max_steps):

@@ -230,7 +230,7 @@ def get_policy_loss(name: str, key: str = "algo.policy_loss") -> PolicyLossFn:
     fn = POLICY_LOSSES.get(str(name))
     if fn is None:
         raise ValueError(f"{key}={name!r}: not a registered policy loss; registered: {sorted(POLICY_LOSSES)} "
-                         f"(rl/losses.py: register_policy_loss)")
+                         f"(rl/algos/losses.py: register_policy_loss)")
     return fn
 
 

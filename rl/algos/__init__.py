@@ -1,0 +1,1 @@
+"""Algorithms: advantage estimators and policy losses, each a registry (`python -m rl.registry`)."""
