@@ -13,7 +13,7 @@ plan) is a handful of numbers per sample, so only those are all-gathered:
 A `StandIn` is an `Experience` holding only the episode scalars (`rewards`, `prompt_index`,
 `response_length`, `total_length`, with the records' dtypes) and the `action_mask` rebuilt
 from the lengths (a rollout record's mask is True on its last `response_length` slots:
-rl/rollout.py `make_record`; a record whose mask is not of that form is refused by name).
+rl/rollout/engine.py `make_record`; a record whose mask is not of that form is refused by name).
 Estimators that read rewards, prompt groups and the action mask (grpo, rloo, reinforce_pp*
 without KL shaping) therefore give the same numbers on stand-ins as on the records.
 `StandIn.source` is `(dp rank that holds the record, key)`.
