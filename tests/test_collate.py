@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from nemo_automodel.components.datasets.utils import pack_features_for_thd, packed_sequence_thd_collater
 from nemo_automodel.components.distributed.thd_utils import process_input_for_thd
 
-from packing import Experience, Kind, ReplayBuffer, make_experience_batch
+from packing import Experience, Kind, make_experience_batch
 
 ACTION_FIELDS = Experience.names(Kind.ACTION)
 L, K = 3, 2  # MoE layers, top-k
@@ -203,24 +203,12 @@ def test_media_cannot_be_packed():
     assert [p.shape for p in padded.pixel_values] == [(2, 12), (4, 12)]
 
 
-# -------------------------------------------------------------- replay buffer
-def test_buffer_stores_unpadded_records_from_a_padded_rollout():
+# -------------------------------------------------------------- split: collate's inverse
+def test_split_unpads_a_padded_batch_on_every_axis():
     items = records([6, 2, 9], routed=True)
-    buffer = ReplayBuffer()
-    buffer.append(make_experience_batch(items, packed=False))  # what a rollout engine hands over
-    assert len(buffer) == 3 and buffer.num_tokens == 17 and buffer.lengths == [6, 2, 9]
-    for stored, original in zip(buffer, items):
+    back = make_experience_batch(items, packed=False).split()
+    assert [r.sequences.numel() for r in back] == [6, 2, 9]
+    for stored, original in zip(back, items):
         assert stored.attention_mask is None
-        assert stored.sequences.shape == (original.sequences.numel(),)
         assert stored.advantages.shape == (original.sequences.numel() - 1,)
-        assert stored.routed_experts.shape == original.routed_experts.shape  # routing unpadded too
-        assert torch.equal(stored.routed_experts, original.routed_experts)
-    buffer.append(items[:1])
-    assert len(buffer) == 4 and torch.equal(buffer[3].sequences, items[0].sequences)
-    buffer.clear()
-    assert len(buffer) == 0 and buffer.num_tokens == 0
-
-
-def test_buffer_rejects_a_batch_as_a_record():
-    with pytest.raises(ValueError, match=r"record 0: expected an Experience with sequences \[T\]"):
-        ReplayBuffer().append([Experience(sequences=torch.zeros(2, 3, dtype=torch.long))])
+        assert torch.equal(stored.routed_experts, original.routed_experts)  # routing unpadded too
