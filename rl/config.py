@@ -19,6 +19,7 @@ from model.parallel_dims import resolve_device
 from rl.algos.advantages import AdvantageConfig, get_advantage_estimator
 from rl.choice import Choice
 from rl.algos.losses import KLConfig, KLMode, PolicyLossConfig, check_policy_loss_config
+from rl.tasks.task import TaskName
 from rl.trainer.schedule import LRSchedule
 
 
@@ -112,7 +113,7 @@ class AlgoConfig(PolicyLossConfig, KLConfig, AdvantageConfig):
 
 @dataclass
 class TaskConfig:
-    name: str = "target_token"  # a built-in task (target_token, copy_first, count_up, math) or "file"
+    name: TaskName = TaskName.TARGET_TOKEN  # a built-in task (rl/tasks/task.py TaskName) or "file"
     prompts_per_step: int = 16  # global, split over DP ranks
     samples_per_prompt: int = 8  # the GRPO group size
     max_new_tokens: int = 12

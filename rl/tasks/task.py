@@ -49,6 +49,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import torch
 
 from packing.experience import Experience
+from rl.choice import Choice
 
 Prompt = tuple[torch.Tensor, dict]
 
@@ -534,20 +535,30 @@ def _read_prompts(path: str | os.PathLike, encode: Callable[[str], list[int]] | 
 
 
 # --------------------------------------------------------------------- registry
-TASKS: dict[str, Callable[..., Task]] = {
-    "target_token": TargetToken,
-    "copy_first": CopyFirst,
-    "count_up": CountUp,
-    "file": FileTask,
-    "math": MathTask,
-    "arithmetic": ArithmeticTask,
+class TaskName(Choice):
+    """`task.name`: the built-in tasks."""
+
+    TARGET_TOKEN = "target_token"
+    COPY_FIRST = "copy_first"
+    COUNT_UP = "count_up"
+    FILE = "file"
+    MATH = "math"
+    ARITHMETIC = "arithmetic"
+
+
+TASKS: dict[TaskName, Callable[..., Task]] = {
+    TaskName.TARGET_TOKEN: TargetToken,
+    TaskName.COPY_FIRST: CopyFirst,
+    TaskName.COUNT_UP: CountUp,
+    TaskName.FILE: FileTask,
+    TaskName.MATH: MathTask,
+    TaskName.ARITHMETIC: ArithmeticTask,
 }
 
 
-def build_task(name: str, **kwargs: Any) -> Task:
+def build_task(name: TaskName | str, **kwargs: Any) -> Task:
     """A task by name; None-valued kwargs are dropped, unknown ones are an error naming them."""
-    if name not in TASKS:
-        raise ValueError(f"task '{name}' is not one of {sorted(TASKS)}")
+    name = TaskName.parse(name, "task.name")  # an unknown name: a ValueError listing the tasks
     cls = TASKS[name]
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     params = _params(cls)
