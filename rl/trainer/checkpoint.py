@@ -66,7 +66,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch import nn
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Shard
@@ -243,22 +242,32 @@ def load_checkpoint(trainer: Checkpointable, path: str | Path, dims: ParallelDim
     return int(state["step"])
 
 
+def _tensors(value: Any, key: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor in the nested state under the dotted key DCP stores it by
+    ("actor.weights.<fqn>", "actor.optimizer.state.<fqn>.exp_avg", list items by index)."""
+    if isinstance(value, torch.Tensor):
+        return {key: value}
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in items:
+        out.update(_tensors(v, f"{key}.{k}" if key else str(k)))
+    return out
+
+
 def check_entries(state: dict[str, Any], saved: dict[str, Any], path: Path) -> None:
-    """Refuse a checkpoint whose entries are not this run's, naming the entry: one missing,
+    """Refuse a checkpoint whose tensors are not this run's, naming the entry: one missing,
     one this run lacks (a critic, a layer), or one of another shape."""
-    flat, _ = flatten_state_dict(state)
+    ours = _tensors(state)
     problems = []
-    for key, value in flat.items():
+    for key, value in ours.items():
         meta = saved.get(key)
         if meta is None:
             problems.append(f"{key}: not in the checkpoint")
-        elif isinstance(value, torch.Tensor):
-            want = tuple(value.shape)
-            got = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else None
-            if got != want:
-                problems.append(f"{key}: shape {list(got) if got is not None else 'none (not a tensor)'} in the "
-                                f"checkpoint, {list(want)} in this run")
-    extra = sorted(k for k in saved if k not in flat and not k.startswith("rng."))
+        elif tuple(value.shape) != (got := tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else None):
+            problems.append(f"{key}: shape {list(got) if got is not None else 'none (not a tensor)'} in the "
+                            f"checkpoint, {list(value.shape)} in this run")
+    extra = sorted(k for k, meta in saved.items()
+                   if isinstance(meta, TensorStorageMetadata) and k not in ours and not k.startswith("rng."))
     problems += [f"{key}: in the checkpoint, not in this run" for key in extra]
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
