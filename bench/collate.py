@@ -1,7 +1,7 @@
 """Is the collate cheap? The project's THD pack vs nemo-automodel's, and its share of a step.
 
-1. Token fields on ~200k tokens (lognormal mix, 2048-token limit): `packing.collate`'s
-   `_pack_tokens` (+ the lengths) vs nemo-automodel 0.7.0's `pack_features_for_thd` +
+1. Token fields on ~200k tokens (lognormal mix, 2048-token limit): the concatenated ids and
+   `packing.layout.packed_positions` (+ the lengths) vs nemo-automodel 0.7.0's `pack_features_for_thd` +
    `packed_sequence_thd_collater` (the reference schema). AutoModel gets its natural input,
    python lists of ids prepared beforehand (their conversion is not timed). `identical`:
    input_ids, position_ids (dtype and values) and seq_lens equal.
@@ -43,10 +43,10 @@ def automodel_pack(features: list[dict]) -> dict:
 
 
 def ours_pack(seqs: list[torch.Tensor]) -> tuple:
-    from packing.collate import _pack_tokens
+    from packing.layout import packed_positions
 
-    ids, pos = _pack_tokens(seqs)
-    return ids, pos, [s.numel() for s in seqs]
+    lens = [s.numel() for s in seqs]
+    return torch.cat(seqs).to(torch.int64).unsqueeze(0), packed_positions(lens), lens
 
 
 def identical(ours: tuple, ref: dict) -> bool:

@@ -70,6 +70,7 @@ from model import attention
 from model.attention import varlen_attention_forward, varlen_mask
 from packing.collate import ROUTING_PAD
 from packing.experience import Experience, Kind
+from packing.layout import cu_seqlens, padded_positions
 
 CP_VARLEN = "cp_varlen"
 
@@ -221,10 +222,10 @@ def _build(lens, padded, cp, rank, *, zigzag, packed, row_real) -> CPLayout:
     pad_t = torch.tensor(padded)
     len_t = torch.tensor(lens)
     seq_id = torch.repeat_interleave(torch.arange(len(padded)), pad_t)
-    pad_start = pad_t.cumsum(0) - pad_t
+    pad_start = cu_seqlens(pad_t)[:-1].long()
     position = torch.arange(int(pad_t.sum())) - pad_start[seq_id]
     is_seq = position < len_t[seq_id]
-    src_start = len_t.cumsum(0) - len_t
+    src_start = cu_seqlens(len_t)[:-1].long()
     source = torch.where(is_seq, src_start[seq_id] + position, torch.full_like(position, -1))
 
     # chunk j of sequence s: padded-axis [pad_start_s + j*c_s, pad_start_s + (j+1)*c_s)
@@ -296,7 +297,7 @@ def shard_experience(experience: Experience, layout: CPLayout) -> Experience:
     if experience.is_packed:
         positions = experience.position_ids
     else:  # as the unsharded forward counts them: over real tokens
-        positions = (experience.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        positions = padded_positions(experience.attention_mask)
     src = layout.local_source.to(ids.device)
     local_positions = torch.where(src >= 0, shard_tokens(positions, layout),
                                   layout.local_position.to(positions.device))
@@ -323,7 +324,7 @@ def attention_work(layout: CPLayout) -> int:
     """
     real = layout.real.long()  # [B, W_pad]
     seen = real.cumsum(1)  # real keys up to and including each padded-axis index
-    start = torch.tensor(layout.padded_lens).cumsum(0) - torch.tensor(layout.padded_lens)
+    start = cu_seqlens(layout.padded_lens)[:-1].long()
     before = F.pad(seen, (1, 0))[:, start]  # real keys before each sequence starts
     idx = layout.local_index
     visible = seen[:, idx] - before[:, layout.seq_id[idx]]

@@ -2,7 +2,7 @@
 
 The pack's token schema (`input_ids`, restarting `position_ids`, per-sequence lengths)
 is the one nemo-automodel's `pack_features_for_thd` + `packed_sequence_thd_collater`
-build; `_pack_tokens` computes it with tensor ops, and tests/test_collate.py proves it
+build; `packing.layout.packed_positions` computes the positions with tensor ops, and tests/test_collate.py proves it
 byte-identical to AutoModel's output.
 
 Every action-axis field `[T_i - 1]` gets one trailing masked slot in a pack, so all
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from packing.experience import Experience, Kind
+from packing.layout import packed_positions
 
 ROUTING_PAD = -1  # "no record: keep live routing"
 
@@ -30,7 +31,8 @@ def make_experience_batch(items: Sequence[Experience], packed: bool = False, *, 
     batch: dict = {}
 
     if packed:
-        batch["sequences"], batch["position_ids"] = _pack_tokens([item.sequences for item in items])
+        batch["sequences"] = torch.cat([item.sequences for item in items]).to(torch.int64).unsqueeze(0)
+        batch["position_ids"] = packed_positions([item.sequences.numel() for item in items])
         batch["packed_seq_lens"] = lengths
         for name in Experience.names(Kind.ACTION):
             values = _gather(items, name)
@@ -69,21 +71,6 @@ def make_experience_batch(items: Sequence[Experience], packed: bool = False, *, 
 
 
 # --------------------------------------------------------------------- tokens
-def _pack_tokens(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[1, N]` int64 token ids and `[1, N]` int64 position ids restarting per sequence.
-
-    Positions are a running sum of steps: +1 everywhere, except at each sequence start,
-    where the step `1 - len(previous)` brings the count back to 0. Three flat passes, no
-    `repeat_interleave` (which cost ~5x more, and far more on a busy machine: bench/collate.py).
-    """
-    lens = torch.tensor([s.numel() for s in seqs])
-    tokens = torch.cat(seqs).to(torch.int64)
-    steps = torch.ones_like(tokens)
-    steps[0] = 0
-    steps[lens[:-1].cumsum(0)] = 1 - lens[:-1]
-    return tokens.unsqueeze(0), steps.cumsum(0).unsqueeze(0)
-
-
 def _pad_stack(values: list[torch.Tensor], length: int, pad_value) -> torch.Tensor:
     """Right-pad each tensor's last axis to `length` and stack on a new batch axis."""
     return torch.stack([F.pad(v, (0, length - v.shape[-1]), value=pad_value) for v in values])

@@ -24,6 +24,8 @@ from typing import Any, Iterator
 
 import torch
 
+from packing.layout import cu_seqlens
+
 
 class Kind(enum.Enum):
     TOKEN = "token"  # one entry per token: [T] / [B, T] / [1, N]
@@ -101,8 +103,7 @@ class Experience:
     @property
     def cu_seqlens(self) -> torch.Tensor:
         """`[num_seqs + 1]` int32 cumulative lengths of a pack (what varlen kernels take)."""
-        lens = torch.tensor(self._require_pack(), dtype=torch.int32)
-        return torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
+        return cu_seqlens(self._require_pack())
 
     @property
     def max_seqlen(self) -> int:

@@ -10,12 +10,12 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Sequence
 
 import torch
 
 from packing import Experience
+from packing.layout import prompt_groups
 
 
 def overlong_penalty(response_length, max_len: int, buffer_len: int, penalty_factor: float = 1.0):
@@ -53,11 +53,8 @@ def filter_uniform_groups(records: Sequence[Experience]) -> tuple[list[Experienc
     one sample is kept (nothing to compare it with: with one sample per prompt, filtering
     would drop everything).
     """
-    groups: dict[int, list[float]] = defaultdict(list)
-    for i, rec in enumerate(records):
-        if rec.rewards is None or rec.prompt_index is None:
-            raise ValueError(f"record {i}: dynamic sampling needs 'rewards' and 'prompt_index'")
-        groups[int(rec.prompt_index)].append(float(rec.rewards))
+    groups = {p: [float(records[i].rewards) for i in members]
+              for p, members in prompt_groups(records, "dynamic sampling").items()}
     dropped = sorted(p for p, r in groups.items() if len(r) > 1 and max(r) == min(r))
     gone = set(dropped)
     return [rec for rec in records if int(rec.prompt_index) not in gone], dropped
