@@ -12,9 +12,9 @@ Candidates (same signature as `model.attention._per_sequence_sdpa`):
 * `block_diagonal`: one sdpa over the whole pack with an `[N, N]` document-causal mask.
 * FlexAttention with a document mask: probed; torch 2.13 has no CPU backward for it.
 
-Parity is `tests/parity_check.core_parity` (dense and MoE, packed vs padded log-probs,
+Parity is `core_parity` of scripts/parity_check.py (dense and MoE, packed vs padded log-probs,
 entropy, grads) with the candidate patched in, in eps32 units relative to the values'
-magnitude; the tolerance is `PARITY_ULPS` of tests/parity_check.py. The winner is the
+magnitude; the tolerance is `PARITY_ULPS` of scripts/parity_check.py. The winner is the
 fastest candidate within it, summed over both packs.
 
     python bench/attention.py [--quick]
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, emit, interleaved_medians, lengths, quick_flag, setup  # noqa: E402
+from common import emit, interleaved_medians, lengths, quick_flag, setup  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -122,8 +122,7 @@ def time_fwd_bwd(seq_lens: list[int], repeats: int, names) -> dict[str, dict]:
 
 
 def parity(names) -> dict[str, dict]:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from parity_check import PARITY_ULPS, core_parity
+    from scripts.parity_check import PARITY_ULPS, core_parity
 
     original, out = attention._per_sequence_sdpa, {}
     try:

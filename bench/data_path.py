@@ -37,8 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from common import emit, lengths, quick_flag  # noqa: E402
+from common import emit, lengths, quick_flag  # noqa: E402  (common puts the repo root on sys.path)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -178,7 +177,7 @@ def main() -> None:
         a.samples, a.max_len = 256, 96
     a.max_tokens = 4 * a.max_len
     os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")  # inherited by the ranks
-    from distributed import run_distributed
+    from scripts.distributed import run_distributed
 
     runs = {path: run_distributed(rank_body, a.ranks, path, a, timeout=900) for path in ("old", "new")}
     seq = lengths("bimodal", a.samples, seed=0, max_len=a.max_len, prompt=(16, 48))

@@ -8,16 +8,12 @@ extra memory of the weight sync (`full_parameters`: one full tensor at a time).
 
 from __future__ import annotations
 
-import sys
-
-from common import ROOT, emit, quick_flag
-
-sys.path.insert(0, str(ROOT / "tests"))
+from common import ROOT, emit, quick_flag  # common puts the repo root on sys.path
 
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from distributed import run_distributed  # noqa: E402  (tests/distributed.py: gloo ranks on 127.0.0.1)
+from scripts.distributed import run_distributed  # noqa: E402  (gloo ranks on 127.0.0.1)
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -28,12 +24,12 @@ def _bytes(t: torch.Tensor) -> int:
 
 
 def measure(rank: int, world: int) -> dict:
-    from conftest import make_records
     from model.actor import Actor
     from model.models import build_model
     from model.parallel_dims import init_distributed
     from model.parallelize import full_parameters, parallelize
     from packing import make_experience_batch
+    from scripts.records import make_records
 
     overrides = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/model/moe_tiny.yaml"))["overrides"]
     dims = init_distributed(ep=2 if world > 1 else 1)

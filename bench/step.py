@@ -28,9 +28,11 @@ from common import emit, interleaved_medians, lengths, quick_flag, records, setu
 
 import torch  # noqa: E402
 
-# ~23M parameters: 12.6M in the embeddings and lm head (vocab 16384 x 384), 10.3M in 6 layers
-MODEL = dict(vocab_size=16384, hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
-             head_dim=64, intermediate_size=1152, max_position_embeddings=4096)
+# Overrides of the tiny Qwen3 (model/models.py TINY), scaled up so that attention and the output head
+# weigh as in a real step: ~23M parameters, 12.6M in the embeddings and lm head (vocab 16384 x 384),
+# 10.3M in 6 layers
+MODEL = dict(vocab_size=16384, hidden_size=384, num_hidden_layers=6, num_attention_heads=6, head_dim=64,
+             intermediate_size=1152, max_position_embeddings=4096)
 STEP_MIXES = ("lognormal", "bimodal")
 SAMPLES = 8  # one microbatch
 MAX_LEN = 512

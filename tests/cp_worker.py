@@ -1,7 +1,7 @@
 """Context-parallel helpers for tests/test_context_parallel.py and the gloo worker it launches.
 
 `cp_checks(rank, world_size)` runs on every rank of a cp-sized gloo group
-(tests/distributed.py), runs every CP case once and returns the outputs; the test compares
+(scripts/distributed.py), runs every CP case once and returns the outputs; the test compares
 them with a one-process reference built from stock "sdpa" on the padded batch (code that
 never touches model/context_parallel.py). Every rank builds the same seeded model and
 batches itself, so only results cross processes.
@@ -19,18 +19,19 @@ import transformers
 from model.actor import _slot_targets
 from model.context_parallel import (CP_VARLEN, CPContext, _restore_full_sequence, attention_mask, cp_layout,
                                     cp_model_inputs, shard, shard_tokens, unshard)
+from model.models import TINY
 from model.parallel_dims import ParallelDims, build_mesh
 from packing.collate import make_experience_batch
 from packing.experience import Experience
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
 LENGTHS = [1, 2, 3, 11, 30, 17]  # 1, 2, 3: shorter than 2*cp; the rest uneven
 SINGLE = [23]  # a pack of one sequence
 CHANGED = 4  # the sequence the leakage case redraws
 
 
 def tiny_qwen3(attn_implementation: str) -> transformers.Qwen3ForCausalLM:
+    """The tiny Qwen3 (model/models.py TINY) built by transformers directly, not by build_model:
+    with "sdpa" it is a reference that runs no code of model/."""
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY)).float()
     model.config._attn_implementation = attn_implementation

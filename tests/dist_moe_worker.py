@@ -1,6 +1,6 @@
 """Tiny Qwen3-MoE helpers for tests/test_moe.py and the ep=2 worker it launches.
 
-`ep_checks(rank, world_size)` runs in every rank of a gloo group (tests/distributed.py) and
+`ep_checks(rank, world_size)` runs in every rank of a gloo group (scripts/distributed.py) and
 returns the measured figures; the test asserts on them. Every rank builds the same seeded
 model and the single-process references itself, so nothing but figures crosses processes.
 """
@@ -14,6 +14,7 @@ import torch.distributed as dist
 import transformers
 
 from model import moe
+from model.models import TINY_MOE
 from model.parallelize import full_parameters
 from model.moe import (
     apply_expert_parallel,
@@ -25,26 +26,20 @@ from model.moe import (
     reset_expert_load,
 )
 
-TINY = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-    mlp_only_layers=[], max_position_embeddings=2048,
-)
 # packed sequence lengths per EP rank: unequal totals (16 vs 21) so rank 0 needs a 5-token suffix
 RANK_LENGTHS = ([5, 7, 4], [6, 9, 6])
 
 
 def tiny_moe(seed: int = 0, **overrides) -> transformers.Qwen3MoeForCausalLM:
     torch.manual_seed(seed)
-    config = transformers.Qwen3MoeConfig(**{**TINY, **overrides}, attn_implementation="sdpa")
+    config = transformers.Qwen3MoeConfig(**{**TINY_MOE, **overrides}, attn_implementation="sdpa")
     return transformers.Qwen3MoeForCausalLM(config).float()
 
 
 def packed_batch(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`input_ids [1, N]` and `position_ids [1, N]` restarting at 0 per sequence."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, TINY["vocab_size"], (1, sum(lengths)), generator=gen)
+    ids = torch.randint(0, TINY_MOE["vocab_size"], (1, sum(lengths)), generator=gen)
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     return ids, pos
 

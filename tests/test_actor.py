@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_records
-from parity_check import assert_control_fails, assert_parity
+from scripts.parity_check import assert_control_fails, assert_parity
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from model.actor import Actor, Critic, _forward_slots, _local_view, _slot_targets
 from model.attention import packed_attn_kwargs, varlen_attention_forward
 from model.logprobs import chunk_rows, token_log_probs
-from model.models import build_model
+from model.models import TINY, TINY_MOE, build_model
 from packing.collate import make_experience_batch
 from model.parallel_dims import ParallelDims
 from packing.experience import Experience
@@ -93,7 +94,7 @@ def test_packed_log_probs_entropy_and_grads_match_padded(lm, records, padded, pa
     lp_pad, ent_pad = actor(padded, return_entropy=True)
     lp_pack, ent_pack = actor(pack, return_entropy=True)
     assert lp_pad.shape == padded.action_mask.shape and lp_pack.shape == pack.action_mask.shape
-    # a few fp32 ulps of the values (~5.5), on every kernel set: tests/parity_check.py
+    # a few fp32 ulps of the values (~5.5), on every kernel set: scripts/parity_check.py
     assert_parity("log-probs packed vs padded", scored_diff(lp_pad, padded, lp_pack, pack, records), lp_pad.abs().max())
     assert_parity("entropy packed vs padded", scored_diff(ent_pad, padded, ent_pack, pack, records), ent_pad.abs().max())
 
@@ -149,7 +150,7 @@ def test_changing_one_sequence_leaves_the_others_bit_identical(lm, records, pack
     changed = list(records)
     j = 1
     gen = torch.Generator().manual_seed(7)
-    new_ids = torch.randint(0, 256, records[j].sequences.shape, generator=gen)
+    new_ids = torch.randint(0, TINY["vocab_size"], records[j].sequences.shape, generator=gen)
     changed[j] = dataclasses.replace(records[j], sequences=new_ids)
     other = make_experience_batch(changed, packed=True)
     with torch.no_grad():
@@ -178,7 +179,7 @@ def reference_log_probs(model, ids, position_ids, seg_lens) -> torch.Tensor:
 @pytest.mark.parametrize("positions", ["restarting", "continuous"])
 def test_cu_seqlens_is_authoritative_not_position_ids(dense, positions):
     a, b = 23, 30
-    ids = torch.randint(0, 256, (1, a + b), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, TINY["vocab_size"], (1, a + b), generator=torch.Generator().manual_seed(3))
     pos = torch.cat([torch.arange(a), torch.arange(b)]) if positions == "restarting" else torch.arange(a + b)
     pos = pos.unsqueeze(0)
     actor = Actor(dense)
@@ -356,11 +357,11 @@ def test_batch_longer_than_max_position_embeddings_is_rejected():
         Critic(short)(make_experience_batch(make_records([12, 40]), packed=True))
 
 
-@pytest.mark.parametrize("bad_id", [256, -1])
+@pytest.mark.parametrize("bad_id", [TINY["vocab_size"], -1])
 def test_token_ids_outside_the_vocab_are_rejected(dense, pack, bad_id):
     ids = pack.sequences.clone()
     ids[0, 3] = bad_id
-    with pytest.raises(ValueError, match=r"token ids in \[.*\], expected ids in \[0, 256\)"):
+    with pytest.raises(ValueError, match=rf"token ids in \[.*\], expected ids in \[0, {TINY['vocab_size']}\)"):
         Actor(dense)(dataclasses.replace(pack, sequences=ids))
 
 
@@ -399,7 +400,7 @@ def test_padded_batch_runs_stock_sdpa(dense, padded):
 
 def test_decoding_with_a_cache_runs_stock_sdpa(dense):
     stock = build_model("qwen3", seed=0, attn_implementation="sdpa")
-    ids = torch.randint(1, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(1, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left-padded prompt, as in rollout
     args = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -418,17 +419,37 @@ def test_varlen_refuses_sliding_window_and_non_causal_attention(pack):
 
 
 # -------------------------------------------------------------- models
-def test_build_model_defaults_are_tiny_seeded_and_leave_the_global_rng_alone():
+def config_gaps(config, definition: dict) -> dict:
+    """`{field: (built, defined)}` for every field of `definition` that `config` does not hold."""
+    return {k: (getattr(config, k, None), v) for k, v in definition.items() if getattr(config, k, None) != v}
+
+
+def attention_of(model):
+    """The function transformers dispatches every attention layer of `model` to."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS.get(model.config._attn_implementation)
+
+
+def test_build_model_defaults_are_the_tiny_definition_seeded_and_leave_the_global_rng_alone():
     state = torch.random.get_rng_state()
     a, b = build_model("qwen3_moe", seed=0), build_model("qwen3_moe", seed=0)
     assert torch.equal(torch.random.get_rng_state(), state)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY_MOE))  # control: a plain init draws from the global RNG
+    assert not torch.equal(torch.random.get_rng_state(), state)
     c = build_model("qwen3_moe", seed=1)
-    cfg = a.config
-    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (2, 64, 4, 2)
-    assert (cfg.head_dim, cfg.vocab_size, cfg.max_position_embeddings) == (16, 256, 2048)
-    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 2, 32, True)
+
+    # the config holds every field of the one tiny definition (model/models.py TINY, TINY_MOE), and the
+    # model stays small enough for a test run to build it dozens of times
+    assert config_gaps(a.config, TINY_MOE) == {} and config_gaps(build_model("qwen3").config, TINY) == {}
+    assert sum(p.numel() for p in a.parameters()) < 10**6
+    # control: the same check names the field of a model built off the definition
+    assert config_gaps(build_model("qwen3_moe", num_experts=4).config, TINY_MOE) == {"num_experts": (4, 8)}
     assert all(type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in a.model.layers)
-    assert cfg._attn_implementation == "varlen"
+    # attention goes through the pack-aware "varlen" of model/attention.py unless asked otherwise
+    assert attention_of(a) is varlen_attention_forward
+    assert attention_of(build_model("qwen3_moe", attn_implementation="sdpa")) is not varlen_attention_forward
+
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not all(torch.equal(sa[k], sc[k]) for k in sa)
@@ -445,7 +466,7 @@ def test_build_model_rejects_unknown_names_and_config_keys():
 def test_build_model_loads_a_local_checkpoint(tmp_path, dense):
     dense.save_pretrained(tmp_path)
     loaded = build_model("qwen3", pretrained_path=str(tmp_path))
-    assert loaded.config._attn_implementation == "varlen"
+    assert attention_of(loaded) is varlen_attention_forward
     ref = dense.state_dict()
     assert all(torch.equal(v, ref[k]) for k, v in loaded.state_dict().items())
     with pytest.raises(ValueError, match="model.name='qwen3_moe' but the checkpoint .* is a 'qwen3' model"):

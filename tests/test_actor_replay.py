@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import make_records
-from parity_check import assert_control_fails, assert_parity
+from scripts.parity_check import assert_control_fails, assert_parity
 from model.actor import Actor
 from model.models import build_model
 from model.moe import apply_expert_parallel, record_routing
@@ -44,7 +44,7 @@ def routing_used(model, batch, replay):
 
 def test_training_routes_with_the_rollout_record_in_both_layouts(models):
     a, b = models
-    records = recorded(a, make_records(LENGTHS, vocab=256, seed=1))
+    records = recorded(a, make_records(LENGTHS, seed=1))
     pack = make_experience_batch(records, packed=True)
     lp_live, ids_live = routing_used(b, pack, replay=False)
     lp_pack, ids_pack = routing_used(b, pack, replay=True)
@@ -60,7 +60,7 @@ def test_training_routes_with_the_rollout_record_in_both_layouts(models):
 
 def test_minus_one_records_keep_live_routing(models):
     _, b = models
-    records = make_records(LENGTHS, vocab=256, seed=2)
+    records = make_records(LENGTHS, seed=2)
     pack = make_experience_batch(records, packed=True)
     lp_live, _ = routing_used(b, pack, replay=False)
     for r in records:
@@ -71,7 +71,7 @@ def test_minus_one_records_keep_live_routing(models):
 
 def test_router_gets_gradients_under_replay(models):
     a, b = models
-    records = recorded(a, make_records(LENGTHS, vocab=256, seed=3))
+    records = recorded(a, make_records(LENGTHS, seed=3))
     b = copy.deepcopy(b)
     pack = make_experience_batch(records, packed=True)
     Actor(b, replay=True)(pack)[pack.action_mask].sum().backward()

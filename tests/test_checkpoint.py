@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 from checkpoint_worker import config, load_and_report, save_after_one_step, trainer_for
-from distributed import run_distributed
+from scripts.distributed import run_distributed
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
@@ -102,11 +102,11 @@ def test_a_checkpoint_of_another_model_or_algorithm_is_refused_naming_the_key(tm
     path = tmp_path / "step_00000001"
     again = load_and_report(0, 1, str(path), *small)  # the control: the same model loads
     assert again["step"] == 1 and all(torch.equal(again["state"][k], v) for k, v in saved["state"].items())
-    with pytest.raises(ValueError, match=r"model\.overrides\.num_experts=8.*num_experts=4"):  # before a model is built
-        Checkpointer(config(*small, f"resume={path}", "model.overrides.num_experts=4"), ParallelDims(), tmp_path)
+    with pytest.raises(ValueError, match=r"model\.overrides\.num_experts=.*num_experts=4"):  # before a model is built
+        Checkpointer(config(*small, f"resume={path}", "+model.overrides.num_experts=4"), ParallelDims(), tmp_path)
     with pytest.raises(ValueError, match=r"model\.name='qwen3_moe'"):
         check_config(path, config(*small, "model=dense_tiny"))
-    _, other = trainer_for(*small, "model.overrides.num_experts=4")  # past the config check: the tensors differ
+    _, other = trainer_for(*small, "+model.overrides.num_experts=4")  # past the config check: the tensors differ
     with pytest.raises(ValueError, match=r"experts\.gate_up_proj: shape \[8, 64, 64\] in the checkpoint, \[4, 64, 64\]"):
         load_checkpoint(other, path, other.dims)
     _, ppo = trainer_for(*small, "algo=ppo", "algo.kl_coef=0")  # a critic the checkpoint does not hold
@@ -175,7 +175,7 @@ def test_four_ranks_killed_after_four_of_eight_steps_restart_resume_and_finish_a
 def test_saved_at_world_4_loads_at_world_2_and_1_and_exports_the_policy(tmp_path):
     """dp2 x cp2, ep2 with 2 experts: each EP rank's one expert is FSDP-sharded over two ranks,
     one of which holds nothing (the empty-chunk case); weights and AdamW moments are compared."""
-    small = ["task.prompts_per_step=4", "task.samples_per_prompt=4", "model.overrides.num_experts=2"]
+    small = ["task.prompts_per_step=4", "task.samples_per_prompt=4", "+model.overrides.num_experts=2"]
     saved = run_distributed(save_after_one_step, 4, str(tmp_path / "ck"), "parallel=cp2_ep2", *small)[0]
     for name, full in saved["rollout"].items():  # the checkpoint's view of the experts is the layout's
         assert torch.equal(saved["state"]["weights.model." + name], full), name

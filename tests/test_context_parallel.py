@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cp_worker import CHANGED, LENGTHS, SINGLE, cp_checks, local_slots, records, tiny_qwen3, token_logp, token_mean_loss
-from distributed import run_distributed
-from parity_check import assert_control_fails, assert_parity
+from scripts.distributed import run_distributed
+from scripts.parity_check import assert_control_fails, assert_parity
 from nemo_automodel.components.distributed.context_parallel.sharder import round_robin_local_indices
 
-from model.attention import packed_attn_kwargs, varlen_attention_forward
+from model.attention import packed_attn_kwargs
 from model.context_parallel import CP_VARLEN, CPContext, _attend, cp_attention_forward
 from model.parallel_dims import ParallelDims, build_mesh, init_distributed
 from packing.collate import make_experience_batch
@@ -286,12 +286,33 @@ def test_flash_segments_select_the_keys_the_mask_allows(monkeypatch):
                           (got[real] - want[real]).abs().max(), want.abs().max())
 
 
-def test_cp_varlen_without_a_cp_context_is_varlen():
+def per_sequence_causal_attention(q, k, v, lengths) -> torch.Tensor:
+    """The attention a pack must get, `[B, S, H, D]`: each sequence of `lengths` its own causal
+    sdpa (K/V heads repeated for the query heads), written without model/."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    out = [F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True)
+           for s, e in zip(bounds, bounds[1:])]
+    return torch.cat(out, dim=2).transpose(1, 2)
+
+
+def test_cp_varlen_without_a_cp_context_is_per_sequence_causal_attention():
+    """Layers of a CP model call "cp_varlen"; outside a CP shard (no cp_context) it is the pack's
+    attention: each sequence attends causally to itself only. Control: the same pack declared as
+    one sequence (boundaries dropped) misses the reference by orders of magnitude."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert ALL_ATTENTION_FUNCTIONS[CP_VARLEN] is cp_attention_forward
     module = torch.nn.Module()
     module.num_key_value_groups = 2
+    lengths = [4, 1, 7, 3]
+    n = sum(lengths)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(1, 4, 9, 8, generator=gen), *torch.randn(2, 1, 2, 9, 8, generator=gen)
-    kw = packed_attn_kwargs([4, 5])
-    assert torch.equal(cp_attention_forward(module, q, k, v, None, **kw)[0],
-                       varlen_attention_forward(module, q, k, v, None, **kw)[0])
-    assert CP_VARLEN == "cp_varlen"
+    q, k, v = torch.randn(1, 4, n, 8, generator=gen), *torch.randn(2, 1, 2, n, 8, generator=gen)
+    want = per_sequence_causal_attention(q, k, v, lengths)
+    got = cp_attention_forward(module, q, k, v, None, **packed_attn_kwargs(lengths))[0]
+    assert_parity("cp_varlen without cp_context vs per-sequence causal sdpa", (got - want).abs().max(),
+                  want.abs().max())
+    leak = cp_attention_forward(module, q, k, v, None, **packed_attn_kwargs([n]))[0]
+    assert_control_fails("the pack as one sequence", (leak - want).abs().max(), want.abs().max())

@@ -5,7 +5,7 @@ one process's."""
 
 import pytest
 
-from distributed import run_distributed
+from scripts.distributed import run_distributed
 from inprocess import steps_rank
 
 pytestmark = pytest.mark.slow

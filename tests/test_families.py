@@ -3,18 +3,20 @@
 Each family is a tiny random checkpoint written here with `save_pretrained` (tied and untied
 output heads), loaded the way a run loads it (`build_model(None, pretrained_path=...)`: the
 family comes from its config.json). The parity tests carry the suite's fp32 tolerance
-(tests/parity_check.py) and a control: the same pack with its boundaries withheld misses it.
+(scripts/parity_check.py) and a control: the same pack with its boundaries withheld misses it.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_records
 from inprocess import SMALL, compose, trainer
-from parity_check import assert_control_fails, assert_parity
+from omegaconf import OmegaConf
+from scripts.parity_check import assert_control_fails, assert_parity
 from transformers import AutoModelForCausalLM
 
 from model.actor import Actor
@@ -25,6 +27,8 @@ from packing.collate import make_experience_batch
 CASES = [("llama", True), ("llama", False), ("mistral", False), ("phi3", False), ("qwen2", True),
          ("qwen3", False), ("qwen3_moe", False)]
 LENGTHS = [5, 33, 12, 2, 20]
+# what the run's tiny models change of model/models.py TINY (vocabulary, context): a checkpoint the run's tasks fit
+RUN_SIZE = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "conf/model/dense_tiny.yaml").overrides)
 
 
 def tiny_checkpoint(folder, family: str, tied: bool, **overrides) -> str:
@@ -129,7 +133,7 @@ def test_a_tied_checkpoint_trains_syncs_checkpoints_and_exports_to_the_same_logi
     from rl.trainer.checkpoint import save_checkpoint
     from rl.trainer.export import export
 
-    path = tiny_checkpoint(tmp_path / "ck", "llama", True, vocab_size=64, max_position_embeddings=512)
+    path = tiny_checkpoint(tmp_path / "ck", "llama", True, **RUN_SIZE)
     overrides = ("model=pretrained", f"model.pretrained_path={path}", "model.dtype=float32", *SMALL)
     tr = trainer(*overrides)
     before = tr.actor.model.lm_head.weight.detach().clone()
@@ -144,7 +148,7 @@ def test_a_tied_checkpoint_trains_syncs_checkpoints_and_exports_to_the_same_logi
     out = export(saved, tmp_path / "hf")
     exported = AutoModelForCausalLM.from_pretrained(out)
     assert exported.config.tie_word_embeddings and exported.config.model_type == "llama"
-    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, RUN_SIZE["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, engine(ids).logits, rtol=0, atol=1e-5)
 
@@ -160,7 +164,7 @@ def test_a_tied_llama_checkpoint_under_cp2_fsdp2_and_activation_checkpointing_ru
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    path = tiny_checkpoint(tmp_path / "ck", "llama", True, vocab_size=64, max_position_embeddings=512)
+    path = tiny_checkpoint(tmp_path / "ck", "llama", True, **RUN_SIZE)
     common = ["model=pretrained", f"model.pretrained_path={path}", "model.dtype=float32", "trainer.max_steps=3",
               "task.prompts_per_step=4", "task.samples_per_prompt=4", "trainer.progress=false", "trainer.plot=false",
               "checkpoint.final=false"]

@@ -6,6 +6,7 @@
 - launch/gpu_check.sh is valid bash; launch/gpu_check.py assembles its JSON line, records a
   failing section and runs its parity / CP sections on CPU (gloo) as a rehearsal.
 - bench/memory_plan.py counts the published parameters from meta models and says what fits.
+- every tests/... or scripts/... path that launch/, the Makefile or CI names exists.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -101,6 +103,30 @@ def test_local_dry_run_flag_and_max_restarts_and_default_nproc():
 def test_local_rejects_an_override_in_place_of_nproc():
     done = _bash("launch/local.sh", "--dry-run", "trainer.max_steps=3")
     assert done.returncode == 2 and "NPROC=trainer.max_steps=3" in done.stderr
+
+
+# ------------------------------------------------------ the files they name
+# a tests/... or scripts/... path in a launcher's text (not part of a longer path or name)
+NAMED_PATH = re.compile(r"(?<![\w/.])(?:tests|scripts)/[\w./-]*\w")
+LAUNCHERS = [*sorted(p.relative_to(ROOT) for p in (ROOT / "launch").iterdir() if p.is_file()),
+             Path("Makefile"), Path(".ci/run")]
+
+
+def missing_named_paths(text: str) -> list[str]:
+    """The tests/... and scripts/... paths named in `text` that do not exist in the repo."""
+    return sorted({name for name in NAMED_PATH.findall(text) if not (ROOT / name).exists()})
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS, ids=str)
+def test_launchers_and_the_makefile_name_only_files_that_exist(launcher):
+    assert missing_named_paths((ROOT / launcher).read_text()) == []
+
+
+def test_the_named_path_check_finds_a_file_that_does_not_exist():
+    """Control: the check that passes above reports a name of a missing file (and only that)."""
+    text = "the rank body of tests/test_grad_sync.py (scripts/dist_train_worker.py); outputs/tests/x.py"
+    assert missing_named_paths(text) == ["tests/test_grad_sync.py"]
+    assert missing_named_paths("python scripts/parity_check.py, tests/test_fsdp.py's bound.") == []
 
 
 # --------------------------------------------------------------- GPU check
@@ -205,8 +231,10 @@ def test_memory_plan_counts_published_parameters_and_says_what_fits(monkeypatch,
     summary = plan.main([])
     out = capsys.readouterr().out.strip().splitlines()
     assert json.loads(out[-1]) == summary and (tmp_path / "memory_plan.json").exists()
-    assert summary["params"] == {"Qwen3-8B": 8_190_735_360, "Qwen3-30B-A3B": 30_532_122_624,
-                                 "Qwen3-235B-A22B": 235_093_634_560}
+    assert summary["params"] == {"Qwen2.5-7B": 7_615_616_512, "Qwen3-8B": 8_190_735_360,
+                                 "Qwen3-30B-A3B": 30_532_122_624, "Qwen3-235B-A22B": 235_093_634_560}
+    # rollout.replica=auto on 8 x 80 GB: the dense models keep a copy, the 30B MoE's (114 GiB in fp32) cannot
+    assert summary["rollout_chosen"] == {"Qwen2.5-7B": "keep", "Qwen3-8B": "keep", "Qwen3-30B-A3B": "sharded"}
     assert "Qwen3-8B@8:dp8xcp1xep1,T8k" in summary["fits"]
     assert "Qwen3-235B-A22B@8:dp8xcp1xep8,T8k" in summary["does_not_fit"]  # 16 B x 235e9 / 8 alone is 440 GiB
     # the sharded state is params / world whatever ep is; ep only shrinks the gathered layer

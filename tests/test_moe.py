@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dist_moe_worker import RANK_LENGTHS, logits_of, packed_batch, tiny_moe, token_log_probs, weighted_loss
-from distributed import run_distributed
-from parity_check import assert_control_fails, assert_parity
+from scripts.distributed import run_distributed
+from scripts.parity_check import assert_control_fails, assert_parity
 from model.moe import (
     apply_expert_parallel,
     ep_suffix_length,
@@ -308,7 +308,7 @@ def test_router_aux_loss_counts_real_tokens_only_and_is_layout_invariant(model_a
     from model.parallel_dims import ParallelDims
     from packing import make_experience_batch
 
-    records = make_records([7, 19, 4, 12], vocab=256, seed=5)
+    records = make_records([7, 19, 4, 12], seed=5)
     pack, padded = (make_experience_batch(records, packed=p) for p in (True, False))
 
     def loss(batch, pad=None):

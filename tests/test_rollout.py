@@ -1,5 +1,6 @@
 """Rollout engine (rl/rollout/engine.py) and tasks (rl/tasks/task.py): records, seeding, log-probs, routing."""
 
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -7,21 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # FileTask imports "tests.test_rollout:my_reward" from the repo root
     sys.path.insert(0, str(ROOT))
 
+from model.models import build_model  # noqa: E402
 from rl.rollout.engine import (HFRolloutEngine, RolloutEngine, sample_inverse_cdf, sample_seed,  # noqa: E402
                         sample_seeds, uniform_noise)
 from rl.tasks.task import FileTask, Task, build_task, load_callable, score  # noqa: E402
 
-VOCAB, TEMP, NEW = 64, 0.7, 10
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attn_implementation="sdpa")
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-           decoder_sparse_step=1, mlp_only_layers=[])
+VOCAB, TEMP, NEW = 64, 0.7, 10  # VOCAB: the tiny models (model/models.py) with the run's vocabulary (conf/model/)
 
 
 # ------------------------------------------------------- reward functions for FileTask
@@ -34,13 +31,11 @@ NOT_CALLABLE = 3
 
 # ------------------------------------------------------------------- helpers
 def dense_model(seed=0):
-    torch.manual_seed(seed)
-    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON))
+    return build_model("qwen3", seed=seed, attn_implementation="sdpa", vocab_size=VOCAB)
 
 
 def moe_model(seed=0):
-    torch.manual_seed(seed)
-    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**COMMON, **MOE))
+    return build_model("qwen3_moe", seed=seed, attn_implementation="sdpa", vocab_size=VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +66,61 @@ def fresh_log_probs(model, rec):
 
 
 # ------------------------------------------------------------------ records
-def test_engine_implements_the_interface(dense):
-    assert isinstance(dense, RolloutEngine)
-    assert not dense.is_moe and not dense.model.training
+def interface_gaps(engine_cls) -> list[str]:
+    """Where `engine_cls` departs from the RolloutEngine interface, which the trainer calls by
+    keyword: not a subclass, an abstract method left unimplemented, or other parameters."""
+    gaps = [] if issubclass(engine_cls, RolloutEngine) else [f"{engine_cls.__name__} is not a RolloutEngine"]
+    for name in sorted(RolloutEngine.__abstractmethods__):
+        method = getattr(engine_cls, name)
+        want, got = inspect.signature(getattr(RolloutEngine, name)), inspect.signature(method)
+        if getattr(method, "__isabstractmethod__", False):
+            gaps.append(f"{name}: not implemented")
+        elif [(p.name, p.kind) for p in got.parameters.values()] != [(p.name, p.kind)
+                                                                      for p in want.parameters.values()]:
+            gaps.append(f"{name}{got} is not the interface's {name}{want}")
+    return gaps
+
+
+def record_gaps(engine, prompts, indices) -> list[str]:
+    """Where `engine.generate` breaks the interface's promise: one record per prompt, in the
+    prompts' order, each starting with its prompt and carrying its group id."""
+    records = engine.generate(prompts, prompt_indices=indices, max_new_tokens=3, temperature=TEMP, seed=0)
+    if len(records) != len(prompts):
+        return [f"{len(records)} records for {len(prompts)} prompts"]
+    return [f"record {i} is not prompt {i}'s" for i, (p, rec, g) in enumerate(zip(prompts, records, indices))
+            if not (torch.equal(rec.sequences[: p.numel()], p) and int(rec.prompt_index) == g)]
+
+
+def test_engines_implement_the_interface(dense, moe):
+    from rl.rollout.vllm_engine import VLLMRolloutEngine  # the class imports without vllm
+
+    assert interface_gaps(HFRolloutEngine) == [] and interface_gaps(VLLMRolloutEngine) == []
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, VOCAB, (n,), generator=gen) for n in (9, 4, 12, 6)]  # not in length order
+    assert record_gaps(dense, prompts, [3, 1, 3, 0]) == [] and record_gaps(moe, prompts, [3, 1, 3, 0]) == []
+    assert (dense.is_moe, moe.is_moe) == (False, True) and not dense.model.training
+
+    # controls: an engine without load_weights, one taking other keywords, and one returning its
+    # records in the length order it generates them in, each fail the same checks
+    class NoWeightSync(RolloutEngine):
+        def generate(self, prompts, *, prompt_indices, max_new_tokens, temperature, seed):
+            return []
+
+    class Renamed(HFRolloutEngine):
+        def generate(self, prompts, *, indices, max_new_tokens, temperature, seed):
+            return super().generate(prompts, prompt_indices=indices, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, seed=seed)
+
+    class LengthOrder(HFRolloutEngine):
+        def generate(self, prompts, *, prompt_indices, max_new_tokens, temperature, seed):
+            records = super().generate(prompts, prompt_indices=prompt_indices, max_new_tokens=max_new_tokens,
+                                       temperature=temperature, seed=seed)
+            return sorted(records, key=lambda r: r.sequences.numel())
+
+    assert interface_gaps(NoWeightSync) == ["load_weights: not implemented"]
+    assert [g.split("(")[0] for g in interface_gaps(Renamed)] == ["generate"]
+    assert interface_gaps(LengthOrder) == []
+    assert len(record_gaps(LengthOrder(dense.model), prompts, [3, 1, 3, 0])) == 4
 
 
 def test_records_are_unpadded_and_well_formed(dense):

@@ -19,7 +19,7 @@ import torch
 from tests.inprocess import SMALL, compose
 
 TOL = 1e-4  # fp32: |vLLM log-prob - training forward log-prob| of the same tokens, measured ~5e-7
-VLLM_TINY = ("model=dense_tiny", "model.overrides.head_dim=32", "trainer.device=cpu", "rollout.engine=vllm",
+VLLM_TINY = ("model=dense_tiny", "+model.overrides.head_dim=32", "trainer.device=cpu", "rollout.engine=vllm",
              "task.max_new_tokens=8", *SMALL)
 
 

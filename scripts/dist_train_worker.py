@@ -1,5 +1,6 @@
-"""Rank body of tests/test_fsdp.py: three optimizer steps with FSDP2 on a world of ranks vs
-one process on the same global batch.
+"""Rank body of the FSDP2 gradient parity: three optimizer steps with FSDP2 on a world of
+ranks vs one process on the same global batch. tests/test_fsdp.py runs it on gloo ranks
+(scripts/distributed.py), launch/gpu_check.py's `grads` section under torchrun on NCCL.
 
 Every rank builds the same seeded model and the same global batch of records, trains on
 its own plan entry (token-mean normalized by the global action-token count), clips by the
@@ -13,23 +14,24 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from conftest import make_records
 from model.actor import Actor
-from model.models import build_model
+from model.models import TINY_MOE, build_model
 from model.parallel_dims import ParallelDims, init_distributed
 from model.parallelize import clip_grad_norm_, full_parameters, parallelize
 from packing import make_experience_batch, plan_microbatches
 from rl.algos.losses import PolicyLossConfig, aggregate, policy_loss
+from scripts.records import make_records
 
 LENGTHS = [5, 17, 9, 33, 12, 7, 21, 3, 14, 26, 8, 11]
-TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+# Overrides of the tiny models (model/models.py TINY, TINY_MOE): half the width, a quarter of the
+# vocabulary, half the experts. Each case trains twice (sharded and one process) on every rank.
+SMALL = dict(vocab_size=64, hidden_size=32, head_dim=8, intermediate_size=64)
+SMALL_MOE = dict(SMALL, moe_intermediate_size=16, num_experts=4)
 STEPS, CLIP, LR = 3, 0.01, 1e-2
 
 
 def _model(name: str):
-    dense_only = ("moe_intermediate_size", "num_experts", "num_experts_per_tok")
-    return build_model(name, seed=0, **{k: v for k, v in TINY.items() if name == "qwen3_moe" or k not in dense_only})
+    return build_model(name, seed=0, **(SMALL_MOE if name == "qwen3_moe" else SMALL))
 
 
 def train(name: str, dims: ParallelDims, records, packed: bool, *, mean_reduction: bool = False) -> dict:
@@ -65,8 +67,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def fsdp_checks(rank: int, world_size: int, name: str, ep: int, cp: int = 1, packed: bool = True,
                 mean_reduction: bool = False) -> dict:
     dims = init_distributed(dp=-1, cp=cp, ep=ep)
-    routed = (2, 2, 4) if name == "qwen3_moe" else None
-    records = make_records(LENGTHS, vocab=64, seed=3, routed=routed)
+    moe = dict(TINY_MOE, **SMALL_MOE)
+    routed = (moe["num_hidden_layers"], moe["num_experts_per_tok"], moe["num_experts"]) if name == "qwen3_moe" else None
+    records = make_records(LENGTHS, vocab=SMALL["vocab_size"], seed=3, routed=routed)
     sharded = train(name, dims, records, packed, mean_reduction=mean_reduction)
     one = train(name, ParallelDims(device=dims.device), records, packed=True)
     scale = max(float(v.abs().max()) for v in one["params"].values())
