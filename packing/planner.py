@@ -33,6 +33,35 @@ Token-budget mode (``max_tokens``), in four steps:
    there are ``m``. Microbatches are ordered heaviest first on every rank, which pairs
    like with like in each lockstep step.
 
+**Cost mode** (``cost=``). The cap bounds a microbatch's *memory*; its *time* grows faster
+than its tokens, because attention grows with the square of each sample's length. Given a
+per-sample ``cost(tokens)`` (e.g. :func:`flop_cost` of the model config, ``a * t + b * t**2``)
+the plan balances cost, while the cap, still counted in tokens, is never exceeded. In a
+lockstep step the costliest of the ``dp_size`` microbatches sets the pace, so what must be
+even is the cost of the microbatches that run *side by side*, not of one rank's
+microbatches, which the cap often forbids (a microbatch holding one 32k-token sample costs
+more than a full one of short samples). So all ``dp_size * m`` microbatches are planned
+at once and then dealt out:
+
+1. **Microbatch count.** ``m`` between ``ceil(L / dp_size)`` and ``ceil(BFD / dp_size)``,
+   with ``L`` and ``BFD`` as in step 3 above, over all samples; the lowest first.
+2. **Packing.** All samples are split into ``dp_size * m`` parts of near-equal cost by
+   Karmarkar-Karp, then parts over the cap are repaired as in step 4 above, except that a
+   move takes the cheapest sample that alone brings the part under the cap (the least
+   cost shifted); the BFD fallback likewise.
+3. **Dealing.** The parts, costliest first, are taken ``dp_size`` at a time: the ``i``-th
+   batch of ``dp_size`` becomes microbatch ``i`` of every rank, so like runs with like,
+   and within it the costliest part goes to the rank with the least cost so far.
+4. **Safeguard.** Where the cap binds hard, the repairs can undo much of the cost
+   balance, and the token plan sometimes balances cost better. Both are computed and the
+   one with the lower :func:`lockstep_cost` is kept (ties: fewer microbatches), so cost
+   mode is never worse than token mode by its own measure.
+
+(verl's workload balancing splits each rank into ``ceil(tokens / cap)`` workload-balanced
+microbatches and never looks at the cap again, so a microbatch of cheap short samples can
+exceed it.) As in token mode, ``m`` is not raised to buy balance: with few samples per
+rank, a handful of more microbatches would sometimes balance better.
+
 A rank holding fewer than ``m`` samples gets empty microbatches (``[]``) at the end of
 its list; this only happens when there are too few samples to go round. The trainer
 must still run a forward/backward for each of them (e.g. on a dummy sample with zero
@@ -42,21 +71,26 @@ Fixed mode (``micro_batch_size``): the samples are split across ranks in equal c
 (differing by at most one) by an equal-cardinality Karmarkar-Karp, then every rank is
 cut into the same ``m = ceil(max rank count / micro_batch_size)`` microbatches of at
 most ``micro_batch_size`` samples each, full ones first, with samples assigned
-longest-first to the lightest microbatch that still has a free slot.
+longest-first to the lightest microbatch that still has a free slot (with ``cost``, the
+costliest first to the cheapest, and the ranks balanced by cost).
 
 Everything is deterministic: no RNG, no set or dict iteration, ties broken by sample
-index. Pure Python, a few tens of milliseconds for thousands of samples.
+index. Pure Python (no torch), a few tens of milliseconds for thousands of samples
+(cost mode: about twice that, since it plans by tokens as well).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: with it, @dataclass looks the module up in
+# sys.modules, which fails when a script loads this file by path (as the tests do).
 import heapq
 import math
+import numbers
 import operator
 from bisect import bisect_left, insort
-from typing import Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
-__all__ = ["karmarkar_karp", "plan_microbatches"]
+__all__ = ["FlopCost", "flop_cost", "karmarkar_karp", "lockstep_cost", "plan_microbatches"]
 
 Plan = list[list[list[int]]]
 
@@ -65,37 +99,130 @@ _SUM = operator.itemgetter(0)
 # Microbatch counts tried above the lower bound before settling for the BFD count.
 _EXTRA_TRIES = 2
 
-# One subset of a partial partition: (token sum, sample indices).
-_Subset = tuple[int, list[int]]
+# One subset of a partial partition: (weight sum, sample indices).
+_Subset = tuple[float, list[int]]
+
+
+# ------------------------------------------------------------------- FLOP cost
+
+
+@dataclass(frozen=True)
+class FlopCost:
+    """Training FLOPs (forward + backward) of one sample of ``t`` tokens:
+    ``linear * t + attention * t**2``.
+
+    ``linear`` covers the matmuls whose work grows with the token count (attention
+    projections, MLP or the active experts, LM head); ``attention`` the causal score and
+    value products, which grow with the square of the sample's own length (packed samples
+    do not attend to each other). Only the ratio of the two matters for balancing.
+    """
+
+    linear: float
+    attention: float
+
+    def __post_init__(self) -> None:
+        for name in ("linear", "attention"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
+                raise ValueError(f"FlopCost.{name} must be a finite number >= 0, got {v!r}")
+
+    def __call__(self, tokens: int) -> float:
+        return self.linear * tokens + self.attention * tokens * tokens
+
+
+def flop_cost(config: object) -> FlopCost:
+    """:class:`FlopCost` of a decoder from its Hugging Face-style config (attributes, or
+    keys of a mapping; a multimodal config's ``text_config``).
+
+    Read: ``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``,
+    ``num_key_value_heads`` (default: the heads), ``head_dim`` (default: hidden / heads),
+    ``vocab_size``, and ``intermediate_size`` for a dense SwiGLU MLP. An MoE config
+    (``num_experts_per_tok`` set) counts the *active* experts only: ``num_experts_per_tok``
+    experts of ``moe_intermediate_size`` (default ``intermediate_size``, as in Mixtral),
+    plus shared experts (``shared_expert_intermediate_size`` as in Qwen2-MoE, or
+    ``n_shared_experts`` of the expert size as in DeepSeek) and the router
+    (``num_experts`` / ``num_local_experts`` / ``n_routed_experts``).
+
+    Convention (the usual model-FLOPs count): a matmul costs 2 FLOPs per weight per token
+    forward and twice that backward, so ``linear = 6 * matmul weights`` (LM head included,
+    embedding lookup not). Causal attention of a ``t``-token sample computes ``t**2 / 2``
+    query-key pairs per head, each ``2 * head_dim`` FLOPs for the scores and as many for
+    the weighted values, again x3 for the backward: ``attention = 6 * layers * heads *
+    head_dim``. Not modelled: FlashAttention's recompute in the backward (~7/6 more
+    attention work), sliding windows, MLA, dense layers between MoE layers.
+    """
+    text = config.get("text_config") if isinstance(config, Mapping) else getattr(config, "text_config", None)
+    config = text or config  # a multimodal config's decoder
+    layers = _config_int(config, "num_hidden_layers")
+    hidden = _config_int(config, "hidden_size")
+    heads = _config_int(config, "num_attention_heads")
+    if min(layers, hidden, heads) < 1:
+        raise ValueError(f"flop_cost: need layers, hidden size and heads >= 1, got {layers}, {hidden}, {heads}")
+    kv_heads = _config_int(config, "num_key_value_heads", heads)
+    head_dim = _config_int(config, "head_dim", hidden // heads)
+    vocab = _config_int(config, "vocab_size")
+    # q and o are hidden x (heads * head_dim); k and v hidden x (kv_heads * head_dim).
+    attention_proj = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    matmul_weights = layers * (attention_proj + _mlp_weights(config, hidden)) + hidden * vocab
+    return FlopCost(linear=6.0 * matmul_weights, attention=6.0 * layers * heads * head_dim)
+
+
+def _mlp_weights(config: object, hidden: int) -> int:
+    """Weights of one layer's MLP that a token multiplies by (gate, up and down each)."""
+    active = _config_int(config, "num_experts_per_tok", 0)
+    if not active:
+        return 3 * hidden * _config_int(config, "intermediate_size")
+    expert = _config_int(config, "moe_intermediate_size", 0) or _config_int(config, "intermediate_size")
+    shared = _config_int(config, "shared_expert_intermediate_size", 0)
+    shared += _config_int(config, "n_shared_experts", 0) * expert
+    experts = next((n for name in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if (n := _config_int(config, name, 0))), 0)
+    return 3 * hidden * (active * expert + shared) + hidden * experts
+
+
+_REQUIRED = object()
+
+
+def _config_int(config: object, name: str, default: object = _REQUIRED) -> int:
+    value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"flop_cost: the config has no {name!r} (type {type(config).__name__})")
+        return default  # type: ignore[return-value]
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"flop_cost: config {name} must be an int, got {value!r}") from None
+    if v < 0:
+        raise ValueError(f"flop_cost: config {name} = {v} is negative")
+    return v
 
 
 # --------------------------------------------------------------------------- KK
 
 
-def karmarkar_karp(weights: Sequence[int], k: int, *, equal_size: bool = False) -> list[list[int]]:
+def karmarkar_karp(weights: Sequence[float], k: int, *, equal_size: bool = False) -> list[list[int]]:
     """Split ``range(len(weights))`` into ``k`` parts of near-equal weight sums.
 
     Multi-way largest differencing method. With ``equal_size`` the part sizes differ by
     at most one (items are seeded in sorted chunks of ``k``, one per subset, and merges
     only ever join whole subsets, so every subset takes one item per chunk).
 
+    Weights are ints (token counts: exact sums) or finite non-negative floats (costs).
     Returns ``k`` lists of indices, each sorted ascending, heaviest part first (ties by
     smallest index); parts may be empty when there are fewer than ``k`` items.
     """
     k = operator.index(k)
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    w = [operator.index(x) for x in weights]
-    for i, x in enumerate(w):
-        if x < 0:
-            raise ValueError(f"weights[{i}] = {x} is negative")
+    w = [_check_weight(f"weights[{i}]", x) for i, x in enumerate(weights)]
     if not w:
         return [[] for _ in range(k)]
 
     # Partial partitions are stored sparse: only their non-empty subsets, heaviest
     # first, with k - len(p) implicit empty ones after them. Merges then cost the
     # number of non-empty subsets rather than k, which matters when k is large.
-    heap: list[tuple[int, int, list[_Subset]]] = []
+    heap: list[tuple[float, int, list[_Subset]]] = []
     if equal_size:
         order = sorted(range(len(w)), key=lambda i: (-w[i], i))
         order += [-1] * (-len(order) % k)  # zero-weight padding, dropped below
@@ -119,7 +246,7 @@ def karmarkar_karp(weights: Sequence[int], k: int, *, equal_size: bool = False) 
     return _order_parts(parts, w)
 
 
-def _neg_spread(p: list[_Subset], k: int) -> int:
+def _neg_spread(p: list[_Subset], k: int) -> float:
     # Negated so heapq (a min-heap) pops the largest spread first.
     return (p[-1][0] if len(p) == k else 0) - p[0][0]
 
@@ -150,14 +277,18 @@ def _join(x: _Subset, y: _Subset) -> _Subset:
     return sx + sy, lx
 
 
-def _order_parts(parts: list[list[int]], lengths: Sequence[int]) -> list[list[int]]:
+def _order_parts(parts: list[list[int]], weights: Sequence[float]) -> list[list[int]]:
     """Heaviest first, ties (and empties) by smallest index; indices ascending."""
     parts = [sorted(p) for p in parts]
-    return sorted(parts, key=lambda p: (-_tokens(p, lengths), p[0] if p else math.inf))
+    return sorted(parts, key=lambda p: (-_total(p, weights), p[0] if p else math.inf))
 
 
-def _tokens(indices: Sequence[int], lengths: Sequence[int]) -> int:
-    return sum(lengths[i] for i in indices)
+def _total(indices: Sequence[int], values: Sequence[float]) -> float:
+    """Sum of ``values`` (token counts or costs) over ``indices``."""
+    return sum(values[i] for i in indices)
+
+
+_tokens = _total  # the name where the values are token counts
 
 
 # ------------------------------------------------------------------- validation
@@ -170,6 +301,20 @@ def _check_positive_int(name: str, value: object) -> int:
         raise TypeError(f"{name} must be an int, got {value!r}") from None
     if v < 1:
         raise ValueError(f"{name} must be >= 1, got {v}")
+    return v
+
+
+def _check_weight(name: str, value: object) -> float:
+    try:
+        v = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a number, got {value!r}") from None
+        v = float(value)  # type: ignore[assignment]
+        if not math.isfinite(v):
+            raise ValueError(f"{name} = {v} is not finite") from None
+    if v < 0:
+        raise ValueError(f"{name} = {v} is negative")
     return v
 
 
@@ -197,6 +342,7 @@ def plan_microbatches(
     dp_size: int = 1,
     *,
     micro_batch_size: int | None = None,
+    cost: Callable[[int], float] | None = None,
 ) -> Plan:
     """Plan microbatches for ``dp_size`` ranks: ``plan[rank][i]`` is a list of indices
     into ``lengths`` (tokens per sample) forming microbatch ``i`` on ``rank``.
@@ -204,7 +350,9 @@ def plan_microbatches(
     Every rank gets the same number of microbatches, every sample appears exactly once.
     With ``max_tokens`` alone, microbatches are token-capped and balanced (see module
     docstring); with ``micro_batch_size`` they hold at most that many samples, and a
-    ``max_tokens`` given as well is checked, not planned for.
+    ``max_tokens`` given as well is checked, not planned for. ``cost`` (e.g.
+    ``flop_cost(model_config)``) maps a sample's token count to its compute cost; given,
+    the ranks and microbatches balance cost instead of tokens (the cap stays on tokens).
     """
     dp_size = _check_positive_int("dp_size", dp_size)
     if max_tokens is None and micro_batch_size is None:
@@ -214,26 +362,41 @@ def plan_microbatches(
     if micro_batch_size is not None:
         micro_batch_size = _check_positive_int("micro_batch_size", micro_batch_size)
     lens = _check_lengths(lengths)
+    # What the splits balance: the tokens themselves, or each sample's cost.
+    weights: Sequence[float] = lens
+    if cost is not None:
+        weights = [_check_weight(f"cost(lengths[{i}] = {x})", cost(x)) for i, x in enumerate(lens)]
     if len(lens) < dp_size:
         raise ValueError(
             f"len(lengths) = {len(lens)} < dp_size = {dp_size}: every DP rank needs at least one sample"
         )
     if micro_batch_size is not None:
-        return _plan_fixed(lens, dp_size, micro_batch_size, max_tokens)
+        return _plan_fixed(lens, weights, dp_size, micro_batch_size, max_tokens)
     assert max_tokens is not None
-    return _plan_tokens(lens, max_tokens, dp_size)
+    for i, x in enumerate(lens):
+        if x > max_tokens:
+            raise ValueError(
+                f"sample {i} has {x} tokens, more than max_tokens = {max_tokens}: it fits in no microbatch "
+                "(raise max_tokens or truncate the sample)"
+            )
+    if cost is None:
+        return _plan_tokens(lens, max_tokens, dp_size)
+    return _plan_costs(lens, weights, max_tokens, dp_size)
+
+
+def lockstep_cost(plan: Plan, weights: Sequence[float]) -> float:
+    """What a lockstep step of ``plan`` costs: the sum over microbatch steps ``i`` of the
+    costliest rank's microbatch ``i``. ``sum(weights) / len(plan)`` is the ideal."""
+    steps = max((len(rank) for rank in plan), default=0)
+    return sum(max(_total(rank[i], weights) if i < len(rank) else 0 for rank in plan) for i in range(steps))
 
 
 # ------------------------------------------------------------ token-budget mode
+# The helpers take `lens` for what fits under the cap and `weights` for what is balanced:
+# the token counts again in token mode, the samples' costs in cost mode.
 
 
 def _plan_tokens(lens: list[int], cap: int, dp_size: int) -> Plan:
-    for i, x in enumerate(lens):
-        if x > cap:
-            raise ValueError(
-                f"sample {i} has {x} tokens, more than max_tokens = {cap}: it fits in no microbatch "
-                "(raise max_tokens or truncate the sample)"
-            )
     ranks = karmarkar_karp(lens, dp_size)
     _fill_short_ranks(ranks, lens, cap)
     lower = max(_bin_lower_bound(r, lens, cap) for r in ranks)
@@ -242,13 +405,55 @@ def _plan_tokens(lens: list[int], cap: int, dp_size: int) -> Plan:
     # lower bound first (BFD is rarely more than one over it, so two tries suffice);
     # `upper` always succeeds thanks to the BFD fallback.
     for m in range(lower, min(upper, lower + _EXTRA_TRIES)):
-        packed = [_split_under_cap(r, lens, cap, m) for r in ranks]
+        packed = [_split_under_cap(r, lens, lens, cap, m) for r in ranks]
         if all(p is not None for p in packed):
             return [_order_parts(p, lens) for p in packed]  # type: ignore[arg-type]
     plan = []
     for r in ranks:
-        parts = _split_under_cap(r, lens, cap, upper) or _split_bfd_bins(r, lens, cap, upper)
+        parts = _split_under_cap(r, lens, lens, cap, upper) or _split_bfd_bins(r, lens, lens, cap, upper)
         plan.append(_order_parts(parts, lens))
+    return plan
+
+
+def _plan_costs(lens: list[int], costs: Sequence[float], cap: int, dp_size: int) -> Plan:
+    # All dp * m microbatches at once, then dealt out in lockstep steps (module docstring).
+    items = list(range(len(lens)))
+    lower = math.ceil(_bin_lower_bound(items, lens, cap) / dp_size)
+    upper = math.ceil(len(_best_fit_decreasing(items, lens, cap)) / dp_size)
+    for m in range(lower, min(upper, lower + _EXTRA_TRIES)):
+        bins = _split_under_cap(items, lens, costs, cap, dp_size * m, cheapest_move=True)
+        if bins is not None:
+            break
+    else:
+        m = upper
+        bins = _split_under_cap(items, lens, costs, cap, dp_size * m, cheapest_move=True)
+        bins = bins or _split_bfd_bins(items, lens, costs, cap, dp_size * m)
+    # Where the cap binds hard, repairs can cost more balance than they keep; the token
+    # plan is then sometimes the better cost balance. Keep the cheaper lockstep.
+    by_cost = [_order_parts(r, costs) for r in _deal(bins, costs, dp_size)]
+    by_tokens = [_order_parts(r, costs) for r in _plan_tokens(lens, cap, dp_size)]
+    return min(by_cost, by_tokens, key=lambda plan: (lockstep_cost(plan, costs), len(plan[0])))
+
+
+def _deal(bins: list[list[int]], costs: Sequence[float], dp_size: int) -> Plan:
+    """Deal ``dp_size * m`` microbatches to the ranks, ``dp_size`` per lockstep step.
+
+    Costliest first: step ``i`` takes the next ``dp_size`` microbatches, so the ones that
+    run side by side are the ones closest in cost, and within a step the costliest goes
+    to the rank with the least cost so far (which keeps the ranks' totals even too).
+    Every rank's list comes out costliest first.
+    """
+    assert len(bins) % dp_size == 0, (len(bins), dp_size)
+    plan: Plan = [[] for _ in range(dp_size)]
+    totals = [0.0] * dp_size
+    ordered = _order_parts(bins, costs)
+    for start in range(0, len(ordered), dp_size):
+        free = list(range(dp_size))
+        for mb in ordered[start : start + dp_size]:
+            r = min(free, key=lambda r: (totals[r], r))
+            free.remove(r)
+            plan[r].append(mb)
+            totals[r] += _total(mb, costs)
     return plan
 
 
@@ -303,21 +508,29 @@ def _fill_short_ranks(ranks: list[list[int]], lens: Sequence[int], cap: int) -> 
         bins[src], bins[dst] = new_src, new_dst
 
 
-def _split_under_cap(items: list[int], lens: Sequence[int], cap: int, m: int) -> list[list[int]] | None:
-    """``m`` token-balanced parts of ``items``, each under the cap, or None if not found."""
-    local = karmarkar_karp([lens[i] for i in items], m)
+def _split_under_cap(
+    items: list[int], lens: Sequence[int], weights: Sequence[float], cap: int, m: int, *, cheapest_move: bool = False
+) -> list[list[int]] | None:
+    """``m`` weight-balanced parts of ``items``, each under the token cap, or None if not found."""
+    local = karmarkar_karp([weights[i] for i in items], m)
     parts = [[items[j] for j in p] for p in local]
-    return parts if _repair_over_cap(parts, lens, cap) else None
+    return parts if _repair_over_cap(parts, lens, weights, cap, cheapest_move) else None
 
 
-def _repair_over_cap(parts: list[list[int]], lens: Sequence[int], cap: int) -> bool:
+def _repair_over_cap(
+    parts: list[list[int]], lens: Sequence[int], weights: Sequence[float], cap: int, cheapest_move: bool = False
+) -> bool:
     """Bring every part under the cap by moving or swapping samples; in place.
 
     KK balances well but knows nothing of the cap, so at a tight ``m`` one part can end
-    a few tokens over. Each step strictly lowers the heaviest over-cap part without
-    pushing another part over, so the loop terminates.
+    a few tokens over (more with costs: cheap short samples crowd into fewer parts). Each
+    step strictly lowers the heaviest over-cap part without pushing another part over, so
+    the loop terminates. A move takes the largest sample that fits elsewhere (the biggest
+    step towards the cap) or, with ``cheapest_move``, the cheapest that alone brings the
+    part under the cap (the least weight shifted, which keeps a cost balance).
     """
     sums = [_tokens(p, lens) for p in parts]
+    costs = [_total(p, weights) for p in parts]
     # Each step fixes or shrinks one over-cap part; past a few steps per part the
     # rank is better served by the BFD fallback than by more searching.
     for _ in range(4 * len(parts) + 8):
@@ -325,38 +538,54 @@ def _repair_over_cap(parts: list[list[int]], lens: Sequence[int], cap: int) -> b
         if not over:
             return True
         j = max(over, key=lambda j: (sums[j], -j))
-        if not (_move_one(parts, sums, j, lens, cap) or _swap_one(parts, sums, j, lens, cap)):
+        moved = _move_one(parts, sums, costs, j, lens, weights, cap, cheapest_move)
+        if not (moved or _swap_one(parts, sums, j, lens, cap)):
             return False
     return False
 
 
-def _move_one(parts: list[list[int]], sums: list[int], j: int, lens: Sequence[int], cap: int) -> bool:
-    # Largest sample that fits into the lightest other part: biggest step towards the cap.
-    others = [t for t in range(len(parts)) if t != j]
-    if not others:
-        return False
-    t = min(others, key=lambda t: (sums[t], t))
-    for i in sorted(parts[j], key=lambda i: (-lens[i], i)):
-        if sums[t] + lens[i] <= cap:
+def _move_one(
+    parts: list[list[int]], sums: list[int], costs: list[float], j: int,
+    lens: Sequence[int], weights: Sequence[float], cap: int, cheapest_move: bool,
+) -> bool:
+    # A sample of part j (largest first, or cheapest sufficient first) into the lightest
+    # part (by weight) it fits in. With token weights that is the part with the most
+    # room, so a sample that fits nowhere else does not fit there either.
+    excess = sums[j] - cap
+    if cheapest_move:
+        order = sorted(parts[j], key=lambda i: (lens[i] < excess, weights[i] if lens[i] >= excess else -lens[i], i))
+    else:
+        order = sorted(parts[j], key=lambda i: (-lens[i], i))
+    for i in order:
+        fits = [t for t in range(len(parts)) if t != j and sums[t] + lens[i] <= cap]
+        if fits:
+            t = min(fits, key=lambda t: (costs[t], t))
             parts[j].remove(i)
             parts[t].append(i)
             sums[j] -= lens[i]
             sums[t] += lens[i]
+            costs[j] -= weights[i]
+            costs[t] += weights[i]
             return True
     return False
 
 
 def _swap_one(parts: list[list[int]], sums: list[int], j: int, lens: Sequence[int], cap: int) -> bool:
     # Swap a sample out of the over-cap part for a shorter one, taking the swap that
-    # lowers it the most while the other part stays under the cap.
+    # lowers it the most while the other part stays under the cap (ties: lowest part,
+    # then sample indices).
     best: tuple[int, int, int, int] | None = None  # (-gain, t, out, in)
+    outs = [(lens[a], a) for a in parts[j]]
     for t in range(len(parts)):
-        if t == j:
+        room = cap - sums[t]  # the most part t can gain
+        # Parts are scanned in order, so a later one must gain strictly more to win.
+        if t == j or room <= 0 or (best is not None and room <= -best[0]):
             continue
-        for a in parts[j]:
-            for b in parts[t]:
-                gain = lens[a] - lens[b]
-                if gain > 0 and sums[t] + gain <= cap:
+        for b in parts[t]:
+            lb = lens[b]
+            for la, a in outs:
+                gain = la - lb
+                if 0 < gain <= room:
                     cand = (-gain, t, a, b)
                     if best is None or cand < best:
                         best = cand
@@ -372,7 +601,9 @@ def _swap_one(parts: list[list[int]], sums: list[int], j: int, lens: Sequence[in
     return True
 
 
-def _split_bfd_bins(items: list[int], lens: Sequence[int], cap: int, m: int) -> list[list[int]]:
+def _split_bfd_bins(
+    items: list[int], lens: Sequence[int], weights: Sequence[float], cap: int, m: int
+) -> list[list[int]]:
     """BFD bins (at most ``m`` of them), split heaviest-first until there are ``m``.
 
     Splitting a bin never breaks the cap, so this always succeeds; if the rank runs out
@@ -385,8 +616,8 @@ def _split_bfd_bins(items: list[int], lens: Sequence[int], cap: int, m: int) -> 
         if not splittable:
             bins += [[] for _ in range(m - len(bins))]
             break
-        b = max(splittable, key=lambda b: (_tokens(bins[b], lens), -min(bins[b])))
-        halves = karmarkar_karp([lens[i] for i in bins[b]], 2)
+        b = max(splittable, key=lambda b: (_total(bins[b], weights), -min(bins[b])))
+        halves = karmarkar_karp([weights[i] for i in bins[b]], 2)
         bins[b : b + 1] = [[bins[b][j] for j in h] for h in halves]
     return bins
 
@@ -394,8 +625,8 @@ def _split_bfd_bins(items: list[int], lens: Sequence[int], cap: int, m: int) -> 
 # ------------------------------------------------------------------ fixed mode
 
 
-def _plan_fixed(lens: list[int], dp_size: int, mbs: int, cap: int | None) -> Plan:
-    ranks = karmarkar_karp(lens, dp_size, equal_size=True)
+def _plan_fixed(lens: list[int], weights: Sequence[float], dp_size: int, mbs: int, cap: int | None) -> Plan:
+    ranks = karmarkar_karp(weights, dp_size, equal_size=True)
     counts = [len(r) for r in ranks]
     m = math.ceil(max(counts) / mbs)
     if min(counts) < m:
@@ -404,7 +635,7 @@ def _plan_fixed(lens: list[int], dp_size: int, mbs: int, cap: int | None) -> Pla
             f"{counts}, so the fullest rank needs {m} microbatches but a rank holds only {min(counts)} samples; "
             f"use a sample count divisible by dp_size or a larger micro_batch_size"
         )
-    plan = [_fill_slots(r, lens, _slot_sizes(len(r), m, mbs)) for r in ranks]
+    plan = [_fill_slots(r, weights, _slot_sizes(len(r), m, mbs)) for r in ranks]
     if cap is not None:
         for rank, mbs_of_rank in enumerate(plan):
             for i, mb in enumerate(mbs_of_rank):
@@ -426,13 +657,13 @@ def _slot_sizes(count: int, m: int, mbs: int) -> list[int]:
     return sizes
 
 
-def _fill_slots(items: list[int], lens: Sequence[int], sizes: list[int]) -> list[list[int]]:
-    # Longest-first into the lightest microbatch with a free slot (LPT with slot caps).
+def _fill_slots(items: list[int], weights: Sequence[float], sizes: list[int]) -> list[list[int]]:
+    # Heaviest first into the lightest microbatch with a free slot (LPT with slot caps).
     parts: list[list[int]] = [[] for _ in sizes]
     sums = [0] * len(sizes)
-    for i in sorted(items, key=lambda i: (-lens[i], i)):
+    for i in sorted(items, key=lambda i: (-weights[i], i)):
         open_ = [j for j in range(len(sizes)) if len(parts[j]) < sizes[j]]
         j = min(open_, key=lambda j: (sums[j], j))
         parts[j].append(i)
-        sums[j] += lens[i]
+        sums[j] += weights[i]
     return [sorted(p) for p in parts]

@@ -1,5 +1,6 @@
 """The microbatch planner: equal microbatch counts per DP rank, token cap, KK balance."""
 
+import hashlib
 import json
 import math
 import random
@@ -7,12 +8,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packing.planner import _tokens, karmarkar_karp, plan_microbatches
+from packing.planner import FlopCost, _tokens, flop_cost, karmarkar_karp, lockstep_cost, plan_microbatches
 
 PLANNER = Path(__file__).resolve().parents[1] / "packing" / "planner.py"
 CAP, DP = 8192, 8
@@ -303,3 +305,215 @@ def test_plan_stats():
         "max_microbatch_tokens": 400,
         "empty_microbatches": 0,
     }
+
+
+# -------------------------------------------------------------------- cost mode
+
+# Qwen3-8B's shape (its config.json values): forward + backward ~4.5e10 FLOPs per token,
+# and a 32k-token sample's attention adds ~64% on top of its linear work.
+QWEN3_8B = SimpleNamespace(num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                           head_dim=128, intermediate_size=12288, vocab_size=151936)
+LONG_CAP = 65536
+
+
+def long_tail_32k(n: int, seed: int = 0) -> list[int]:
+    """Long-context rollouts: lognormal (median ~3k tokens), clipped to [16, 32768]."""
+    rng = random.Random(seed)
+    return [min(32768, max(16, round(rng.lognormvariate(8.0, 1.0)))) for _ in range(n)]
+
+
+def lockstep_over_ideal(plan, costs) -> float:
+    """Sum over microbatch steps of the costliest rank's microbatch, over cost / ranks
+    (written out here, not the planner's `lockstep_cost`, which is checked against it)."""
+    steps = len(plan[0])
+    worst = sum(max(sum(costs[i] for i in rank[s]) for rank in plan) for s in range(steps))
+    return worst / (sum(costs) / len(plan))
+
+
+def test_flop_cost_of_a_dense_config_by_hand():
+    cfg = SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=4, intermediate_size=16, vocab_size=10)
+    # Per layer: q and o 8x8 each, k and v 8x4 each, gate/up/down 8x16 each; then the head 8x10.
+    per_layer = 2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16
+    assert per_layer == 576
+    cost = flop_cost(cfg)
+    assert cost == FlopCost(linear=6 * (2 * 576 + 80), attention=6 * 2 * 2 * 4)
+    assert cost(10) == 6 * 1232 * 10 + 96 * 100
+    # A mapping reads the same; head_dim defaults to hidden / heads; a VLM's text_config is used.
+    assert flop_cost(vars(cfg)) == cost
+    assert flop_cost({**vars(cfg), "head_dim": None}) == cost  # 8 / 2 = 4 again
+    assert flop_cost(SimpleNamespace(text_config=cfg, vision_config=None)) == cost
+    with pytest.raises(ValueError, match="no 'vocab_size'"):
+        flop_cost({k: v for k, v in vars(cfg).items() if k != "vocab_size"})
+
+
+def test_flop_cost_of_moe_counts_active_experts_not_all():
+    dense = dict(num_hidden_layers=2, hidden_size=8, num_attention_heads=2, head_dim=4, intermediate_size=16,
+                 vocab_size=10)
+    moe = {**dense, "num_experts_per_tok": 2, "moe_intermediate_size": 6, "num_experts": 8}
+    attention = 2 * 8 * 8 + 2 * 8 * 8  # q, o, k, v (no GQA here)
+    experts, router = 3 * 8 * (2 * 6), 8 * 8
+    assert flop_cost(moe).linear == 6 * (2 * (attention + experts + router) + 80)
+    # Eight times the experts: only the router grows, not the MLP work per token.
+    more = flop_cost({**moe, "num_experts": 64}).linear - flop_cost(moe).linear
+    assert more == 6 * 2 * 8 * (64 - 8)
+    assert more < 0.1 * 6 * 2 * 3 * 8 * 6 * (64 - 8)  # what counting every expert would add
+    # Shared experts (Qwen2-MoE's size, DeepSeek's count) are active for every token.
+    base = flop_cost(moe).linear
+    assert flop_cost({**moe, "shared_expert_intermediate_size": 12}).linear - base == 6 * 2 * 3 * 8 * 12
+    assert flop_cost({**moe, "n_shared_experts": 1}).linear - base == 6 * 2 * 3 * 8 * 6
+    # Attention does not depend on the MLP.
+    assert flop_cost(moe).attention == flop_cost(dense).attention == 6 * 2 * 2 * 4
+
+
+def test_flop_cost_of_qwen3_8b():
+    cost = flop_cost(QWEN3_8B)
+    # ~7.6e9 matmul weights (6.95e9 in the layers, 0.62e9 in the head) -> ~4.5e10 FLOPs per token.
+    assert 4.4e10 < cost.linear < 4.6e10
+    assert cost.attention == 6 * 36 * 32 * 128
+    assert 0.6 < cost.attention * 32768 / cost.linear < 0.7  # a 32k sample: attention ~64% of linear
+
+
+@st.composite
+def long_tail_case(draw):
+    dp = draw(st.integers(1, 8))
+    # Powers of two times a jitter: mostly short samples, some up to 8k.
+    length = st.builds(lambda e, f: max(1, round(2**e * f)), st.integers(0, 13), st.floats(0.5, 1.0))
+    lengths = draw(st.lists(length, min_size=dp, max_size=200))
+    cap = draw(st.integers(max(lengths), 3 * max(lengths)))
+    attention = draw(st.sampled_from([0.0, 1e-3, 1.0, 50.0]))  # none .. attention-dominated
+    return lengths, cap, dp, FlopCost(linear=1.0, attention=attention)
+
+
+@settings(max_examples=40, deadline=None)
+@given(long_tail_case())
+def test_cost_mode_invariants_and_never_worse_than_tokens(case):
+    lengths, cap, dp, cost = case
+    plan = plan_microbatches(lengths, cap, dp, cost=cost)
+    assert_valid(plan, lengths, dp, cap)  # equal counts, every sample once, cap held
+    costs = [cost(x) for x in lengths]
+    assert lockstep_cost(plan, costs) == pytest.approx(lockstep_over_ideal(plan, costs) * sum(costs) / dp)
+    assert all(
+        [sum(costs[i] for i in mb) for mb in rank] == sorted((sum(costs[i] for i in mb) for mb in rank), reverse=True)
+        for rank in plan
+    ), "microbatches not costliest first"
+    tokens_plan = plan_microbatches(lengths, cap, dp)
+    assert lockstep_over_ideal(plan, costs) <= lockstep_over_ideal(tokens_plan, costs) * (1 + 1e-9)
+
+
+def bimodal_32k(n: int, seed: int = 0) -> list[int]:
+    """A quarter of the rollouts run into a 32k limit; the rest are short answers (~1k)."""
+    rng = random.Random(seed)
+    return [rng.randint(29000, 32768) if rng.random() < 0.25 else max(16, round(rng.lognormvariate(7.0, 0.7)))
+            for _ in range(n)]
+
+
+def test_cost_mode_keeps_the_cap_where_workload_splitting_breaks_it():
+    lengths = bimodal_32k(512, seed=1)
+    cost = flop_cost(QWEN3_8B)
+    costs = [cost(x) for x in lengths]
+    assert_valid(plan_microbatches(lengths, LONG_CAP, DP, cost=cost), lengths, DP, LONG_CAP)
+    # Control, verl's workload balancing: ranks of equal counts by cost, each split by
+    # cost alone into ceil(tokens / cap) microbatches. Short samples are cheap per token,
+    # so the microbatches that hold them overrun the cap.
+    over = 0
+    for items in karmarkar_karp(costs, DP, equal_size=True):
+        m = math.ceil(tokens(items, lengths) / LONG_CAP)
+        parts = karmarkar_karp([costs[i] for i in items], m)
+        over += sum(tokens([items[j] for j in p], lengths) > LONG_CAP for p in parts)
+    assert over > 0
+
+
+def test_flop_aware_lockstep_is_near_ideal_where_token_balance_is_not():
+    lengths = long_tail_32k(512, seed=1)
+    cost = flop_cost(QWEN3_8B)
+    costs = [cost(x) for x in lengths]
+    by_tokens = plan_microbatches(lengths, LONG_CAP, DP)
+    by_flops = plan_microbatches(lengths, LONG_CAP, DP, cost=cost)
+    assert len(by_flops[0]) <= len(by_tokens[0])  # not bought with more microbatches
+    assert lockstep_over_ideal(by_flops, costs) <= 1.01
+    # Control: balancing tokens leaves the long samples' attention uneven.
+    assert lockstep_over_ideal(by_tokens, costs) > 1.05
+
+
+def test_cost_none_plans_match_the_planner_before_cost_mode():
+    # Digest of these plans from the planner as it was before `cost` existed (same inputs,
+    # json of the plans): token and fixed mode must not have moved.
+    plans = []
+    for seed, dp in [(0, 1), (1, 3), (2, 8), (3, 16)]:
+        lengths = long_tail(1024, seed)
+        plans.append(plan_microbatches(lengths, 8192, dp))
+        plans.append(plan_microbatches(lengths, 5000, dp, cost=None))
+        plans.append(plan_microbatches(lengths, dp_size=dp, micro_batch_size=8))
+    digest = hashlib.sha256(json.dumps(plans).encode()).hexdigest()
+    assert digest == "6352a27551e5e6f2d8682fdb9abce9c00827c4e4cb8104e6218ffc4829367d36"
+
+
+def test_cost_mode_deterministic_without_torch_and_hash_seed_independent():
+    script = (
+        "import importlib.util, json, random, sys\n"
+        f"spec = importlib.util.spec_from_file_location('planner', {str(PLANNER)!r})\n"
+        "p = importlib.util.module_from_spec(spec); spec.loader.exec_module(p)\n"
+        "rng = random.Random(7)\n"
+        "lengths = [min(32768, max(16, round(rng.lognormvariate(8.0, 1.0)))) for _ in range(256)]\n"
+        "cost = p.flop_cost({'num_hidden_layers': 36, 'hidden_size': 4096, 'num_attention_heads': 32,\n"
+        "                    'num_key_value_heads': 8, 'head_dim': 128, 'intermediate_size': 12288,\n"
+        "                    'vocab_size': 151936})\n"
+        "plans = [p.plan_microbatches(lengths, 65536, 8, cost=cost),\n"
+        "         p.plan_microbatches(lengths, None, 8, micro_batch_size=8, cost=cost)]\n"
+        "assert 'torch' not in sys.modules\n"
+        "print(json.dumps(plans))\n"
+    )
+    outputs = set()
+    for seed in ("0", "1", "12345"):
+        env = {"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"}
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        outputs.add(run.stdout)
+    assert len(outputs) == 1
+    plans = json.loads(outputs.pop())
+    lengths = long_tail_32k(4)  # different inputs: the in-process plan below must differ
+    assert plans[0] != plan_microbatches(lengths, LONG_CAP, 2, cost=flop_cost(QWEN3_8B))
+    # In process, with the same inputs, the plan is the subprocess's.
+    rng = random.Random(7)
+    same = [min(32768, max(16, round(rng.lognormvariate(8.0, 1.0)))) for _ in range(256)]
+    assert plan_microbatches(same, LONG_CAP, 8, cost=flop_cost(vars(QWEN3_8B))) == plans[0]
+    assert plan_microbatches(tuple(same), LONG_CAP, 8, cost=flop_cost(QWEN3_8B)) == plans[0]
+
+
+def test_fixed_mode_with_cost_balances_cost_across_ranks():
+    lengths = long_tail_32k(512, seed=2)
+    cost = flop_cost(QWEN3_8B)
+    costs = [cost(x) for x in lengths]
+    by_flops = plan_microbatches(lengths, dp_size=DP, micro_batch_size=8, cost=cost)
+    by_tokens = plan_microbatches(lengths, dp_size=DP, micro_batch_size=8)
+    assert [len(r) for r in by_flops] == [len(r) for r in by_tokens]  # same slots
+    flat = lambda plan: [[i for mb in rank for i in mb] for rank in plan]  # noqa: E731
+    assert imbalance(flat(by_flops), costs) <= 1.001
+    assert imbalance(flat(by_tokens), costs) > 1.004  # control: token balance is not cost balance
+
+
+def test_lockstep_cost_by_hand():
+    costs = [5.0, 1.0, 4.0, 2.0]
+    plan = [[[0], [1]], [[2], [3]]]  # steps cost max(5, 4) + max(1, 2)
+    assert lockstep_cost(plan, costs) == 7.0
+    assert lockstep_cost([[[0, 1, 2, 3]]], costs) == 12.0
+
+
+@pytest.mark.parametrize(
+    "cost, pattern",
+    [
+        (lambda t: -1.0, r"cost\(lengths\[0\] = 5\) = -1.0 is negative"),
+        (lambda t: float("nan"), r"cost\(lengths\[0\] = 5\) = nan is not finite"),
+        (lambda t: "5", r"cost\(lengths\[0\] = 5\) must be a number"),
+    ],
+)
+def test_bad_cost_values_are_named(cost, pattern):
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        plan_microbatches([5, 3], 100, 1, cost=cost)
+
+
+def test_flop_cost_rejects_bad_coefficients():
+    with pytest.raises(ValueError, match="FlopCost.attention"):
+        FlopCost(linear=1.0, attention=-1.0)
+    with pytest.raises(ValueError, match="FlopCost.linear"):
+        FlopCost(linear=math.inf, attention=0.0)
