@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_distributed
+from scripts.distributed import run_distributed
 from packing import Experience, plan_microbatches
 from packing.exchange import FIELDS, StandIn, exchange, gather_metadata, routing_dtype
 
@@ -251,12 +251,13 @@ def _old_path(tr) -> None:
             part = records[lo:hi]
             plan = plan_microbatches([r.sequences.numel() for r in part], b.max_tokens, dims.dp,
                                      micro_batch_size=b.micro_batch_size)
-            batches, weights = [], []
+            batches, weights, rows = [], [], []
             for items in plan[dims.dp_rank]:
                 weights.append(1.0 if items else 0.0)
+                rows.append([lo + i for i in items] if items else [lo])
                 chosen = [part[i] for i in items] if items else [part[0]]
                 batches.append(make_experience_batch(chosen, packed=b.packed).to(dims.device))
-            out.append(MiniBatch(batches, weights, tokens=loss_normalizer(part, LossAgg.TOKEN_MEAN),
+            out.append(MiniBatch(batches, weights, rows, tokens=loss_normalizer(part, LossAgg.TOKEN_MEAN),
                                  normalizer=loss_normalizer(part, tr.cfg.algo.loss_agg),
                                  all_tokens=sum(r.sequences.numel() for r in part)))
         return out

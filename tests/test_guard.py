@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rl.trainer.trainer as trainer_module
-from distributed import run_distributed
+from scripts.distributed import run_distributed
 from inprocess import SMALL, all_finite, nan_loss_on_one_rank, trainer, weights
 from rl.trainer.guard import DivergenceError
 
@@ -67,9 +67,9 @@ def test_each_non_finite_term_is_named_when_the_run_stops(monkeypatch, term):
     elif term == "advantages":
         compute = trainer_module.compute_advantages
 
-        def one_nan(records, *args, **kwargs):
-            compute(records, *args, **kwargs)
-            records[3].advantages[0] = math.nan
+        def one_nan(batches, *args, **kwargs):  # the step's one advantage phase, on the collated batches
+            compute(batches, *args, **kwargs)
+            batches[0].advantages.view(-1)[3] = math.nan
 
         monkeypatch.setattr(trainer_module, "compute_advantages", one_nan)
     else:  # a NaN constant: the loss is NaN while its gradients stay finite

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from packing import Experience, make_experience_batch
-from rl.algos.advantages import gae_advantages, grpo_advantages
+from rl.algos.advantages import compute_advantages
 from rl.algos.losses import (
     AdaptiveKLController,
     FixedKLController,
@@ -193,7 +193,7 @@ def test_grpo_advantages_are_group_normalized():
     records = make_records()
     for i, r in enumerate(records):
         r.rewards, r.prompt_index = torch.tensor(float(i)), torch.tensor(i % 2)
-    grpo_advantages(records)
+    compute_advantages(records, "grpo")
     group0 = torch.stack([records[i].advantages[records[i].action_mask][0] for i in (0, 2, 4)])
     assert torch.allclose(group0, torch.tensor([-1.0, 0.0, 1.0]), atol=1e-5)
     assert all(r.advantages[~r.action_mask].eq(0).all() for r in records)
@@ -203,7 +203,7 @@ def test_gae_with_gamma_lambda_one_is_reward_minus_value():
     records = make_records()
     for r in records:
         r.rewards = torch.tensor(1.0)
-    gae_advantages(records, gamma=1.0, lam=1.0)
+    compute_advantages(records, "gae", whiten=False, gamma=1.0, lam=1.0)
     for r in records:
         m = r.action_mask
         assert torch.allclose(r.advantages[m], 1.0 - r.values[m], atol=1e-5)

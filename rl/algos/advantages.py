@@ -1,28 +1,38 @@
-"""Advantage estimators on unpadded records, GAE on a collated batch, and whitening.
+"""Advantage estimators, one GAE, and whitening: one phase, after the scoring pass.
 
-Records are per-sample `Experience`s with action fields `[T-1]`, `rewards` and
-`prompt_index` 0-d, `action_mask` bool; each estimator sets `advantages` and `returns` on
-the action axis (0 on prompt slots) in place. "A group" is the samples of one prompt
-(`prompt_index`).
+`compute_advantages(items, name, ...)` sets `advantages` and `returns` on `items`, laid out
+like their `action_mask`: collated batches (padded `[B, T-1]`, packed `[1, N]` segmented by
+`packed_seq_lens`) or records (`[T-1]`). It is called once per step, on the collated
+batches, after the scoring pass has put `values` and `kl` on them. In three stages:
 
-* `grpo`   - (r_i - mean_group) / (std_group + eps), broadcast over the response.
+1. each sample's scalar, from the step's rewards and prompt groups (`prompt_index`): the
+   registered estimator's function `fn(rewards [n], prompt_index [n], **options) -> [n]`.
+   Every rank holds the whole step's rewards (`samples`: its stand-ins, packing/exchange.py),
+   so group baselines see whole groups while each rank holds only its own batches; `rows`
+   says which sample each batch row is.
+2. per token, on the items' rows (one row per sequence):
+   * `grpo`, `rloo` - the scalar is the advantage, broadcast over the response; a KL reward
+     penalty (`kl_coef`) is folded into the reward first, r_i - kl_coef * sum_t kl_t (as verl).
+   * token-level estimators (`gae`, `reinforce_pp`, `reinforce_pp_baseline`) - the scalar is
+     the reward of the last response slot, `-kl_coef * kl_t` the reward of every response
+     slot, and `gae` (the one GAE) turns them into advantages: against the critic's `values`
+     with `lam` for `gae`; with values 0 and lam 1 (discounted returns) for REINFORCE++.
+     returns = advantages + values.
+3. whitening over every action token of the step (`whiten`; by default on for the
+   token-level estimators): moments summed over the items and, with `group`, over the
+   DP ranks; `returns` stay unwhitened (the critic's target).
+
+Estimators (`algo.advantage`), each one function under `register_advantage_estimator`
+(like verl's registry; `python -m rl.registry` lists them):
+
+* `grpo`   - (r_i - mean_group) / (std_group + eps).
 * `rloo`   - r_i - mean of the *other* samples of its group (leave-one-out baseline).
 * `gae`    - generalized advantage estimation against the critic's `values`.
-* `reinforce_pp` - REINFORCE++: per-token rewards -kl_coef * kl, plus the reward on the
-             last response slot, discounted by gamma into token-level returns, then
-             whitened over every action token of the batch.
+* `reinforce_pp` - REINFORCE++ (Hu 2025): token rewards -kl_coef * kl_t plus the reward on
+             the last response slot, discounted by gamma into token-level returns, whitened
+             over the batch. It is defined with the KL in the reward: with kl_coef > 0 the
+             config requires kl_mode=reward (rl/config.py), so the KL is never also a loss.
 * `reinforce_pp_baseline` - the same after subtracting the group-mean reward.
-
-`kl_coef` (KL as a reward penalty, `kl_mode=reward`) reads `kl` from the records; for
-grpo and rloo the penalty is folded into the scalar reward, r_i - kl_coef * sum_t kl_t
-(as verl does), since their advantage is one number per sample.
-
-Each estimator is one function registered under its name (`register_advantage_estimator`,
-like verl's); `algo.advantage` names one, checked at start-up against the registry
-(`python -m rl.registry` lists them). `compute_advantages(records, name, ...)` dispatches
-and applies whitening (`whiten_advantages`), on by default for gae and the REINFORCE++ pair.
-`gae_advantages_batch` computes GAE directly on a padded `[B, T-1]` or packed `[1, N]`
-batch; `masked_moments` + `whiten_with_moments` whiten across microbatches and ranks.
 """
 
 from __future__ import annotations
@@ -33,33 +43,44 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from packing import Experience
 
 
 @dataclass(frozen=True)
 class Estimator:
-    """A registered advantage estimator: `fn(records, **options)` sets `advantages` and
-    `returns` on the step's records in place (options: its keyword-only parameters)."""
+    """A registered advantage estimator: `fn(rewards [n], prompt_index [n] or None, **options)`
+    gives each sample's scalar (options: its keyword-only parameters); `compute_advantages`
+    lays it out per token."""
 
     name: str
-    fn: Callable[..., None]
+    fn: Callable[..., torch.Tensor]
     whiten_by_default: bool = False  # whiten over every action token of the step unless algo.whiten_advantages says
-    uses_critic: bool = False  # needs the critic's values: computed after the scoring pass (gae)
+    uses_critic: bool = False  # GAE against the critic's values (needs the scoring pass's values)
     needs_groups: bool = False  # a baseline from the other samples of a prompt: >= 2 samples per prompt
+    # The scalar is the reward of the last response slot, discounted per token (a KL reward
+    # penalty per token); otherwise it is every response token's advantage (a KL reward
+    # penalty folded into the scalar reward, which needs every sample's KL on every rank).
+    token_level: bool = False
+    # Defined with the KL as a per-token reward penalty (REINFORCE++): kl_coef > 0 needs kl_mode=reward.
+    kl_in_reward: bool = False
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
 
 
 def register_advantage_estimator(name: str, *, whiten_by_default: bool = False, uses_critic: bool = False,
-                                 needs_groups: bool = False) -> Callable:
+                                 needs_groups: bool = False, token_level: bool = False,
+                                 kl_in_reward: bool = False) -> Callable:
     """Register `fn` as `algo.advantage=<name>` (a decorator); the name must be new."""
 
-    def register(fn: Callable[..., None]) -> Callable[..., None]:
+    def register(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered ({ADVANTAGE_ESTIMATORS[name].fn})")
-        ADVANTAGE_ESTIMATORS[name] = Estimator(name, fn, whiten_by_default, uses_critic, needs_groups)
+        ADVANTAGE_ESTIMATORS[name] = Estimator(name, fn, whiten_by_default, uses_critic, needs_groups, token_level,
+                                               kl_in_reward)
         return fn
 
     return register
@@ -87,84 +108,85 @@ class AdvantageConfig:
     whiten_advantages: Optional[bool] = None
 
 
-# ---------------------------------------------------------------- group-based
-def _groups(records: Sequence[Experience], who: str) -> dict[int, list[int]]:
+# ------------------------------------------------------------------ estimators
+def _groups(prompt_index: torch.Tensor | None, who: str) -> dict[int, list[int]]:
+    """prompt -> the positions of its samples, in order of first appearance."""
+    if prompt_index is None:
+        raise ValueError(f"{who} needs 'prompt_index' on every sample")
     groups: dict[int, list[int]] = defaultdict(list)
-    for i, rec in enumerate(records):
-        if rec.rewards is None or rec.prompt_index is None:
-            raise ValueError(f"record {i}: {who} needs 'rewards' and 'prompt_index' "
-                             f"(got {rec.rewards}, {rec.prompt_index})")
-        groups[int(rec.prompt_index)].append(i)
+    for i, prompt in enumerate(prompt_index.tolist()):
+        groups[int(prompt)].append(i)
     return groups
 
 
-def sequence_rewards(records: Sequence[Experience], kl_coef: float = 0.0) -> torch.Tensor:
-    """`[len(records)]` fp32: r_i - kl_coef * (sum of kl over record i's action slots)."""
-    out = []
-    for i, rec in enumerate(records):
-        r = torch.as_tensor(rec.rewards, dtype=torch.float32)
-        if kl_coef:
-            r = r - kl_coef * (_kl(rec, i, kl_coef) * rec.action_mask).sum()
-        out.append(r)
-    return torch.stack(out)
-
-
-def _kl(rec: Experience, i: int, kl_coef: float) -> torch.Tensor:
-    if rec.kl is None:
-        raise ValueError(f"record {i}: kl_coef={kl_coef} (a KL reward penalty) needs 'kl' on the record")
-    return rec.kl.detach().float()
-
-
-def _set_sequence_advantage(rec: Experience, a: torch.Tensor) -> None:
-    rec.advantages = a * rec.action_mask.to(torch.float32)
-    rec.returns = rec.advantages.clone()
-
-
 @register_advantage_estimator("grpo", needs_groups=True)
-def grpo_advantages(
-    records: Sequence[Experience], *, scale_by_std: bool = True, eps: float = 1e-6, kl_coef: float = 0.0
-) -> None:
+def grpo_advantages(rewards: torch.Tensor, prompt_index: torch.Tensor | None, *, scale_by_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
     """A_i = (r_i - mean_group) / (std_group + eps), broadcast over the response tokens.
 
     `scale_by_std=False` gives the Dr. GRPO variant (mean-centred only). std is the
     unbiased sample std; a group of one is only mean-centred (its advantage is 0).
     """
-    groups = _groups(records, "GRPO")
-    rewards = sequence_rewards(records, kl_coef)
-    for members in groups.values():
+    adv = torch.zeros_like(rewards)
+    for members in _groups(prompt_index, "GRPO").values():
         r = rewards[members]
-        adv = r - r.mean()
+        a = r - r.mean()
         if scale_by_std and len(members) > 1:
-            adv = adv / (r.std() + eps)
-        for i, a in zip(members, adv):
-            _set_sequence_advantage(records[i], a)
+            a = a / (r.std() + eps)
+        adv[members] = a
+    return adv
 
 
 @register_advantage_estimator("rloo", needs_groups=True)
-def rloo_advantages(records: Sequence[Experience], *, kl_coef: float = 0.0) -> None:
+def rloo_advantages(rewards: torch.Tensor, prompt_index: torch.Tensor | None) -> torch.Tensor:
     """A_i = r_i - mean_{j != i} r_j over the other samples of i's group (REINFORCE
     leave-one-out), broadcast over the response tokens. Needs >= 2 samples per prompt."""
-    groups = _groups(records, "RLOO")
-    rewards = sequence_rewards(records, kl_coef)
-    for prompt, members in groups.items():
+    adv = torch.zeros_like(rewards)
+    for prompt, members in _groups(prompt_index, "RLOO").items():
         n = len(members)
         if n < 2:
             raise ValueError(f"RLOO: prompt_index {prompt} has {n} sample; a leave-one-out baseline needs "
                              f">= 2 samples per prompt (task.samples_per_prompt)")
         r = rewards[members]
-        baseline = (r.sum() - r) / (n - 1)
-        for i, a in zip(members, r - baseline):
-            _set_sequence_advantage(records[i], a)
+        adv[members] = r - (r.sum() - r) / (n - 1)
+    return adv
 
 
-# -------------------------------------------------------------- token-level
-def _reverse_gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-                 lam: float) -> torch.Tensor:
-    """GAE over rows `[S, L]`, visiting only masked slots (a gap carries the recursion over).
+@register_advantage_estimator("gae", token_level=True, uses_critic=True, whiten_by_default=True)
+def gae_advantages(rewards: torch.Tensor, prompt_index: torch.Tensor | None) -> torch.Tensor:
+    """Generalized advantage estimation against the critic's values: the reward on the last
+    response slot (minus kl_coef * kl per token), delta_t = r_t + gamma V_next - V_t,
+    A_t = delta_t + gamma lam A_next; returns = A + V (the critic's target)."""
+    return rewards
+
+
+@register_advantage_estimator("reinforce_pp", token_level=True, whiten_by_default=True, kl_in_reward=True)
+def reinforce_pp_advantages(rewards: torch.Tensor, prompt_index: torch.Tensor | None) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): token rewards -kl_coef * kl_t plus the reward on the last
+    response slot, discounted by gamma into token-level returns, whitened over the batch."""
+    return rewards
+
+
+@register_advantage_estimator("reinforce_pp_baseline", token_level=True, whiten_by_default=True)
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, prompt_index: torch.Tensor | None) -> torch.Tensor:
+    """REINFORCE++-baseline: each reward minus its group's mean reward, then REINFORCE++'s
+    discounted, whitened token-level returns."""
+    shaped = rewards.clone()
+    for members in _groups(prompt_index, "REINFORCE++ with baseline").values():
+        shaped[members] = shaped[members] - shaped[members].mean()
+    return shaped
+
+
+# ------------------------------------------------------------------------ GAE
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> torch.Tensor:
+    """GAE over rows `[S, L]` (one sequence a row), visiting only masked slots (a gap carries
+    the recursion over); 0 on unmasked slots.
 
     delta_t = r_t + gamma * V_next - V_t ; A_t = delta_t + gamma * lam * A_next, where
     "next" is the next masked slot of the row (V_next = A_next = 0 after the last).
     With values = 0 and lam = 1, A_t is the discounted return sum_k gamma^k r_{t+k}.
+    Vectorized over rows: one loop over the longest row's slots.
     """
     rows = mask.shape[0]
     adv = torch.zeros_like(values)
@@ -173,10 +195,10 @@ def _reverse_gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.
     for t in reversed(range(mask.shape[1])):
         m = mask[:, t]
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        gae = delta + gamma * lam * last_gae
-        last_gae = torch.where(m, gae, last_gae)
+        step = delta + gamma * lam * last_gae
+        last_gae = torch.where(m, step, last_gae)
         next_value = torch.where(m, values[:, t], next_value)
-        adv[:, t] = torch.where(m, gae, torch.zeros_like(gae))
+        adv[:, t] = torch.where(m, step, torch.zeros_like(step))
     return adv
 
 
@@ -188,77 +210,17 @@ def _add_final_reward(token_rewards: torch.Tensor, mask: torch.Tensor, rewards: 
     token_rewards[rows, last[has]] += rewards[has].to(token_rewards.dtype)
 
 
-@register_advantage_estimator("gae", whiten_by_default=True, uses_critic=True)
-def gae_advantages(
-    records: Sequence[Experience], *, gamma: float = 1.0, lam: float = 0.95, kl_coef: float = 0.0
-) -> None:
-    """Generalized advantage estimation over each record's response slots.
-
-    The scalar reward lands on the last response slot; `kl_coef * kl` is subtracted per
-    token as a reward penalty. `values` are the critic's values at the same slots (slot k:
-    the state after token k). returns = advantages + values (the critic's target).
-    No whitening here: `compute_advantages` or `whiten_advantages` applies it.
-    """
-    for i, rec in enumerate(records):
-        if rec.values is None or rec.rewards is None:
-            raise ValueError(f"record {i}: GAE needs 'values' and 'rewards'")
-        slots = rec.action_mask.nonzero().flatten()
-        values = rec.values.detach().float()
-        token_rewards = torch.zeros_like(values)
-        if kl_coef:
-            token_rewards -= kl_coef * _kl(rec, i, kl_coef) * rec.action_mask
-        advantages = torch.zeros_like(values)
-        if len(slots):
-            token_rewards[slots[-1]] += float(rec.rewards)
-            last_gae, next_value = 0.0, 0.0
-            for t in reversed(slots.tolist()):
-                delta = token_rewards[t] + gamma * next_value - values[t]
-                last_gae = delta + gamma * lam * last_gae
-                advantages[t] = last_gae
-                next_value = values[t]
-        rec.advantages = advantages
-        rec.returns = (advantages + values) * rec.action_mask
-
-
-def gae_advantages_batch(
-    batch: Experience, *, gamma: float = 1.0, lam: float = 0.95, kl_coef: float = 0.0
-) -> Experience:
-    """`gae_advantages` on a collated batch: sets `batch.advantages` and `batch.returns`
-    (laid out like `action_mask`: padded `[B, T-1]` or packed `[1, N]`, segmented by
-    `packed_seq_lens`) from `batch.values`, `batch.rewards [B]` and `batch.kl`; returns the batch.
-
-    Vectorized over sequences (one loop over the longest sequence's slots), so the scoring
-    pass need not split the batch into records and collate it again.
-    """
-    if batch.values is None or batch.rewards is None:
-        raise ValueError("gae_advantages_batch needs batch.values and batch.rewards")
-    if batch.is_record:
-        raise ValueError("gae_advantages_batch takes a collated batch; use gae_advantages for records")
-    mask = batch.action_mask.bool()
-    values = batch.values.detach().float()
-    token_rewards = torch.zeros_like(values)
-    if kl_coef:
-        if batch.kl is None:
-            raise ValueError(f"gae_advantages_batch: kl_coef={kl_coef} (a KL reward penalty) needs batch.kl")
-        token_rewards -= kl_coef * batch.kl.detach().float() * mask
-    to_rows, from_rows = _row_view(batch)
-    mask_r = to_rows(mask)
-    token_rewards_r = to_rows(token_rewards)
-    _add_final_reward(token_rewards_r, mask_r, torch.as_tensor(batch.rewards, dtype=torch.float32).reshape(-1))
-    advantages = from_rows(_reverse_gae(token_rewards_r, to_rows(values), mask_r, gamma, lam))
-    batch.advantages = advantages
-    batch.returns = (advantages + values) * mask
-    return batch
-
-
-def _row_view(batch: Experience) -> tuple[Callable, Callable]:
-    """(to_rows, from_rows): action-axis tensor <-> one row per sequence `[S, L]` (zero-padded).
-
-    Padded batches are already rows; a pack's flat `[1, N]` axis is cut at `packed_seq_lens`.
-    """
-    if not batch.is_packed:
-        return (lambda x: x), (lambda x: x)
-    lens = torch.tensor(batch.packed_seq_lens, device=batch.action_mask.device)
+# ----------------------------------------------------------------- row views
+def _row_view(item: Experience) -> tuple[Callable, Callable]:
+    """(to_rows, from_rows): an action-axis tensor of `item` <-> one row per sequence `[S, L]`
+    (zero-padded). A record is one row, a padded batch is rows already, a pack's flat
+    `[1, N]` axis is cut at `packed_seq_lens`."""
+    mask = item.action_mask
+    if mask.dim() == 1:
+        return (lambda x: x.unsqueeze(0)), (lambda rows: rows[0])
+    if not item.is_packed:
+        return (lambda x: x), (lambda rows: rows)
+    lens = torch.tensor(item.packed_seq_lens, device=mask.device)
     starts = lens.cumsum(0) - lens
     pos = torch.arange(int(lens.max()), device=lens.device)
     valid = pos.unsqueeze(0) < lens.unsqueeze(1)  # [S, L]
@@ -270,58 +232,136 @@ def _row_view(batch: Experience) -> tuple[Callable, Callable]:
         return rows
 
     def from_rows(rows: torch.Tensor) -> torch.Tensor:
-        out = rows.new_zeros((1, batch.action_mask.shape[1]))
+        out = rows.new_zeros((1, mask.shape[1]))
         out[0, flat] = rows[valid]
         return out
 
     return to_rows, from_rows
 
 
-@register_advantage_estimator("reinforce_pp", whiten_by_default=True)
-def reinforce_pp_advantages(
-    records: Sequence[Experience], *, gamma: float = 1.0, kl_coef: float = 0.0, whiten: bool = True,
-    baseline: bool = False,
-) -> None:
-    """REINFORCE++ (Hu 2025): token-level KL-shaped returns, whitened over the batch.
+def _what(item: Experience, i: int) -> str:
+    """How an error names item i: a record, a stand-in (no action mask left) or a batch."""
+    if item.action_mask is None:
+        return f"sample {i}"
+    return f"record {i}" if item.action_mask.dim() == 1 else f"batch {i}"
 
-    Per record, on its action slots: r_t = -kl_coef * kl_t, plus the scalar reward on the
-    last action slot; returns G_t = r_t + gamma * G_{t+1} (over action slots). `returns` =
-    G; `advantages` = G whitened over every action token of `records` (`whiten=False`
-    leaves them unwhitened). `baseline=True` is `reinforce_pp_baseline_advantages`.
-    """
-    for i, rec in enumerate(records):
-        if rec.rewards is None:
-            raise ValueError(f"record {i}: REINFORCE++ needs 'rewards'")
-    if not records:
-        return
-    rewards = torch.stack([torch.as_tensor(r.rewards, dtype=torch.float32) for r in records])
-    if baseline:
-        for members in _groups(records, "REINFORCE++ with baseline").values():
-            rewards[members] = rewards[members] - rewards[members].mean()
-    # one row per record (zero-padded), so the scan loops over the longest response once
-    lengths = [rec.action_mask.shape[0] for rec in records]
-    device = records[0].action_mask.device
-    mask = torch.zeros(len(records), max(lengths), dtype=torch.bool, device=device)
-    token_rewards = torch.zeros(mask.shape, dtype=torch.float32, device=device)
-    for i, (rec, n) in enumerate(zip(records, lengths)):
-        mask[i, :n] = rec.action_mask
+
+def _kl_rows(item: Experience, i: int, kl_coef: float, to_rows: Callable) -> torch.Tensor:
+    if item.kl is None:
+        raise ValueError(f"{_what(item, i)}: kl_coef={kl_coef} (a KL reward penalty) needs 'kl'")
+    return to_rows(item.kl.detach().float())
+
+
+def _sample_scalars(sources: Sequence[Experience], kl_coef: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[n]` fp32 rewards, r_i - kl_coef * (sum of kl over sample i's action slots) when
+    `kl_coef`, and `[n]` prompt indices (None if a source has none), over every row of `sources`."""
+    rewards, prompts = [], []
+    for i, src in enumerate(sources):
+        if src.rewards is None:
+            raise ValueError(f"{_what(src, i)}: advantages need 'rewards'")
+        r = torch.as_tensor(src.rewards, dtype=torch.float32).reshape(-1).cpu()
         if kl_coef:
-            token_rewards[i, :n] -= kl_coef * _kl(rec, i, kl_coef) * rec.action_mask
-    _add_final_reward(token_rewards, mask, rewards.to(device))
-    returns = _reverse_gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma, 1.0)
-    for rec, row, n in zip(records, returns, lengths):
-        rec.returns = row[:n].clone()
-        rec.advantages = row[:n].clone()
-    if whiten:
-        whiten_advantages(records)
+            if src.kl is None or src.action_mask is None:
+                raise ValueError(f"{_what(src, i)}: kl_coef={kl_coef} (a KL reward penalty) needs 'kl'")
+            to_rows, _ = _row_view(src)
+            r = r - kl_coef * (_kl_rows(src, i, kl_coef, to_rows) * to_rows(src.action_mask)).sum(-1).cpu()
+        rewards.append(r)
+        prompts.append(None if src.prompt_index is None else torch.as_tensor(src.prompt_index).reshape(-1).cpu())
+    prompt_index = None if any(p is None for p in prompts) else torch.cat(prompts) if prompts else None
+    return (torch.cat(rewards) if rewards else torch.zeros(0)), prompt_index
 
 
-@register_advantage_estimator("reinforce_pp_baseline", whiten_by_default=True)
-def reinforce_pp_baseline_advantages(
-    records: Sequence[Experience], *, gamma: float = 1.0, kl_coef: float = 0.0, whiten: bool = True
+# ------------------------------------------------------------------- dispatch
+def _options(fn: Callable) -> set[str]:
+    """An estimator's options: its keyword-only parameters."""
+    return {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
+
+
+TOKEN_OPTIONS = {"gamma", "lam", "kl_coef"}  # the per-token stage's (gae and the KL reward penalty)
+
+
+@torch.no_grad()
+def compute_advantages(
+    items: Sequence[Experience], estimator: str, *, samples: Sequence[Experience] | None = None,
+    rows: Sequence[Sequence[int]] | None = None, weights: Sequence[float] | None = None,
+    group: dist.ProcessGroup | None = None, whiten: bool | None = None, gamma: float = 1.0, lam: float = 0.95,
+    kl_coef: float = 0.0, **options,
 ) -> None:
-    """REINFORCE++-baseline: each reward minus its group's mean reward, then `reinforce_pp_advantages`."""
-    reinforce_pp_advantages(records, gamma=gamma, kl_coef=kl_coef, whiten=whiten, baseline=True)
+    """Set `advantages` and `returns` on `items` (collated batches or records) with the
+    registered `estimator` (see the module docstring).
+
+    `samples`: the step's samples (records or stand-ins: `rewards`, `prompt_index`), whose
+    scalars the estimator computes; `rows[i][k]` is the position in `samples` of item i's
+    row k. None: the items' own rows are the step. `weights[i] == 0` marks a repeated item
+    (a zero-weight microbatch) left out of the whitening moments; `group`: the process
+    group whose ranks hold the rest of the step (the moments are summed over it).
+    `kl_coef`: a KL reward penalty read from the items' `kl` (`kl_mode=reward`).
+    `options`: any estimator's (scale_by_std, eps); each takes its own, one no estimator
+    knows is an error. `whiten`: None = the estimator's default (`whiten_by_default`).
+    """
+    est = get_advantage_estimator(estimator, "advantage")
+    known = set().union(*(_options(e.fn) for e in ADVANTAGE_ESTIMATORS.values()))
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"compute_advantages: unknown options {unknown}; the estimators take "
+                        f"{sorted(known | TOKEN_OPTIONS)}")
+    views = [_row_view(it) for it in items]
+    masks = [to_rows(it.action_mask.bool()) for it, (to_rows, _) in zip(items, views)]
+    if samples is None:  # the items' rows are the step's samples, in order
+        samples, first = items, 0
+        rows = []
+        for m in masks:
+            rows.append(list(range(first, first + m.shape[0])))
+            first += m.shape[0]
+    elif rows is None or len(rows) != len(items) or any(m.shape[0] != len(r) for m, r in zip(masks, rows)):
+        raise ValueError(f"compute_advantages: with samples, rows must name the sample of every sequence of each "
+                         f"item: items hold {[m.shape[0] for m in masks]} sequences, rows "
+                         f"{None if rows is None else [len(r) for r in rows]}")
+    # 1. each sample's scalar, over the whole step (a sequence-level estimator folds the KL in here)
+    rewards, prompt_index = _sample_scalars(samples, 0.0 if est.token_level else kl_coef)
+    scalars = est.fn(rewards, prompt_index, **{k: v for k, v in options.items() if k in _options(est.fn)})
+    # 2. per token, on every item's rows at once (zero-padded to the longest)
+    if items:
+        width = max(m.shape[1] for m in masks)
+        pad = lambda x: F.pad(x, (0, width - x.shape[1]))  # noqa: E731
+        mask = torch.cat([pad(m) for m in masks])
+        scalar = scalars[torch.tensor([j for r in rows for j in r], dtype=torch.long)].to(mask.device)
+        if est.token_level:
+            advantages, returns = _token_level(est, items, views, pad, mask, scalar, gamma, lam, kl_coef)
+        else:
+            advantages = scalar.unsqueeze(1) * mask.to(torch.float32)
+            returns = advantages.clone()
+        first = 0
+        for it, m, (_, from_rows) in zip(items, masks, views):
+            n, length = m.shape
+            it.advantages = from_rows(advantages[first:first + n, :length])
+            it.returns = from_rows(returns[first:first + n, :length])
+            first += n
+    # 3. whitening over the step
+    if est.whiten_by_default if whiten is None else whiten:
+        whiten_advantages(items, weights=weights, group=group)
+
+
+def _token_level(est: Estimator, items: Sequence[Experience], views: list, pad: Callable, mask: torch.Tensor,
+                 scalar: torch.Tensor, gamma: float, lam: float, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) rows: `scalar` on each row's last masked slot, -kl_coef * kl on
+    every masked slot, through `gae` against the critic's values (or 0 with lam 1)."""
+    if est.uses_critic:
+        missing = [i for i, it in enumerate(items) if it.values is None]
+        if missing:
+            first = missing[0]
+            raise ValueError(f"advantage={est.name} needs the critic's 'values': {_what(items[first], first)} has none")
+        values = torch.cat([pad(to_rows(it.values.detach().float())) for it, (to_rows, _) in zip(items, views)])
+    else:
+        values = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    token_rewards = torch.zeros_like(values)
+    if kl_coef:
+        kl = torch.cat([pad(_kl_rows(it, i, kl_coef, to_rows))
+                        for i, (it, (to_rows, _)) in enumerate(zip(items, views))])
+        token_rewards -= kl_coef * kl * mask
+    _add_final_reward(token_rewards, mask, scalar)
+    advantages = gae(token_rewards, values, mask, gamma, lam if est.uses_critic else 1.0)
+    return advantages, (advantages + values) * mask
 
 
 # ------------------------------------------------------------------ whitening
@@ -345,41 +385,19 @@ def whiten_with_moments(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tens
     return out * mask.to(x.dtype)
 
 
-def whiten_advantages(items: Sequence[Experience], *, eps: float = 1e-8, shift_mean: bool = True) -> None:
-    """Whiten `advantages` over every action token of `items` (records or batches: one step),
-    in place. `returns` are left as they are (the critic's target stays unwhitened)."""
-    if not items:
+def whiten_advantages(items: Sequence[Experience], *, weights: Sequence[float] | None = None,
+                      group: dist.ProcessGroup | None = None, eps: float = 1e-8, shift_mean: bool = True) -> None:
+    """Whiten `advantages` over every action token of the step, in place: `items` (records or
+    batches) and, with `group`, the items of the group's other ranks (moments all-reduced).
+    Items of weight 0 (repeats) are whitened but not counted. `returns` are left as they are
+    (the critic's target stays unwhitened)."""
+    if not items and group is None:
         return
-    moments = sum(masked_moments(it.advantages, it.action_mask) for it in items)
+    device = items[0].advantages.device if items else torch.device("cpu")
+    counted = [it for i, it in enumerate(items) if weights is None or weights[i]]
+    moments = sum((masked_moments(it.advantages, it.action_mask) for it in counted),
+                  torch.zeros(3, dtype=torch.float64, device=device))
+    if group is not None:
+        dist.all_reduce(moments, group=group)
     for it in items:
         it.advantages = whiten_with_moments(it.advantages, it.action_mask, moments, eps=eps, shift_mean=shift_mean)
-
-
-# ------------------------------------------------------------------- dispatch
-def _options(fn: Callable) -> set[str]:
-    """An estimator's options (keyword-only parameters); whitening is the dispatcher's."""
-    params = inspect.signature(fn).parameters.values()
-    return {p.name for p in params if p.kind is p.KEYWORD_ONLY} - {"whiten", "baseline"}
-
-
-def compute_advantages(
-    records: Sequence[Experience], estimator: str, *, whiten: bool | None = None, **opts
-) -> None:
-    """Set `advantages` and `returns` on `records` (one step's) with the registered estimator.
-
-    `opts` may hold any estimator's options (gamma, lam, kl_coef, scale_by_std, eps);
-    each estimator takes the ones it knows, an option no estimator knows is an error.
-    `whiten`: whiten advantages over all action tokens of `records`; None = the
-    estimator's default (`whiten_by_default`: gae and reinforce_pp* on, grpo and rloo off).
-    """
-    est = get_advantage_estimator(estimator, "advantage")
-    known = set().union(*(_options(e.fn) for e in ADVANTAGE_ESTIMATORS.values()))
-    unknown = sorted(set(opts) - known)
-    if unknown:
-        raise TypeError(f"compute_advantages: unknown options {unknown}; the estimators take {sorted(known)}")
-    kwargs = {k: v for k, v in opts.items() if k in _options(est.fn)}
-    if "whiten" in inspect.signature(est.fn).parameters:
-        kwargs["whiten"] = False  # whitened below, like every estimator
-    est.fn(records, **kwargs)
-    if est.whiten_by_default if whiten is None else whiten:
-        whiten_advantages(records)

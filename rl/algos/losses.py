@@ -51,15 +51,12 @@ class KLEstimator(Choice):
 
 class KLMode(Choice):
     LOSS = "loss"  # kl_coef * KL(pi || pi_ref) added to the actor loss
-    REWARD = "reward"  # -kl_coef * KL per token folded into the reward (the advantage)
+    REWARD = "reward"  # -kl_coef * KL per token in the reward (token-level estimators; reinforce_pp needs it)
 
 
 class TISLevel(Choice):
     TOKEN = "token"
     SEQUENCE = "sequence"
-
-
-# Kept for callers that iterate the choices as strings.
 
 
 # --------------------------------------------------------------- segmentation
