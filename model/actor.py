@@ -10,8 +10,10 @@ The forward of one batch, in order (each step names the one file it enters):
     _check_batch(model, experience)                 # clear errors for bad input
     targets, valid = _slot_targets(experience)      # [B, W] on the batch's token axis
     view = shard_forward(...) if dims.cp > 1        # model/context_parallel.py: this rank's shard
-           else _local_view(...)                    # here: the EP suffix of a pack
+           else _shared_prompt_view(...)            # here: each repeated prompt once (share_prompts) ...
+           or _local_view(...)                      # ... else the whole pack, with the EP suffix
     hidden = model.model(**view.inputs)             # under model/moe.py's masks and routing replay
+    hidden = hidden[:, expand]                      # shared prompts: back on the pack's slots
     out = token_log_probs(hidden, W, view.targets)  # model/logprobs.py
     view.restore(out) -> action axis                # [1, N] / [B, T-1]
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.attention import packed_attn_kwargs
+from model.attention import VARLEN, packed_attn_kwargs, shared_prompt_attn_kwargs
 from model.context_parallel import ShardedView, shard_forward
 from model.logprobs import LOGPROB_CHUNK_BYTES, token_log_probs
 from model.moe import ep_suffix_length, moe_blocks, moe_padding_mask, routing_replay
@@ -33,20 +35,26 @@ SUFFIX_TOKEN_ID = 0  # any valid id: suffix rows are causal-last, excluded from 
 
 # ------------------------------------------------------------------- the forward
 def _forward_slots(model: nn.Module, experience: Experience, dims: ParallelDims, replay: bool, *,
-                   pad: int | None = None) -> tuple[torch.Tensor, ShardedView]:
+                   pad: int | None = None, share_prompts: bool = False) -> tuple[torch.Tensor, ShardedView]:
     """Hidden states of every token slot this rank computes, and the view that puts
     per-slot outputs back on the layout of `action_mask`."""
     _check_batch(model, experience)
     targets, valid = _slot_targets(experience)
+    expand = None
     if dims.cp > 1:
         view = shard_forward(experience, targets, valid, dims)
+    elif share_prompts and (shared := _shared_prompt_view(model, experience, targets, valid, dims, pad)):
+        view, expand = shared
     else:
         view = _local_view(experience, targets, valid, dims.ep_group, pad=pad)
     routed = view.routed if replay else None
     if not moe_blocks(model, strict=False):
-        return model.model(**view.inputs).last_hidden_state, view
-    with moe_padding_mask(model, view.synthetic), routing_replay(model, routed):
-        return model.model(**view.inputs).last_hidden_state, view
+        hidden = model.model(**view.inputs).last_hidden_state
+    else:
+        with moe_padding_mask(model, view.synthetic), routing_replay(model, routed):
+            hidden = model.model(**view.inputs).last_hidden_state
+    # a member's prompt slots read their group's one copy; the gather's backward sums them
+    return (hidden if expand is None else hidden.index_select(1, expand)), view
 
 
 def _slot_targets(experience: Experience) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +123,99 @@ def _local_view(experience: Experience, targets: torch.Tensor, valid: torch.Tens
     return ShardedView(inputs, synthetic, routed, targets, valid, lambda out: out[:, :n])
 
 
+def _shared_prompt_view(model: nn.Module, experience: Experience, targets: torch.Tensor, valid: torch.Tensor,
+                        dims: ParallelDims, pad: int | None) -> tuple[ShardedView, torch.Tensor] | None:
+    """A pack whose repeated prompts run through the body once, or None (run the whole pack).
+
+    A GRPO group's samples share their prompt tokens; the body runs each distinct prompt once,
+    then each member's response (`_prompt_units`): ~700 instead of ~2100 tokens for 4 prompts
+    x 8 samples of 45 + 16 tokens. Responses keep their positions (P, P+1, ...) and attend to
+    their prompt and causally to their own tokens (model/attention.py `SharedPrompts`), so each
+    slot's hidden state is the unshared pack's; `expand [N]` puts them back on the pack's slots.
+    Returns the view (targets, valid and restore on the pack's `[1, N]` axis as `_local_view`'s;
+    inputs on the compressed `[1, N_c]` axis) and `expand`.
+
+    Only where it is exact and needs no collective: a pack, cp = ep = 1 (no EP suffix), no
+    explicit suffix, no `MoEBlock` (model/moe.py: its routing replay records, aux loss and
+    expert-load metric are per token of the whole pack; the trainer installs them on every MoE),
+    the "varlen" attention (the one that reads `shared_prompts`), an `action_mask` (it says
+    where each prompt ends), a repeated prompt.
+    """
+    if not experience.is_packed or dims.cp != 1 or dims.ep != 1 or pad or experience.action_mask is None:
+        return None
+    if moe_blocks(model, strict=False) or getattr(model.config, "_attn_implementation", None) != VARLEN:
+        return None
+    layout = _prompt_units(experience)
+    if layout is None:
+        return None
+    units, keep, expand = (x.to(experience.sequences.device) if torch.is_tensor(x) else x for x in layout)
+    ids = experience.sequences.index_select(1, keep)
+    inputs = {
+        "input_ids": ids,
+        "position_ids": experience.position_ids.index_select(1, keep),
+        "attention_mask": None,
+        "use_cache": False,
+        **shared_prompt_attn_kwargs(units, device=ids.device),
+    }
+    synthetic = torch.zeros_like(ids, dtype=torch.bool)
+    return ShardedView(inputs, synthetic, None, targets, valid, lambda out: out), expand
+
+
+def _prompt_units(experience: Experience) -> tuple[list[tuple[int, list[int]]], torch.Tensor, torch.Tensor] | None:
+    """The shared-prompt layout of a pack, or None when no prompt repeats.
+
+    A sample's prompt is its tokens before its first response token: P = (first True slot of
+    its `action_mask`) + 1 (slot k scores token k+1; rl/rollout/engine.py `make_record`).
+    Samples whose first P token ids and positions are equal (compared exactly, not by
+    `prompt_index`) form a group. Returns, in order of each group's first sample:
+    `units` (P, response lengths) of model/attention.py `shared_prompt_attn_kwargs` (a sample
+    alone, or with no response slot, is a unit `(T, [])`), `keep [N_c]` (the pack slot each
+    compressed slot copies: the group's first prompt, then every member's response) and
+    `expand [N]` (the compressed slot each pack slot reads).
+    """
+    lens = experience.packed_seq_lens
+    ids, pos = experience.sequences[0].cpu(), experience.position_ids[0].cpu()
+    first_action = _first_true(experience.action_mask[0].bool().cpu(), lens)
+    groups: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> [(start, length, prompt length)]
+    start = 0
+    for i, (t, k) in enumerate(zip(lens, first_action)):
+        p = k + 1
+        key = (p, ids[start:start + p].numpy().tobytes(), pos[start:start + p].numpy().tobytes()) if p < t else i
+        groups.setdefault(key, []).append((start, t, p))
+        start += t
+    if all(len(members) == 1 for members in groups.values()):
+        return None
+    units, keep, expand = [], [], torch.empty(start, dtype=torch.long)
+    offset = 0
+    for members in groups.values():
+        if len(members) == 1:
+            s, t, _ = members[0]
+            units.append((t, []))
+            keep.append(torch.arange(s, s + t))
+            expand[s:s + t] = torch.arange(offset, offset + t)
+            offset += t
+            continue
+        p = members[0][2]
+        units.append((p, [t - p for _, t, _ in members]))
+        keep.append(torch.arange(members[0][0], members[0][0] + p))
+        prompt = torch.arange(offset, offset + p)
+        offset += p
+        for s, t, _ in members:
+            keep.append(torch.arange(s + p, s + t))
+            expand[s:s + p] = prompt
+            expand[s + p:s + t] = torch.arange(offset, offset + t - p)
+            offset += t - p
+    return units, torch.cat(keep), expand
+
+
+def _first_true(mask: torch.Tensor, lens: list[int]) -> list[int]:
+    """Per packed sequence of `mask [N]`, the offset of its first True slot (its length if none)."""
+    starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
+    hits = torch.cat([mask.nonzero().squeeze(1), torch.tensor([mask.numel()])])  # a sentinel past the end
+    first = hits[torch.searchsorted(hits, starts)] - starts
+    return torch.minimum(first, torch.tensor(lens)).tolist()
+
+
 def _action_axis(out: torch.Tensor, experience: Experience) -> torch.Tensor:
     """Token axis -> action axis: `[1, N]` stays; `[B, T]` drops its last column -> `[B, T-1]`.
     Never a view: FSDP's pre-backward hook on the wrapper's output would not survive an
@@ -134,11 +235,13 @@ class Actor(nn.Module):
     `actions_only` runs the lm head on the slots `action_mask` selects only; every other slot
     is then exactly 0 (with no gradient) like a slot with no next token (the trainer's
     setting: its losses, KL and metrics are masked by `action_mask`).
+    `share_prompts` runs each prompt a pack repeats once through the body (`_shared_prompt_view`;
+    `model.share_prompts`): the same numbers up to fp32 rounding, a no-op where it does not apply.
     """
 
     def __init__(self, model: nn.Module, *, temperature: float = 1.0, chunk_bytes: int = LOGPROB_CHUNK_BYTES,
                  chunk_size: int | None = None, dims: ParallelDims | None = None, replay: bool = True,
-                 actions_only: bool = False) -> None:
+                 actions_only: bool = False, share_prompts: bool = False) -> None:
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"Actor: temperature={temperature}, expected > 0")
@@ -158,12 +261,14 @@ class Actor(nn.Module):
         self.dims = dims if dims is not None else ParallelDims()
         self.replay = replay
         self.actions_only = actions_only
+        self.share_prompts = share_prompts
 
     def forward(
         self, experience: Experience, return_entropy: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`action_log_probs` fp32 `[B, T-1]` / `[1, N]` (plus `entropy`, same shape, if asked)."""
-        hidden, view = _forward_slots(self.model, experience, self.dims, self.replay)
+        hidden, view = _forward_slots(self.model, experience, self.dims, self.replay,
+                                      share_prompts=self.share_prompts)
         rows = self._scored_rows(experience, view)
         if rows is not None:  # the lm head on the action slots only, scattered back onto the token axis
             hidden, targets = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), view.targets.reshape(-1)[rows]
@@ -200,14 +305,19 @@ class Critic(nn.Module):
 
     The value at slot k is that of the state after token k, read from hidden state k by an
     fp32 `Linear(hidden, 1)` head on the critic's own backbone (its lm_head goes unused).
+    `share_prompts` as the Actor's.
     """
 
-    def __init__(self, model: nn.Module, *, seed: int = 0, dims: ParallelDims | None = None) -> None:
+    def __init__(self, model: nn.Module, *, seed: int = 0, dims: ParallelDims | None = None,
+                 share_prompts: bool = False) -> None:
         super().__init__()
         self.model = model
         self.dims = dims if dims is not None else ParallelDims()
+        self.share_prompts = share_prompts
         size = model.config.hidden_size
         device = next(model.parameters()).device
+        if device.type == "meta":  # a checkpoint loaded shard by shard later (model/loading.py): seed it here
+            device = torch.device("cpu")
         self.value_head = nn.Linear(size, 1, dtype=torch.float32, device=device)
         gen = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():  # small: initial values ~0, so early advantages are ~returns
@@ -216,7 +326,8 @@ class Critic(nn.Module):
 
     def forward(self, experience: Experience) -> torch.Tensor:
         # the critic routes live: replayed routing serves the policy's rollout/train agreement
-        hidden, view = _forward_slots(self.model, experience, self.dims, replay=False)
+        hidden, view = _forward_slots(self.model, experience, self.dims, replay=False,
+                                      share_prompts=self.share_prompts)
         # the head's dot product as a per-row reduction: a [M, H] x [H, 1] gemv rounds
         # differently for different M, which would make padded and packed values differ
         values = (hidden.float() * self.value_head.weight[0]).sum(-1) + self.value_head.bias
