@@ -10,6 +10,10 @@ name it, and an unsupported `model_type` is refused before any weight is read. R
 models are built with transformers directly (nemo-automodel's `from_config` asserts CUDA);
 a checkpoint loads with transformers on CPU and with nemo-automodel's
 `NeMoAutoModelForCausalLM` when CUDA is present. Nothing is downloaded.
+
+`device="meta"` builds a checkpoint's module tree without storage (the dtype, config and
+attention of a plain load): model/loading.py then fills each rank's shard of it after
+sharding, so no rank reads the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -115,15 +119,23 @@ def build_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = VARLEN,
+    device: str | torch.device | None = None,
     **config_overrides,
 ) -> transformers.PreTrainedModel:
     """A causal LM on CPU: tiny random weights of family `name` seeded by `seed`, or the
     checkpoint at `pretrained_path` (its family from its config.json; a `name` given too
-    must agree).
+    must agree). With `device="meta"` and a `pretrained_path`: the checkpoint's model
+    without its weights (every tensor on the meta device), for `model.loading.load_sharded`.
 
     `config_overrides` are Hugging Face config fields (e.g. `num_hidden_layers=4`); an
     unknown key raises a ValueError naming it. The global RNG is left untouched.
     """
+    meta = device is not None and torch.device(device).type == "meta"
+    if device is not None and not meta:
+        raise ValueError(f"build_model: device={device!r}, expected None (CPU) or 'meta'")
+    if meta and pretrained_path is None:
+        raise ValueError("build_model: device='meta' needs a pretrained_path (a meta model is filled from a "
+                         "checkpoint)")
     if pretrained_path is not None:
         found = checkpoint_family(pretrained_path)
         if name is not None and name != found:
@@ -131,6 +143,8 @@ def build_model(
                              f"(leave model.name unset: the checkpoint's config.json names its family)")
         config_cls = MODELS[found][0]
         _check_keys(config_cls, config_overrides)
+        if meta:
+            return _skeleton(pretrained_path, dtype, attn_implementation, config_overrides)
         return _load(pretrained_path, dtype, attn_implementation, config_overrides)
     if name is None:
         raise ValueError("build_model: model.name is needed for a random-init model (no model.pretrained_path)")
@@ -144,10 +158,24 @@ def build_model(
     return lm.to(dtype)
 
 
-def _load(path, dtype, attn_implementation, overrides) -> transformers.PreTrainedModel:
+def _config(path, overrides):
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     for key, value in overrides.items():
         setattr(config, key, value)
+    return config
+
+
+def _skeleton(path, dtype, attn_implementation, overrides) -> transformers.PreTrainedModel:
+    """What `_load` builds before it reads a weight: the same config, dtype and attention,
+    every tensor on meta, in eval mode (as `from_pretrained` returns a model)."""
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(_config(path, overrides), dtype=dtype,
+                                              attn_implementation=attn_implementation)
+    return lm.eval()
+
+
+def _load(path, dtype, attn_implementation, overrides) -> transformers.PreTrainedModel:
+    config = _config(path, overrides)
     if torch.cuda.is_available():
         from nemo_automodel import NeMoAutoModelForCausalLM
 

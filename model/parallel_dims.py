@@ -53,25 +53,26 @@ class ParallelDims:
     fsdp_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        """The one check of the parallel sizes (config validation builds this too): each error
+        names the `parallel.*` setting and the sizes."""
         for name in ("cp", "ep", "world_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ParallelDims: {name}={value!r}, expected an int >= 1")
+                key = "world_size" if name == "world_size" else f"parallel.{name}"
+                raise ValueError(f"{key}={value!r}: expected an int >= 1")
         if isinstance(self.dp, bool) or not isinstance(self.dp, int) or (self.dp < 1 and self.dp != -1):
-            raise ValueError(f"ParallelDims: dp={self.dp!r}, expected an int >= 1 or -1 (infer world_size // cp)")
+            raise ValueError(f"parallel.dp={self.dp!r}: expected an int >= 1 or -1 (world_size // cp)")
         if self.world_size % self.cp:
-            raise ValueError(f"ParallelDims: cp={self.cp} does not divide world_size={self.world_size}")
+            raise ValueError(f"parallel.cp={self.cp} does not divide world_size={self.world_size} (torchrun starts "
+                             f"dp x cp ranks)")
         if self.dp == -1:
             self.dp = self.world_size // self.cp
         if self.dp * self.cp != self.world_size:
-            raise ValueError(
-                f"ParallelDims: dp={self.dp} x cp={self.cp} = {self.dp * self.cp} != world_size={self.world_size}"
-            )
+            raise ValueError(f"parallel.dp x parallel.cp must fill the world: dp={self.dp} x cp={self.cp} = "
+                             f"{self.dp * self.cp} != world_size={self.world_size} (parallel.dp=-1 fills it)")
         if self.dp % self.ep:
-            raise ValueError(
-                f"ParallelDims: ep={self.ep} does not divide dp={self.dp} (EP groups are carved from the dp dim; "
-                f"world_size={self.world_size}, cp={self.cp})"
-            )
+            raise ValueError(f"parallel.ep={self.ep} does not divide dp={self.dp} (EP groups are carved from the "
+                             f"data-parallel ranks; world_size={self.world_size}, parallel.cp={self.cp})")
         self.device = torch.device(self.device)
 
     # ------------------------------------------------------------------ ranks

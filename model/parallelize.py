@@ -2,17 +2,24 @@
 
     parallelize(actor, dims, param_dtype=torch.bfloat16, activation_checkpointing=True)
 
-applies, in order (each its own small function):
-1. `cp_varlen` attention when cp > 1 (context parallelism shards the batch, not the model);
-2. expert parallelism (`apply_expert_parallel`): every MoE model gets `MoEBlock`s, so
-   padding masks and routing replay always apply; with ep > 1 each rank keeps E/ep experts;
-3. activation checkpointing per decoder layer;
-4. FSDP2 (`fully_shard`): each expert module over the ranks holding its shard
-   (`dims.expert_fsdp_mesh`, edp x cp), each decoder layer and then the wrapper itself
-   (Actor / Critic: its forward reads the lm head weight) over every rank (`dims.fsdp_mesh`).
-   Every microbatch loss is already a share of the step's global mean, so gradients are
-   SUMMED (divide factor 1): the sum over (dp, cp) of each rank's gradient is the
-   one-process gradient.
+is the one composition (torchtitan's `parallelize_fn`); it calls each `apply_*` once, in
+this order, each its own small function here, side by side, each a no-op where its size is 1:
+
+1. `apply_context_parallel`: `cp_varlen` attention when cp > 1 (context parallelism shards
+   the batch, not the model; the K/V gather lives in model/context_parallel.py);
+2. `apply_expert_parallel`: every MoE model gets `MoEBlock`s (model/moe.py), so padding
+   masks and routing replay always apply; with ep > 1 each rank keeps E/ep experts;
+3. `apply_activation_checkpointing`: per decoder layer (when asked);
+4. `apply_fsdp`: FSDP2 (`fully_shard`) when world_size > 1: each expert module over the
+   ranks holding its shard (`dims.expert_fsdp_mesh`, edp x cp), each decoder layer and then
+   the wrapper itself (Actor / Critic: its forward reads the lm head weight) over every rank
+   (`dims.fsdp_mesh`). Every microbatch loss is already a share of the step's global mean,
+   so gradients are SUMMED (divide factor 1): the sum over (dp, cp) of each rank's
+   gradient is the one-process gradient.
+
+A model on the meta device (a checkpoint's skeleton, `build_model(..., device="meta")`) is
+parallelized the same way, shapes only; `model.loading.load_sharded` then reads each
+rank's shard from the checkpoint.
 
 `clip_grad_norm_` clips by the global norm (every dense and expert parameter counted once,
 the same value on every rank). `full_parameters` yields the unsharded weights one tensor at
@@ -30,9 +37,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from model import moe
 from model.context_parallel import CP_VARLEN
-from model.moe import (EXPERT_PARAM_NAMES, MoEBlock, apply_expert_parallel, expert_load, is_moe, moe_blocks,
-                       moe_state)
+from model.moe import EXPERT_PARAM_NAMES, MoEBlock, expert_load, is_moe, moe_blocks, moe_state
 from model.parallel_dims import ParallelDims
 
 
@@ -41,23 +48,51 @@ def parallelize(wrapper: nn.Module, dims: ParallelDims, *, param_dtype: torch.dt
     """Apply CP attention, EP, activation checkpointing and FSDP2 to `wrapper` (an Actor or
     Critic holding a Hugging Face causal LM in `.model`) in place; returns it."""
     model = wrapper.model
-    model.to(dims.device)
-    if dims.cp > 1:  # "cp_varlen" is "varlen" plus the K/V gather when a cp_context is passed
-        model.set_attn_implementation(CP_VARLEN)
-    if is_moe(model) and not moe_blocks(model, strict=False):
-        apply_expert_parallel(model, dims.ep_group)
-    elif dims.ep > 1 and not is_moe(model):
-        raise ValueError(f"parallel.ep={dims.ep} but {type(model).__name__} has no experts; use ep=1 for dense models")
-    wrapper.to(dims.device)
+    if not on_meta(wrapper):  # a meta skeleton gets its storage on the device from load_sharded
+        model.to(dims.device)
+    apply_context_parallel(model, dims)
+    apply_expert_parallel(model, dims)
+    if not on_meta(wrapper):
+        wrapper.to(dims.device)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    if dims.world_size > 1:
-        apply_fsdp(wrapper, dims, param_dtype=param_dtype)
+    apply_fsdp(wrapper, dims, param_dtype=param_dtype)
     return wrapper
+
+
+def on_meta(module: nn.Module) -> bool:
+    """True when any parameter or buffer of `module` has no storage yet (the meta device)."""
+    return any(_local(t).is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(model.model.layers)
+
+
+# ------------------------------------------------------------ context parallelism
+def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
+    """cp > 1: attention through "cp_varlen" ("varlen" plus the K/V gather over the CP group
+    when the forward passes a cp_context); the model's weights are not sharded by CP."""
+    if dims.cp > 1:
+        model.set_attn_implementation(CP_VARLEN)
+
+
+# ------------------------------------------------------------- expert parallelism
+def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> None:
+    """Every MoE model's sparse blocks become `MoEBlock`s holding this EP rank's experts
+    (`model.moe.apply_expert_parallel` over `dims.ep_group`; all experts when ep == 1), once;
+    ep > 1 on a dense model is an error naming parallel.ep."""
+    if not is_moe(model):
+        if dims.ep > 1:
+            raise ValueError(f"parallel.ep={dims.ep} but {type(model).__name__} has no experts; use ep=1 for dense "
+                             f"models")
+        return
+    if not moe_blocks(model, strict=False):
+        moe.apply_expert_parallel(model, dims.ep_group)
 
 
 # -------------------------------------------------------- activation checkpointing
@@ -95,6 +130,10 @@ def _checkpointed(forward, blocks):
 
 # ------------------------------------------------------------------------ FSDP2
 def apply_fsdp(wrapper: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype | None = None) -> None:
+    """FSDP2 over the world (a no-op for one process): experts over `dims.expert_fsdp_mesh`,
+    decoder layers and the wrapper over `dims.fsdp_mesh`; gradients summed."""
+    if dims.world_size == 1:
+        return
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     model = wrapper.model
     for block in moe_blocks(model, strict=False):

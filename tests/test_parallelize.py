@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from conftest import make_records
-from distributed import run_distributed
-from parity_check import assert_control_fails, assert_parity
+from scripts.distributed import run_distributed
+from scripts.parity_check import assert_control_fails, assert_parity
 from model import parallelize as par
 from model.actor import Actor
 from model.models import build_model
@@ -182,3 +182,42 @@ def test_every_collective_model_and_batch_is_on_the_rank_device():
         assert r["unmoved_models"] == []
     control = run_distributed(audited_step, 4, True, timeout=300)
     assert all(any("all_reduce: (1,)" in p for p in r["problems"]) for r in control)
+
+
+# ------------------------------------------------------------ one home per parallelism
+@pytest.mark.parametrize("overrides, world_size", [(("parallel.cp=3",), 4), (("parallel.dp=3",), 4),
+                                                   (("parallel.ep=3",), 4), (("parallel.cp=2", "parallel.ep=3"), 8)])
+def test_config_validation_refuses_bad_sizes_with_parallel_dims_own_message(overrides, world_size):
+    """One check of cp/dp/ep against the world: the config's error is ParallelDims', naming the keys."""
+    from inprocess import compose
+
+    sizes = {k.split(".")[1]: int(v) for k, v in (o.split("=") for o in overrides)}
+    with pytest.raises(ValueError) as from_dims:
+        ParallelDims(world_size=world_size, **sizes)
+    with pytest.raises(ValueError) as from_config:
+        compose(*overrides, "task.prompts_per_step=8", world_size=world_size)
+    message = str(from_dims.value)
+    assert str(from_config.value) == message and "parallel." in message and f"world_size={world_size}" in message
+
+
+def test_validation_returns_the_run_parallel_dims():
+    from inprocess import compose
+    from rl.config import validate
+
+    dims = validate(compose("parallel.cp=2", "parallel.ep=2", "task.prompts_per_step=8", check=False), world_size=8)
+    assert (dims.dp, dims.cp, dims.ep, dims.edp, dims.world_size) == (4, 2, 2, 2, 8)
+
+
+def test_the_trainer_build_applies_each_parallelism_once_per_model(monkeypatch):
+    """Policy and reference: apply_context_parallel, apply_expert_parallel, apply_activation_checkpointing
+    and apply_fsdp each run once per model (each a no-op where its size is 1)."""
+    from inprocess import SMALL, trainer
+
+    calls = {}
+    for name in ("apply_context_parallel", "apply_expert_parallel", "apply_activation_checkpointing", "apply_fsdp"):
+        original = getattr(par, name)
+        monkeypatch.setattr(par, name, lambda *a, _f=original, _n=name, **k: (calls.__setitem__(
+            _n, calls.get(_n, 0) + 1), _f(*a, **k))[1])
+    tr = trainer(*SMALL, "algo.kl_coef=0.01", "trainer.activation_checkpointing=true")
+    assert calls == dict.fromkeys(calls, 2) and len(calls) == 4, calls
+    assert moe_blocks(tr.actor.model) and moe_blocks(tr.reference.model)
