@@ -1,5 +1,7 @@
-"""Will it fit? Per-GPU memory of one policy-training step for Qwen3-8B, Qwen3-30B-A3B and
-Qwen3-235B-A22B on 8 and 64 GPUs of 80 GB, for a few dp x cp x ep layouts and pack sizes.
+"""Will it fit? Per-GPU memory of one policy-training step for Qwen2.5-7B, Qwen3-8B,
+Qwen3-30B-A3B and Qwen3-235B-A22B on 8 and 64 GPUs of 80 GB, for a few dp x cp x ep layouts
+and pack sizes; then the rollout's memory per GPU in each rollout mode (rollout.replica) for
+Qwen2.5-7B, Qwen3-8B and Qwen3-30B-A3B on 8 GPUs, and the mode the start-up plan chooses.
 
 Parameter counts are exact: each model is built on the meta device from its real config
 (below; no weights, nothing downloaded) and its parameters are counted, dense apart from
@@ -35,11 +37,30 @@ activation checkpointing per decoder layer (trainer.activation_checkpointing):
         log-softmax, their gradient; model/logprobs.py recomputes chunk by chunk)
 A layout fits when state + transients + activations <= GPU memory - reserve (CUDA context,
 NCCL buffers, allocator fragmentation). Not counted: the rollout engine's copy of the policy
-(the HF engine keeps an unsharded bf16 replica, 2 B x params, shown as `rollout` and as a
-second verdict), a reference model (kl_coef > 0: 2 B x params / world more), a critic (PPO:
-the state again), the KV cache of generation.
+(an unsharded bf16 copy, 2 B x params, is shown as `rollout` and as a second verdict: a lower
+bound, the HF engine builds its copy in model.dtype; the rollout table below counts it so),
+a reference model (kl_coef > 0: 2 B x params / world more), a critic (PPO: the state again),
+the KV cache of generation (in the rollout table).
 
-    python bench/memory_plan.py [--gpu-gib 80] [--reserve-gib 8]
+Rollout (second table), per GPU, at the rollout (the training state stays resident: fp32
+parameters + AdamW moments = 12 B/param/world; gradients are freed by zero_grad) and over the
+whole step (peak of rollout and training):
+    keep     the HF engine's unsharded copy, built in model.dtype (the fp32 master: 4 B x params)
+             and resident through training too; its KV cache and compute in fp32
+    sharded  generation with the FSDP2 policy (rl/rollout/engine.py PolicyRolloutEngine): the root
+             (embeddings, norm, lm head) gathered in bf16 for the whole rollout + two decoder
+             layers in bf16 (the one computing, the next being gathered; experts: this EP rank's
+             E/ep); KV cache in bf16; no copy
+    vllm     an external colocated engine (sleep mode: nothing of it resident during training):
+             bf16 weights / TP + bf16 KV cache / TP; the smallest TP of 1, 2, 4, 8 that fits
+    KV cache: rollout_rows x rollout_len tokens x 2 (K, V) x layers x kv_heads x head_dim x dtype;
+    sampling buffers: rows x vocab x 16 B (fp32 logits, fp32 log-softmax, fp64 CDF).
+`chosen` is what `rollout.replica=auto` decides at start-up (rl/rollout/plan.py `choose`, the
+same function): keep when copy + training state to come (gradients + AdamW, 12 B/param/world)
+<= 90% of the free memory after the shards are placed (GPU - reserve - 4 B/param/world), else
+sharded. `keep_fits` / `sharded_fits` check each mode against the fuller model above.
+
+    python bench/memory_plan.py [--gpu-gib 80] [--reserve-gib 8] [--rollout-rows 32] [--rollout-len 2048]
 
 Prints the table, then one JSON line: which layouts fit (bench/results/memory_plan.json).
 """
@@ -55,17 +76,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit  # noqa: E402  (puts the repo on sys.path)
 
 import torch  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,  # noqa: E402
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from model.moe import is_expert_param  # noqa: E402
+from rl.rollout.plan import RESERVE, choose  # noqa: E402
 
 GIB = 2**30
 BF16, FP32 = 2, 4
 STATE_BYTES = FP32 + FP32 + 2 * FP32  # master params, grads, AdamW moments
 LOGPROB_CHUNK = 1024  # ModelConfig.logprob_chunk_size
 
-# The models' config.json on the Hugging Face hub (Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B,
-# Qwen/Qwen3-235B-A22B); the same numbers appear in Megatron launch scripts for these models
+# The models' config.json on the Hugging Face hub (Qwen/Qwen2.5-7B, Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B,
+# Qwen/Qwen3-235B-A22B; Qwen2.5-7B's published 7.61B is 7,615,616,512 exactly); the same numbers appear in Megatron launch scripts for these models
 # (e.g. THUDM/slime scripts/models/qwen3-*.sh). `published` is the total parameter count
 # (Qwen3-8B: the hub's safetensors total; the MoE models: keras-hub's presets, whose converter
 # asserts equality with transformers' num_parameters()); the meta count must equal it.
@@ -73,6 +96,10 @@ _COMMON = dict(vocab_size=151936, head_dim=128, tie_word_embeddings=False, max_p
                rope_theta=1_000_000.0, rms_norm_eps=1e-6)
 _MOE = dict(num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
 MODELS = {
+    "Qwen2.5-7B": (Qwen2Config, Qwen2ForCausalLM, 7_615_616_512, dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, max_position_embeddings=131072,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6)),
     "Qwen3-8B": (Qwen3Config, Qwen3ForCausalLM, 8_190_735_360, dict(
         _COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
         num_attention_heads=32, num_key_value_heads=8)),
@@ -86,6 +113,7 @@ MODELS = {
 
 # (model, GPUs, dp, cp, ep): world = dp * cp, ep divides dp and the expert count
 LAYOUTS = [
+    ("Qwen2.5-7B", 8, 8, 1, 1), ("Qwen2.5-7B", 8, 4, 2, 1),
     ("Qwen3-8B", 8, 8, 1, 1), ("Qwen3-8B", 8, 4, 2, 1), ("Qwen3-8B", 64, 64, 1, 1), ("Qwen3-8B", 64, 32, 2, 1),
     ("Qwen3-30B-A3B", 8, 8, 1, 1), ("Qwen3-30B-A3B", 8, 8, 1, 8), ("Qwen3-30B-A3B", 8, 4, 2, 4),
     ("Qwen3-30B-A3B", 64, 64, 1, 8), ("Qwen3-30B-A3B", 64, 32, 2, 8),
@@ -132,10 +160,14 @@ def count(name: str) -> Counts:
                   root=total - len(layers) * (layer_dense + layer_experts), config=config)
 
 
+def head_dim(c) -> int:
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # Qwen2 has no field
+
+
 def activation_bytes(c, tokens: int, cp: int, skew: float = 1.0) -> float:
     """Peak activation bytes of one rank for a microbatch of `tokens` tokens (see the module docstring)."""
     H, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    q, kv = c.num_attention_heads * head_dim(c), c.num_key_value_heads * head_dim(c)
     local = tokens / cp
     attention = (3 * H + 4 * q + 4 * kv) * BF16 + FP32 * c.num_attention_heads
     if getattr(c, "num_experts", 0):
@@ -171,6 +203,63 @@ def plan(counts: dict[str, Counts], gpu_gib: float, reserve_gib: float, skew: fl
     return rows
 
 
+# (model, GPUs, dp, cp, ep) of the rollout table: 8 GPUs, each model's layout whose training fits
+# (Qwen3-30B-A3B needs ep=8: at ep=1 a gathered layer holds all 128 experts and training alone is over)
+ROLLOUT_LAYOUTS = [("Qwen2.5-7B", 8, 8, 1, 1), ("Qwen3-8B", 8, 8, 1, 1), ("Qwen3-30B-A3B", 8, 8, 1, 8)]
+ROLLOUT_TRAIN_TOKENS = 8192  # the training row each rollout row stands beside
+TP_SIZES = (1, 2, 4, 8)
+
+
+def kv_bytes_per_token(c, dtype_bytes: int) -> int:
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim(c) * dtype_bytes
+
+
+def rollout_plan(counts: dict[str, Counts], train_rows: list[dict], gpu_gib: float, reserve_gib: float,
+                 rows: int, length: int) -> list[dict]:
+    """Per-GPU rollout memory of each mode and the start-up choice (module docstring)."""
+    budget = (gpu_gib - reserve_gib) * GIB
+    out = []
+    for name, gpus, dp, cp, ep in ROLLOUT_LAYOUTS:
+        c, P = counts[name], counts[name].total
+        train = next(r for r in train_rows if (r["model"], r["gpus"], r["dp"], r["cp"], r["ep"], r["max_tokens"])
+                     == (name, gpus, dp, cp, ep, ROLLOUT_TRAIN_TOKENS))["total"] * GIB
+        shards = FP32 * P / gpus
+        resident = 3 * shards  # fp32 parameters + AdamW moments; gradients freed after the step
+        tokens = rows * length
+        sampling = rows * c.config.vocab_size * (FP32 + FP32 + 8)
+        replica = FP32 * P
+        keep_rollout = resident + replica + tokens * kv_bytes_per_token(c.config, FP32) + sampling
+        keep = max(keep_rollout, train + replica)
+        gathered = BF16 * c.root + 2 * BF16 * (c.layer_dense + c.layer_experts / ep)
+        sharded_rollout = resident + gathered + tokens * kv_bytes_per_token(c.config, BF16) + sampling
+        sharded = max(sharded_rollout, train)
+        vllm = {tp: resident + (BF16 * P + tokens * kv_bytes_per_token(c.config, BF16)) / tp + sampling
+                for tp in TP_SIZES}
+        tp_min = next((tp for tp in TP_SIZES if max(vllm[tp], train) <= budget), None)
+        # what rollout.replica=auto decides at start-up: the free memory it sees once the shards are placed
+        free = budget - shards
+        plan = choose("auto", engine="hf", replica_bytes=int(replica), state_bytes=int(3 * shards),
+                      budget_bytes=int(free * (1 - RESERVE)), budget_source="bench")
+        out.append({"model": name, "gpus": gpus, "dp": dp, "cp": cp, "ep": ep, "params": P,
+                    "train_peak": train / GIB, "resident": resident / GIB, "kv_tokens": tokens,
+                    "keep_copy": replica / GIB, "keep_rollout": keep_rollout / GIB, "keep_peak": keep / GIB,
+                    "sharded_gathered": gathered / GIB, "sharded_rollout": sharded_rollout / GIB,
+                    "sharded_peak": sharded / GIB, "vllm_tp": tp_min,
+                    "vllm_rollout": (vllm[tp_min] if tp_min else vllm[TP_SIZES[-1]]) / GIB,
+                    "keep_fits": keep <= budget, "sharded_fits": sharded <= budget, "chosen": plan.mode,
+                    "chosen_rollout": (keep_rollout if plan.mode == "keep" else sharded_rollout) / GIB})
+    return out
+
+
+def rollout_table(rows: list[dict]) -> str:
+    head = ["model", "GPUs", "train peak", "resident", "keep: copy", "rollout", "peak", "fits",
+            "sharded: gathered", "rollout", "peak", "fits", "vllm TP", "rollout", "chosen", "chosen rollout"]
+    keys = ["model", "gpus", "train_peak", "resident", "keep_copy", "keep_rollout", "keep_peak", "keep_fits",
+            "sharded_gathered", "sharded_rollout", "sharded_peak", "sharded_fits", "vllm_tp", "vllm_rollout",
+            "chosen", "chosen_rollout"]
+    return _format(head, keys, rows)
+
+
 def layout_id(r: dict) -> str:
     return f"{r['model']}@{r['gpus']}:dp{r['dp']}xcp{r['cp']}xep{r['ep']},T{r['max_tokens'] // 1024}k"
 
@@ -180,8 +269,16 @@ def table(rows: list[dict]) -> str:
             "activations", "total", "fits", "rollout", "fits_with_rollout"]
     head = ["model", "GPUs", "dp", "cp", "ep", "tokens", "params", "grads", "adam", "transient",
             "activ.", "total GiB", "fits", "+rollout", "fits w/ rollout"]
-    cells = [[f"{r[k]:.1f}" if isinstance(r[k], float) else ("yes" if r[k] is True else "no" if r[k] is False else str(r[k]))
-              for k in cols] for r in rows]
+    return _format(head, cols, rows)
+
+
+def _format(head: list[str], keys: list[str], rows: list[dict]) -> str:
+    def cell(v) -> str:
+        if isinstance(v, bool):
+            return "yes" if v else "no"
+        return "-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)
+
+    cells = [[cell(r[k]) for k in keys] for r in rows]
     widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(head)]
     fmt = lambda row: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
     return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, cells)])
@@ -192,6 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU, GiB")
     p.add_argument("--reserve-gib", type=float, default=8.0, help="CUDA context, NCCL buffers, fragmentation")
     p.add_argument("--routing-skew", type=float, default=1.0, help="busiest rank's routed tokens over the mean")
+    p.add_argument("--rollout-rows", type=int, default=32, help="samples generated together per GPU")
+    p.add_argument("--rollout-len", type=int, default=2048, help="prompt + response tokens of each")
     args = p.parse_args(argv)
 
     counts = {name: count(name) for name in MODELS}
@@ -203,14 +302,23 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nGiB per GPU; fits: total <= {args.gpu_gib:g} - {args.reserve_gib:g} reserve GiB "
           f"(state 16 B/param sharded, bf16 compute, activation checkpointing per layer)")
     print(table(rows))
+    rollout = rollout_plan(counts, rows, args.gpu_gib, args.reserve_gib, args.rollout_rows, args.rollout_len)
+    print(f"\nRollout, GiB per GPU ({args.rollout_rows} x {args.rollout_len} tokens of KV cache per GPU; training "
+          f"beside it: T{ROLLOUT_TRAIN_TOKENS // 1024}k; fits: <= {args.gpu_gib:g} - {args.reserve_gib:g} GiB at "
+          f"the step's peak; chosen: rollout.replica=auto at start-up)")
+    print(rollout_table(rollout))
     summary = {
         "gpu_gib": args.gpu_gib, "reserve_gib": args.reserve_gib,
         "params": {name: c.total for name, c in counts.items()},
         "fits": [layout_id(r) for r in rows if r["fits"]],
         "does_not_fit": [layout_id(r) for r in rows if not r["fits"]],
         "fits_with_rollout_copy": [layout_id(r) for r in rows if r["fits_with_rollout"]],
+        "rollout_chosen": {r["model"]: r["chosen"] for r in rollout},
+        "rollout_gib_chosen": {r["model"]: round(r["chosen_rollout"], 1) for r in rollout},
+        "rollout_gib_keep": {r["model"]: round(r["keep_rollout"], 1) for r in rollout},
+        "rollout_gib_sharded": {r["model"]: round(r["sharded_rollout"], 1) for r in rollout},
     }
-    return emit("memory_plan", summary, {"rows": rows})
+    return emit("memory_plan", summary, {"rows": rows, "rollout": rollout})
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ from typing import Any, Dict, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from model.parallel_dims import resolve_device
-from rl.algos.advantages import AdvantageConfig, get_advantage_estimator
+from model.parallel_dims import ParallelDims, resolve_device
+from rl.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, get_advantage_estimator
 from rl.choice import Choice
+from rl.rollout.plan import ReplicaMode, check_sharded
 from rl.algos.losses import KLConfig, KLMode, PolicyLossConfig, check_policy_loss_config
 from rl.tasks.task import TaskName
 from rl.trainer.schedule import LRSchedule
@@ -62,6 +63,9 @@ class ModelConfig:
     # bytes of one [rows, vocab] fp32 chunk of the log-prob head: rows = bytes // (4 x vocab), so every
     # vocabulary reaches the same peak; a microbatch that fits one chunk skips the backward recompute
     logprob_chunk_bytes: int = 512 * 2**20
+    # run each prompt a pack repeats (a GRPO group's samples) once through the body (model/actor.py
+    # _shared_prompt_view); padded batches, cp/ep > 1, MoE and packs without a repeat run as before
+    share_prompts: bool = True
     overrides: Dict[str, Any] = field(default_factory=dict)  # Hugging Face config fields
 
 
@@ -72,11 +76,19 @@ class ParallelConfig:
     ep: int = 1
 
 
+class Balance(Choice):
+    """`batch.balance`: what the microbatch planner evens out across DP ranks and microbatches."""
+
+    TOKENS = "tokens"
+    FLOPS = "flops"  # a * tokens + b * tokens^2 from the model config (packing/planner.py flop_cost)
+
+
 @dataclass
 class BatchConfig:
     packed: bool = True
-    max_tokens: int = 4096  # token budget of one microbatch (token-budget planner)
+    max_tokens: int = 4096  # token budget of one microbatch (token-budget planner; a hard cap)
     micro_batch_size: Optional[int] = None  # fixed samples per microbatch instead of a token budget
+    balance: Balance = Balance.FLOPS
 
 
 @dataclass
@@ -150,7 +162,13 @@ class RolloutConfig:
     """`rollout.*`: which engine generates, and the vLLM engine's settings (rl/rollout/vllm_engine.py)."""
 
     engine: RolloutEngineName = RolloutEngineName.HF
-    sync_bucket_bytes: int = 64 << 20  # weight sync: bytes per shared-memory bucket (trainer -> vLLM)
+    # where generation gets its weights (rl/rollout/plan.py): auto = keep an unsharded copy if the start-up
+    # memory plan says it fits, else sharded (generate with the FSDP2-sharded policy itself)
+    replica: ReplicaMode = ReplicaMode.AUTO
+    memory_budget_gb: Optional[float] = None  # the plan's per-rank budget; None = the device's free memory
+    # weight sync: bytes of full tensors gathered per bucket (rl/rollout/sync.py; also vLLM's shared-memory
+    # bucket); None = the larger of 256 MiB and the largest tensor
+    sync_bucket_bytes: Optional[int] = None
     tensor_parallel_size: int = 1  # vLLM TP inside the torchrun ranks (cuda, external_launcher); 1 on cpu
     gpu_memory_utilization: float = 0.3  # cuda: vLLM's share of the GPU beside the colocated trainer
     enable_sleep_mode: bool = True  # cuda: vLLM sleeps (level 1) during training, wakes for the sync
@@ -244,8 +262,9 @@ def _unset_required(node: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    """Everything checkable before a model is built; each error names its key."""
+def validate(cfg: Config, world_size: int) -> ParallelDims:
+    """Everything checkable before a model is built; each error names its key. Returns the
+    run's `ParallelDims` (sizes only: `init_distributed` joins the group and builds the meshes)."""
     positive = {
         "task.prompts_per_step": cfg.task.prompts_per_step, "task.samples_per_prompt": cfg.task.samples_per_prompt,
         "task.max_new_tokens": cfg.task.max_new_tokens, "batch.max_tokens": cfg.batch.max_tokens,
@@ -263,8 +282,9 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ValueError(f"{key}={value}: expected a positive number")
     if cfg.batch.micro_batch_size is not None and cfg.batch.micro_batch_size <= 0:
         raise ValueError(f"batch.micro_batch_size={cfg.batch.micro_batch_size}: expected a positive number or null")
-    cp = cfg.parallel.cp
-    dp = cfg.parallel.dp if cfg.parallel.dp != -1 else max(world_size // max(cp, 1), 1)
+    # the one check of the parallel sizes (cp, dp, ep against the world): ParallelDims' own
+    dims = ParallelDims(dp=cfg.parallel.dp, cp=cfg.parallel.cp, ep=cfg.parallel.ep, world_size=world_size)
+    dp, cp = dims.dp, dims.cp
     if cfg.task.prompts_per_step % dp:
         raise ValueError(f"task.prompts_per_step={cfg.task.prompts_per_step} does not divide over dp={dp} ranks "
                          f"(world_size={world_size}, parallel.cp={cp})")
@@ -280,12 +300,19 @@ def validate(cfg: Config, world_size: int) -> None:
     if advantage.needs_groups and cfg.task.samples_per_prompt < 2:
         raise ValueError(f"algo.advantage={advantage.name} with task.samples_per_prompt={cfg.task.samples_per_prompt}: "
                          "a group of one sample has advantage 0 everywhere (nothing to learn); use >= 2")
-    if cfg.algo.kl_coef and KLMode(cfg.algo.kl_mode) is KLMode.REWARD and not advantage.uses_critic:
-        # these advantages are computed from the rewards before the scoring pass has the
-        # reference log-probs, so a KL reward penalty would be computed and never read
-        raise ValueError(f"algo.kl_mode=reward with algo.advantage={advantage.name}: only gae reads a per-token "
-                         "KL reward (its advantages wait for the scoring pass); use algo.kl_mode=loss, or "
-                         "algo.advantage=gae")
+    # the KL to the reference is either a loss term or a reward penalty, never both (rl/algos/advantages.py)
+    kl_mode = KLMode(cfg.algo.kl_mode)
+    if cfg.algo.kl_coef and kl_mode is KLMode.REWARD and not advantage.token_level:
+        # a sequence-level estimator folds the KL into each sample's scalar reward before its
+        # group baseline, but a rank holds only its own samples' KL (only the rewards are gathered)
+        token_level = sorted(e.name for e in ADVANTAGE_ESTIMATORS.values() if e.token_level)
+        raise ValueError(f"algo.kl_mode=reward with algo.advantage={advantage.name}: its group baseline would need "
+                         f"every sample's KL on every rank; use algo.kl_mode=loss, or a token-level estimator "
+                         f"({', '.join(token_level)}) that reads the KL per token")
+    if cfg.algo.kl_coef and kl_mode is KLMode.LOSS and advantage.kl_in_reward:
+        raise ValueError(f"algo.advantage={advantage.name} with algo.kl_coef={cfg.algo.kl_coef} and "
+                         f"algo.kl_mode=loss: {advantage.name} puts the KL in the reward (-kl_coef * kl per "
+                         f"token), not in the loss; set algo.kl_mode=reward")
     if cfg.model.pretrained_path is not None:
         if not Path(cfg.model.pretrained_path).is_dir():
             raise ValueError(f"model.pretrained_path={cfg.model.pretrained_path!r}: folder not found (a local "
@@ -305,24 +332,15 @@ def validate(cfg: Config, world_size: int) -> None:
         if limit is not None and cfg.task.max_new_tokens >= limit:
             raise ValueError(f"task.max_new_tokens={cfg.task.max_new_tokens} leaves no room for a prompt within "
                              f"model.overrides.max_position_embeddings={limit}")
-    _check_layout(cfg, world_size, dp)
+    _check_experts(cfg, dims.ep)
     _check_device(cfg)
     _check_rollout(cfg, world_size)
+    return dims
 
 
-def _check_layout(cfg: Config, world_size: int, dp: int) -> None:
-    """cp divides the world, ep divides dp and the expert count (what ParallelDims and
-    apply_expert_parallel would refuse later, named by config key here)."""
-    cp, ep = cfg.parallel.cp, cfg.parallel.ep
-    if cp < 1 or ep < 1 or world_size % cp:
-        raise ValueError(f"parallel.cp={cp}, parallel.ep={ep}: expected cp >= 1 dividing world_size={world_size}, "
-                         f"ep >= 1")
-    if dp * cp != world_size:
-        raise ValueError(f"parallel.dp={cfg.parallel.dp} x parallel.cp={cp} = {dp * cp} != world_size={world_size} "
-                         f"(parallel.dp=-1 fills the world)")
-    if dp % ep:
-        raise ValueError(f"parallel.ep={ep} does not divide dp={dp} (EP groups are carved from the data-parallel "
-                         f"ranks; world_size={world_size}, parallel.cp={cp})")
+def _check_experts(cfg: Config, ep: int) -> None:
+    """ep divides the expert count (what apply_expert_parallel would refuse later, named by
+    config key here); the sizes against the world are ParallelDims' check."""
     if ep > 1 and model_family(cfg) == ModelName.QWEN3_MOE.value:
         experts, key = _num_experts(cfg)
         if experts is not None and experts % ep:
@@ -368,7 +386,7 @@ def _check_rollout(cfg: Config, world_size: int) -> None:
     """`rollout.*`: sizes, and for the vLLM engine that the extra is installed, that vLLM
     knows the model's family and, for MoE routing replay, can return routed experts."""
     r = cfg.rollout
-    if r.sync_bucket_bytes < 1 << 20:
+    if r.sync_bucket_bytes is not None and r.sync_bucket_bytes < 1 << 20:
         raise ValueError(f"rollout.sync_bucket_bytes={r.sync_bucket_bytes}: expected >= 1 MiB (1048576)")
     if not 0 < r.gpu_memory_utilization < 1:
         raise ValueError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: expected a fraction in (0, 1)")
@@ -377,6 +395,10 @@ def _check_rollout(cfg: Config, world_size: int) -> None:
     if r.tensor_parallel_size < 1 or world_size % r.tensor_parallel_size:
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: expected >= 1 dividing "
                          f"world_size={world_size}")
+    if r.memory_budget_gb is not None and r.memory_budget_gb <= 0:
+        raise ValueError(f"rollout.memory_budget_gb={r.memory_budget_gb}: expected > 0 (or null: the device's)")
+    if ReplicaMode(r.replica) is ReplicaMode.SHARDED:
+        check_sharded(cfg)
     if RolloutEngineName(r.engine) is not RolloutEngineName.VLLM:
         return
     from rl.rollout.vllm_engine import check_vllm_config  # imports vllm: only for rollout.engine=vllm

@@ -100,7 +100,7 @@ def test_float16_on_cpu_is_refused(key):
 
 
 def test_ep_must_divide_the_expert_count():
-    message = refused("parallel.ep=4", "model.overrides.num_experts=6", world_size=4)
+    message = refused("parallel.ep=4", "+model.overrides.num_experts=6", world_size=4)
     assert message.startswith("parallel.ep=4 does not divide model.overrides.num_experts=6"), message
 
 
@@ -157,8 +157,16 @@ def test_a_value_outside_a_closed_choice_names_the_key_and_the_choices(override,
     assert f"full_key: {key}" in message and choice.upper().replace("-", "_") in message, message
 
 
-@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("advantage", ["grpo", "rloo"])
 def test_a_kl_reward_that_nothing_would_read_is_refused(advantage):
     message = refused(f"algo.advantage={advantage}", "algo.kl_coef=0.01", "algo.kl_mode=reward")
     assert "algo.kl_mode=reward" in message and f"algo.advantage={advantage}" in message
-    compose("algo=ppo")  # gae reads it: accepted
+    compose("algo=ppo")  # gae reads it per token: accepted
+    for token_level in ("reinforce_pp", "reinforce_pp_baseline"):  # and so does the REINFORCE++ pair
+        compose(f"algo.advantage={token_level}", "algo.kl_coef=0.01", "algo.kl_mode=reward")
+
+
+def test_reinforce_pp_takes_its_kl_as_a_reward_never_as_a_loss():
+    message = refused("algo.advantage=reinforce_pp", "algo.kl_coef=0.01")  # kl_mode: loss by default
+    assert "algo.kl_mode=loss" in message and "set algo.kl_mode=reward" in message, message
+    compose("algo.advantage=reinforce_pp_baseline", "algo.kl_coef=0.01")  # a baseline with a KL loss: accepted

