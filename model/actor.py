@@ -29,6 +29,7 @@ from model.logprobs import LOGPROB_CHUNK_BYTES, token_log_probs
 from model.moe import ep_suffix_length, moe_blocks, moe_padding_mask, routing_replay
 from model.parallel_dims import ParallelDims
 from packing.experience import Experience
+from packing.layout import cu_seqlens, padded_positions
 
 SUFFIX_TOKEN_ID = 0  # any valid id: suffix rows are causal-last, excluded from experts and losses
 
@@ -95,7 +96,7 @@ def _local_view(experience: Experience, targets: torch.Tensor, valid: torch.Tens
         if pad:
             raise NotImplementedError(f"an EP suffix (pad={pad}) is only defined for a pack; collate with packed=True")
         mask = experience.attention_mask
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        positions = padded_positions(mask)
         inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": False}
         return ShardedView(inputs, ~mask.bool(), experience.routed_experts, targets, valid, lambda out: out)
 
@@ -210,7 +211,7 @@ def _prompt_units(experience: Experience) -> tuple[list[tuple[int, list[int]]], 
 
 def _first_true(mask: torch.Tensor, lens: list[int]) -> list[int]:
     """Per packed sequence of `mask [N]`, the offset of its first True slot (its length if none)."""
-    starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
+    starts = cu_seqlens(lens)[:-1].long()
     hits = torch.cat([mask.nonzero().squeeze(1), torch.tensor([mask.numel()])])  # a sentinel past the end
     first = hits[torch.searchsorted(hits, starts)] - starts
     return torch.minimum(first, torch.tensor(lens)).tolist()

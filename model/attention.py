@@ -46,7 +46,6 @@ see transformers #39814 for a context-parallel shard with no position 0.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -55,6 +54,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from packing.layout import cu_seqlens
 
 VARLEN = "varlen"
 
@@ -84,7 +85,7 @@ def packed_attn_kwargs(
     if trailing_pad < 0:
         raise ValueError(f"packed_attn_kwargs: trailing_pad={trailing_pad}, expected >= 0")
     lens[-1] += int(trailing_pad)
-    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+    cu = cu_seqlens(lens, device=device)
     longest = max(lens)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
@@ -146,8 +147,7 @@ def shared_prompt_attn_kwargs(
             start += r
     if not lens_q:
         raise ValueError("shared_prompt_attn_kwargs: units is empty; a pack holds at least one sequence")
-    cu = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)  # noqa: E731
-    layout = SharedPrompts(cu(lens_q), cu(lens_k), torch.cat(kv).to(device), max(lens_q), max(lens_k),
+    layout = SharedPrompts(cu_seqlens(lens_q, device=device), cu_seqlens(lens_k, device=device), torch.cat(kv).to(device), max(lens_q), max(lens_k),
                            tuple(lens_q), tuple(lens_k))
     return {"shared_prompts": layout}
 

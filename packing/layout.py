@@ -6,7 +6,8 @@ samples of one prompt calls these; none re-derives them.
     cu_seqlens([3, 2])                      -> tensor([0, 3, 5], int32)
     packed_positions([3, 2])                -> tensor([[0, 1, 2, 0, 1]])
     padded_positions(mask [[1, 1, 0]])      -> tensor([[0, 1, 1]])   (right padding repeats the last)
-    prompt_groups(records, "grpo")          -> {prompt_index: [record indices]}
+    group_by_prompt([7, 3, 7])              -> {7: [0, 2], 3: [1]}
+    prompt_groups(records, "grpo")          -> the same over records' prompt_index, checked
 """
 
 from __future__ import annotations
@@ -46,13 +47,21 @@ def padded_positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def prompt_groups(records: Sequence["Experience"], who: str) -> dict[int, list[int]]:
-    """`{prompt_index: [indices of its records, in order]}` in first-seen order; a record
-    without `rewards` or `prompt_index` is an error naming `who` needs them."""
+def group_by_prompt(prompt_indices: Sequence[int] | torch.Tensor) -> dict[int, list[int]]:
+    """`{prompt_index: [positions of its samples, in order]}` in first-seen order."""
+    if isinstance(prompt_indices, torch.Tensor):
+        prompt_indices = prompt_indices.tolist()
     groups: dict[int, list[int]] = defaultdict(list)
+    for i, prompt in enumerate(prompt_indices):
+        groups[int(prompt)].append(i)
+    return dict(groups)
+
+
+def prompt_groups(records: Sequence["Experience"], who: str) -> dict[int, list[int]]:
+    """`group_by_prompt` of records; a record without `rewards` or `prompt_index` is an error
+    naming `who` needs them."""
     for i, rec in enumerate(records):
         if rec.rewards is None or rec.prompt_index is None:
             raise ValueError(f"record {i}: {who} needs 'rewards' and 'prompt_index' "
                              f"(got {rec.rewards}, {rec.prompt_index})")
-        groups[int(rec.prompt_index)].append(i)
-    return dict(groups)
+    return group_by_prompt([int(rec.prompt_index) for rec in records])

@@ -57,3 +57,31 @@ class Choice(str, Enum, metaclass=_ChoiceMeta):
             return cls(value)
         except ValueError:
             raise ValueError(f"{key}={value!r} is not one of {cls.values()}") from None
+
+
+class Registry(dict):
+    """An open choice: names registered by decorators (advantage estimators, policy losses).
+
+    `add` refuses a name taken; `lookup` raises a ValueError naming the config key, the value,
+    the registered names and where to register one."""
+
+    def __init__(self, what: str, key: str, where: str) -> None:
+        super().__init__()
+        self.what, self.key, self.where = what, key, where
+
+    def add(self, name: str, value: Any) -> None:
+        if name in self:
+            raise ValueError(f"{self.what} {name!r} is already registered ({self[name]})")
+        self[name] = value
+
+    def lookup(self, name: Any, key: str | None = None) -> Any:
+        value = self.get(str(name))
+        if value is None:
+            raise ValueError(f"{key or self.key}={name!r}: not a registered {self.what}; registered: "
+                             f"{sorted(self)} ({self.where})")
+        return value
+
+    def copy(self) -> "Registry":
+        out = Registry(self.what, self.key, self.where)
+        out.update(self)
+        return out

@@ -18,10 +18,10 @@ from omegaconf import OmegaConf
 from model.parallel_dims import ParallelDims, resolve_device
 from rl.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, get_advantage_estimator
 from rl.choice import Choice
-from rl.rollout.plan import ReplicaMode, check_sharded
+from rl.rollout.plan import ReplicaMode, RolloutEngineName, check_sharded
 from rl.algos.losses import KLConfig, KLMode, PolicyLossConfig, check_policy_loss_config
 from rl.tasks.task import TaskName
-from rl.trainer.schedule import LRSchedule
+from rl.algos.schedule import LRSchedule
 
 
 class ModelName(Choice):
@@ -150,11 +150,6 @@ class TrainerConfig:
     tensorboard: bool = False
     plot: bool = True
     progress: bool = True
-
-
-class RolloutEngineName(Choice):
-    HF = "hf"  # HFRolloutEngine: an embedded transformers copy of the policy (rl/rollout/engine.py)
-    VLLM = "vllm"  # VLLMRolloutEngine (rl/rollout/vllm_engine.py): needs `make install-vllm`
 
 
 @dataclass
@@ -403,7 +398,7 @@ def _check_rollout(cfg: Config, world_size: int) -> None:
         return
     from rl.rollout.vllm_engine import check_vllm_config  # imports vllm: only for rollout.engine=vllm
 
-    check_vllm_config(cfg, world_size)
+    check_vllm_config(cfg, world_size, model_family(cfg))
 
 
 def _check_device(cfg: Config) -> None:

@@ -429,7 +429,7 @@ def test_a_registered_estimator_is_checked_by_the_config_and_dispatched(monkeypa
 
     from rl.algos.advantages import ADVANTAGE_ESTIMATORS, register_advantage_estimator
 
-    monkeypatch.setattr("rl.algos.advantages.ADVANTAGE_ESTIMATORS", dict(ADVANTAGE_ESTIMATORS))
+    monkeypatch.setattr("rl.algos.advantages.ADVANTAGE_ESTIMATORS", ADVANTAGE_ESTIMATORS.copy())
     with pytest.raises(ValueError, match=r"algo.advantage='max_baseline': not a registered advantage estimator"):
         compose("algo.advantage=max_baseline")
 

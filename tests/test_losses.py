@@ -31,7 +31,7 @@ from rl.algos.losses import (
     tis_weight,
     value_loss,
 )
-from rl.trainer.schedule import LRSchedule, lr_lambda, make_lr_scheduler
+from rl.algos.schedule import LRSchedule, lr_lambda, make_lr_scheduler
 
 LENGTHS = [7, 3, 12, 2, 9]
 
@@ -418,7 +418,7 @@ def test_lr_schedule_warmup_then_constant_or_cosine():
 def test_a_registered_policy_loss_is_one_function_and_the_config_accepts_it(monkeypatch):
     from rl.algos.losses import POLICY_LOSSES, register_policy_loss
 
-    monkeypatch.setattr("rl.algos.losses.POLICY_LOSSES", dict(POLICY_LOSSES))  # registered for this test only
+    monkeypatch.setattr("rl.algos.losses.POLICY_LOSSES", POLICY_LOSSES.copy())  # registered for this test only
     with pytest.raises(ValueError, match="not a registered policy loss"):
         check_policy_loss_config(PolicyLossConfig(policy_loss="vanilla_pg"))
 

@@ -38,7 +38,6 @@ Estimators (`algo.advantage`), each one function under `register_advantage_estim
 from __future__ import annotations
 
 import inspect
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -47,6 +46,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from packing import Experience
+from packing.layout import group_by_prompt
+from rl.choice import Registry
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ class Estimator:
     kl_in_reward: bool = False
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "algo.advantage",
+                                "rl/algos/advantages.py: register_advantage_estimator")
 
 
 def register_advantage_estimator(name: str, *, whiten_by_default: bool = False, uses_critic: bool = False,
@@ -77,10 +79,8 @@ def register_advantage_estimator(name: str, *, whiten_by_default: bool = False, 
     """Register `fn` as `algo.advantage=<name>` (a decorator); the name must be new."""
 
     def register(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered ({ADVANTAGE_ESTIMATORS[name].fn})")
-        ADVANTAGE_ESTIMATORS[name] = Estimator(name, fn, whiten_by_default, uses_critic, needs_groups, token_level,
-                                               kl_in_reward)
+        ADVANTAGE_ESTIMATORS.add(name, Estimator(name, fn, whiten_by_default, uses_critic, needs_groups, token_level,
+                                                 kl_in_reward))
         return fn
 
     return register
@@ -88,11 +88,7 @@ def register_advantage_estimator(name: str, *, whiten_by_default: bool = False, 
 
 def get_advantage_estimator(name: str, key: str = "algo.advantage") -> Estimator:
     """The estimator registered as `name`; else an error naming `key` and the registered names."""
-    est = ADVANTAGE_ESTIMATORS.get(str(name))
-    if est is None:
-        raise ValueError(f"{key}={name!r}: not a registered advantage estimator; registered: "
-                         f"{sorted(ADVANTAGE_ESTIMATORS)} (rl/algos/advantages.py: register_advantage_estimator)")
-    return est
+    return ADVANTAGE_ESTIMATORS.lookup(name, key)
 
 
 @dataclass
@@ -113,10 +109,7 @@ def _groups(prompt_index: torch.Tensor | None, who: str) -> dict[int, list[int]]
     """prompt -> the positions of its samples, in order of first appearance."""
     if prompt_index is None:
         raise ValueError(f"{who} needs 'prompt_index' on every sample")
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, prompt in enumerate(prompt_index.tolist()):
-        groups[int(prompt)].append(i)
-    return groups
+    return group_by_prompt(prompt_index)
 
 
 @register_advantage_estimator("grpo", needs_groups=True)

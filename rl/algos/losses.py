@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from packing import Experience
-from rl.choice import Choice
+from rl.choice import Choice, Registry
 
 
 class LossAgg(Choice):
@@ -207,16 +207,14 @@ def check_policy_loss_config(cfg: Any, prefix: str = "") -> None:
 # tokens whose ratio or IS weight was clipped, `ratio` the ratio each token's loss used.
 PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, Experience, PolicyLossConfig],
                         tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+POLICY_LOSSES = Registry("policy loss", "algo.policy_loss", "rl/algos/losses.py: register_policy_loss")
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Register `fn` as `algo.policy_loss=<name>` (a decorator); the name must be new."""
 
     def register(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name]})")
-        POLICY_LOSSES[name] = fn
+        POLICY_LOSSES.add(name, fn)
         return fn
 
     return register
@@ -224,11 +222,7 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 
 def get_policy_loss(name: str, key: str = "algo.policy_loss") -> PolicyLossFn:
     """The loss registered as `name`; else an error naming `key` and the registered names."""
-    fn = POLICY_LOSSES.get(str(name))
-    if fn is None:
-        raise ValueError(f"{key}={name!r}: not a registered policy loss; registered: {sorted(POLICY_LOSSES)} "
-                         f"(rl/algos/losses.py: register_policy_loss)")
-    return fn
+    return POLICY_LOSSES.lookup(name, key)
 
 
 @register_policy_loss("ppo")

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 
 from model.moe import apply_expert_parallel, is_moe, moe_blocks, record_routing
 from packing.experience import Experience
+from packing.layout import padded_positions
 
 _MASK64 = (1 << 64) - 1
 
@@ -419,7 +420,7 @@ class HFRolloutEngine(RolloutEngine):
         if not all(hasattr(layer, "batch_select_indices") for layer in cache.layers):
             distinct, inverse = prompts, torch.arange(B)  # a cache whose rows cannot be copied: prefill every row
         ids, mask = _left_pad(distinct, P)
-        position = (mask.cumsum(-1) - 1).clamp(min=0)
+        position = padded_positions(mask)
         seeds_t = torch.tensor([_signed(s) for s in seeds], dtype=torch.int64)
 
         tokens: list[torch.Tensor] = []  # [B] per step

@@ -36,6 +36,13 @@ GIB = 2**30
 RESERVE = 0.10  # of the measured free memory: activations, KV cache, fragmentation
 
 
+class RolloutEngineName(Choice):
+    """`rollout.engine`: what generates the rollouts."""
+
+    HF = "hf"  # HFRolloutEngine: an embedded transformers copy of the policy (rl/rollout/engine.py)
+    VLLM = "vllm"  # VLLMRolloutEngine (rl/rollout/vllm_engine.py): needs `make install-vllm`
+
+
 class ReplicaMode(Choice):
     """`rollout.replica`: where generation gets its weights (rl/rollout/plan.py)."""
 

@@ -104,12 +104,10 @@ def supports_routed_experts() -> bool:
     return False
 
 
-def check_vllm_config(cfg, world_size: int) -> None:
-    """`validate`'s checks for `rollout.engine=vllm` (rl/config.py `_check_rollout`)."""
+def check_vllm_config(cfg, world_size: int, family: str) -> None:
+    """`validate`'s checks for `rollout.engine=vllm` (rl/config.py `_check_rollout`); `family`:
+    the run's model family (`rl.config.model_family`)."""
     require_vllm()
-    from rl.config import model_family
-
-    family = model_family(cfg)
     if cfg.model.pretrained_path is not None:
         model_type, archs = checkpoint_architectures(cfg.model.pretrained_path)
     else:
@@ -464,8 +462,7 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
     """The rollout engine `cfg.rollout.engine` names, holding the policy's weights.
     `new_model()` builds a fresh unsharded policy-shaped model (the HF engine's copy; for
     vLLM it is saved once as the checkpoint folder of a random-init run)."""
-    from rl.config import RolloutEngineName
-    from rl.rollout.plan import plan_rollout
+    from rl.rollout.plan import RolloutEngineName, plan_rollout
     from rl.rollout.sync import resolve_bucket_bytes, sync_weights
 
     stop = getattr(task, "stop_token_id", None)

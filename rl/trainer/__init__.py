@@ -1,1 +1,1 @@
-"""The step and what keeps a run going: checkpoints, divergence guard, metrics, LR schedule, export."""
+"""The step and what keeps a run going: checkpoints, divergence guard, metrics, export."""

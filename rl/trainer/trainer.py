@@ -52,7 +52,7 @@ from rl.trainer.checkpoint import load_sharded_state, sharded_state
 from rl.config import Balance, Config, check_task_fits, model_config_value
 from rl.trainer.guard import DivergenceGuard, poison
 from rl.algos.losses import LossAgg, aggregate, build_kl_controller, kl_penalty, loss_normalizer, policy_loss, value_loss
-from rl.trainer.schedule import make_lr_scheduler
+from rl.algos.schedule import make_lr_scheduler
 from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups
 from rl.rollout.sync import sync_weights
 from rl.rollout.vllm_engine import build_engine
