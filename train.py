@@ -29,7 +29,9 @@ log = logging.getLogger("train")
 def main(dict_cfg: DictConfig) -> dict:
     cfg: Config = load(dict_cfg)
     validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device=cfg.trainer.device.value)
+    # model.param_dtype is FSDP2's mixed precision: one process gets a one-rank group to apply it
+    dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device=cfg.trainer.device.value,
+                            one_rank_group=cfg.model.param_dtype is not None)
     if dims.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)  # train.log gets one copy of each line
     torch.manual_seed(cfg.seed)
@@ -62,7 +64,7 @@ def main(dict_cfg: DictConfig) -> dict:
         log.info("after %d steps: held-out accuracy %.3f (%d problems)", cfg.trainer.max_steps,
                  final["eval_accuracy"], len(trainer.heldout))
     writer.close(plot=cfg.trainer.plot)
-    if dims.distributed:  # a clean exit: no communicator torn down under a live thread
+    if torch.distributed.is_initialized():  # a clean exit: no communicator torn down under a live thread
         torch.distributed.destroy_process_group()
     return writer.history[-1] if writer.history else {}
 

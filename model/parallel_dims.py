@@ -170,26 +170,33 @@ def resolve_device(choice: str = "auto") -> torch.device:
 
 
 def init_distributed(dp: int = -1, cp: int = 1, ep: int = 1, *, device: str = "auto",
-                     timeout_s: float = 600.0) -> ParallelDims:
+                     timeout_s: float = 600.0, one_rank_group: bool = False) -> ParallelDims:
     """Read torchrun's env (RANK, WORLD_SIZE, LOCAL_RANK), join the process group, build the meshes.
 
     NCCL on CUDA (each rank on cuda:LOCAL_RANK), gloo on CPU. A process group that already
     exists (a test launcher) is used as is. One process without WORLD_SIZE>1 in its env
-    initialises nothing: every group is None.
+    initialises nothing: every group is None; unless `one_rank_group`, which gives it a
+    process group of one rank (an in-memory store) and its meshes, so FSDP2 wraps the model
+    as it does at any world size (`model.param_dtype`: its mixed precision in one process).
     """
     where = resolve_device(device)
     if where.type == "cuda":
         torch.cuda.set_device(where)
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world == 1:
+        if world == 1 and not one_rank_group:
             return ParallelDims(dp=dp, cp=cp, ep=ep, world_size=1, device=where)
-        for var in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            if var not in os.environ:
-                raise RuntimeError(f"init_distributed: WORLD_SIZE={world} but {var} is not set (launch with torchrun)")
-        ParallelDims(dp=dp, cp=cp, ep=ep, world_size=world)  # fail on bad sizes before joining anyone
         backend = "nccl" if where.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        if world == 1:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        else:
+            for var in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+                if var not in os.environ:
+                    raise RuntimeError(f"init_distributed: WORLD_SIZE={world} but {var} is not set "
+                                       f"(launch with torchrun)")
+            ParallelDims(dp=dp, cp=cp, ep=ep, world_size=world)  # fail on bad sizes before joining anyone
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     dims = ParallelDims(dp=dp, cp=cp, ep=ep, world_size=dist.get_world_size(), device=where)
     build_mesh(dims)
     return dims

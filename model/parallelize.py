@@ -132,7 +132,7 @@ def _checkpointed(forward, blocks):
 def apply_fsdp(wrapper: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype | None = None) -> None:
     """FSDP2 over the world (a no-op for one process): experts over `dims.expert_fsdp_mesh`,
     decoder layers and the wrapper over `dims.fsdp_mesh`; gradients summed."""
-    if dims.world_size == 1:
+    if dims.fsdp_mesh is None:  # one process without a process group (model.param_dtype gives it one)
         return
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     model = wrapper.model

@@ -37,7 +37,8 @@ def trainer(*overrides: str):
     from rl.trainer.trainer import build_trainer
 
     cfg = compose(*overrides)
-    dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device=cfg.trainer.device.value)
+    dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device=cfg.trainer.device.value,
+                            one_rank_group=cfg.model.param_dtype is not None)  # as train.py
     torch.manual_seed(cfg.seed)
     return build_trainer(cfg, dims)
 

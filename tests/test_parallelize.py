@@ -221,3 +221,31 @@ def test_the_trainer_build_applies_each_parallelism_once_per_model(monkeypatch):
     tr = trainer(*SMALL, "algo.kl_coef=0.01", "trainer.activation_checkpointing=true")
     assert calls == dict.fromkeys(calls, 2) and len(calls) == 4, calls
     assert moe_blocks(tr.actor.model) and moe_blocks(tr.reference.model)
+
+
+# ------------------------------------------------- model.param_dtype in one process
+def _compute_dtypes(*overrides: str) -> tuple[set[torch.dtype], dict, set[torch.dtype]]:
+    """One step of a one-process trainer: the dtypes a q_proj weight has inside the forward,
+    the metrics, and the dtypes of the policy's stored (master) parameters."""
+    from inprocess import trainer
+
+    try:
+        tr = trainer("model=dense_tiny", "task.prompts_per_step=2", "task.samples_per_prompt=2",
+                     "trainer.device=cpu", *overrides)
+        seen: set[torch.dtype] = set()
+        proj = tr.actor.model.model.layers[0].self_attn.q_proj
+        hook = proj.register_forward_pre_hook(lambda m, args: seen.add(m.weight.dtype))
+        metrics = tr.step(0)
+        hook.remove()
+        return seen, metrics, {p.dtype for p in tr.actor.parameters()}
+    finally:
+        if dist.is_initialized():  # the one-rank group of model.param_dtype: gone before the next test
+            dist.destroy_process_group()
+
+
+def test_param_dtype_in_one_process_computes_in_it_and_keeps_fp32_masters():
+    seen, metrics, masters = _compute_dtypes("model.param_dtype=bfloat16")
+    assert seen == {torch.bfloat16} and masters == {torch.float32}
+    assert all(torch.isfinite(torch.tensor(v)) for k, v in metrics.items() if isinstance(v, float))
+    seen, _, masters = _compute_dtypes()  # control: without it one process computes in the weights' dtype
+    assert seen == {torch.float32} and masters == {torch.float32}
