@@ -1,8 +1,8 @@
 """A step's records across data-parallel ranks: metadata to everyone, each sample moved once.
 
 The records of a step stay on the rank that generated them. What the global decisions of
-the step need (advantages from rewards, loss normalizers, dynamic sampling, the microbatch
-plan) is a handful of numbers per sample, so only those are all-gathered:
+the step need (each sample's advantage scalar from the rewards and prompt groups, loss
+normalizers, dynamic sampling, the microbatch plan) is a handful of numbers per sample, so only those are all-gathered:
 
     gather_metadata(records, key, ...) -> [StandIn]   every rank: the step's samples, in
                                                       global order, as lightweight records
@@ -14,8 +14,9 @@ A `StandIn` is an `Experience` holding only the episode scalars (`rewards`, `pro
 `response_length`, `total_length`, with the records' dtypes) and the `action_mask` rebuilt
 from the lengths (a rollout record's mask is True on its last `response_length` slots:
 rl/rollout/engine.py `make_record`; a record whose mask is not of that form is refused by name).
-Estimators that read rewards, prompt groups and the action mask (grpo, rloo, reinforce_pp*
-without KL shaping) therefore give the same numbers on stand-ins as on the records.
+Every registered estimator's per-sample scalar reads only rewards and prompt groups
+(rl/algos/advantages.py), so it gives the same numbers on stand-ins as on the records; the
+per-token part runs later on the collated batches.
 `StandIn.source` is `(dp rank that holds the record, key)`.
 
 `exchange` moves every transported field (token, action, routing and episode fields) with
