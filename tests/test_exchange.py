@@ -250,7 +250,7 @@ def _old_path(tr) -> None:
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             part = records[lo:hi]
             plan = plan_microbatches([r.sequences.numel() for r in part], b.max_tokens, dims.dp,
-                                     micro_batch_size=b.micro_batch_size)
+                                     micro_batch_size=b.micro_batch_size, cost=tr.cost)  # the trainer's balance
             batches, weights, rows = [], [], []
             for items in plan[dims.dp_rank]:
                 weights.append(1.0 if items else 0.0)
