@@ -125,25 +125,29 @@ def test_deterministic_and_input_type_independent():
     assert plan_microbatches(list(by_key.values()), CAP, DP) == first
 
 
-def test_independent_of_hash_seed():
-    # Set and dict-of-str order changes with PYTHONHASHSEED; the plan must not. The module
-    # is loaded by path so the child does not pay for importing torch via `packing`.
-    script = (
-        "import importlib.util, json, random\n"
-        f"spec = importlib.util.spec_from_file_location('planner', {str(PLANNER)!r})\n"
-        "p = importlib.util.module_from_spec(spec); spec.loader.exec_module(p)\n"
-        "rng = random.Random(5)\n"
-        "lengths = [rng.randint(1, 4096) for _ in range(512)]\n"
-        "plans = [p.plan_microbatches(lengths, 8192, 4), p.plan_microbatches(lengths, None, 4, micro_batch_size=16)]\n"
-        "print(json.dumps(plans))\n"
-    )
+def plans_in_fresh_processes(body: str) -> list:
+    """Run `body` (Python that prints the plans as JSON, with the planner loaded by path as `p`,
+    so the child does not pay for importing torch via `packing`) under three PYTHONHASHSEEDs:
+    set and dict-of-str order changes with the seed, the plans must not. Returns the plans."""
+    script = ("import importlib.util, json, random, sys\n"
+              f"spec = importlib.util.spec_from_file_location('planner', {str(PLANNER)!r})\n"
+              "p = importlib.util.module_from_spec(spec); spec.loader.exec_module(p)\n" + body)
     outputs = set()
     for seed in ("0", "1", "12345"):
         env = {"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"}
         run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
         outputs.add(run.stdout)
     assert len(outputs) == 1
-    assert json.loads(outputs.pop())
+    return json.loads(outputs.pop())
+
+
+def test_independent_of_hash_seed():
+    assert plans_in_fresh_processes(
+        "rng = random.Random(5)\n"
+        "lengths = [rng.randint(1, 4096) for _ in range(512)]\n"
+        "plans = [p.plan_microbatches(lengths, 8192, 4), p.plan_microbatches(lengths, None, 4, micro_batch_size=16)]\n"
+        "print(json.dumps(plans))\n"
+    )
 
 
 def test_fast_for_4096_samples():
@@ -450,10 +454,7 @@ def test_cost_none_plans_match_the_planner_before_cost_mode():
 
 
 def test_cost_mode_deterministic_without_torch_and_hash_seed_independent():
-    script = (
-        "import importlib.util, json, random, sys\n"
-        f"spec = importlib.util.spec_from_file_location('planner', {str(PLANNER)!r})\n"
-        "p = importlib.util.module_from_spec(spec); spec.loader.exec_module(p)\n"
+    plans = plans_in_fresh_processes(
         "rng = random.Random(7)\n"
         "lengths = [min(32768, max(16, round(rng.lognormvariate(8.0, 1.0)))) for _ in range(256)]\n"
         "cost = p.flop_cost({'num_hidden_layers': 36, 'hidden_size': 4096, 'num_attention_heads': 32,\n"
@@ -464,13 +465,6 @@ def test_cost_mode_deterministic_without_torch_and_hash_seed_independent():
         "assert 'torch' not in sys.modules\n"
         "print(json.dumps(plans))\n"
     )
-    outputs = set()
-    for seed in ("0", "1", "12345"):
-        env = {"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"}
-        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-        outputs.add(run.stdout)
-    assert len(outputs) == 1
-    plans = json.loads(outputs.pop())
     lengths = long_tail_32k(4)  # different inputs: the in-process plan below must differ
     assert plans[0] != plan_microbatches(lengths, LONG_CAP, 2, cost=flop_cost(QWEN3_8B))
     # In process, with the same inputs, the plan is the subprocess's.
