@@ -413,8 +413,8 @@ def flash_segments(layout: CPLayout, device=None):
             lens_k.append((j + 1) * c)
             keys.append(gathered_at[start:start + (j + 1) * c])
         start += p
-    cu = lambda lens: F.pad(torch.tensor(lens).cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)  # noqa: E731
-    return cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), torch.cat(keys).to(device)
+    return (cu_seqlens(lens_q, device=device), cu_seqlens(lens_k, device=device), max(lens_q), max(lens_k),
+            torch.cat(keys).to(device))
 
 
 # ------------------------------------------------------------------ attention

@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from packing import Experience
-from packing.layout import group_by_prompt
+from packing.layout import cu_seqlens, group_by_prompt
 from rl.choice import Registry
 
 
@@ -214,7 +214,7 @@ def _row_view(item: Experience) -> tuple[Callable, Callable]:
     if not item.is_packed:
         return (lambda x: x), (lambda rows: rows)
     lens = torch.tensor(item.packed_seq_lens, device=mask.device)
-    starts = lens.cumsum(0) - lens
+    starts = cu_seqlens(lens)[:-1].long()
     pos = torch.arange(int(lens.max()), device=lens.device)
     valid = pos.unsqueeze(0) < lens.unsqueeze(1)  # [S, L]
     flat = (starts.unsqueeze(1) + pos.unsqueeze(0))[valid]  # row-major order = the pack's order
