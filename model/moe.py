@@ -324,6 +324,13 @@ def moe_blocks(model: nn.Module, *, strict: bool = True) -> list[MoEBlock]:
     return blocks
 
 
+def expert_owners(model: nn.Module) -> dict[str, nn.Module]:
+    """State-dict name of every expert weight of `model` -> the expert module holding it (its
+    `ep_size` / `ep_group` say how the weight is split over EP ranks)."""
+    return {f"{prefix}.experts.{w}": block.experts for prefix, block in model.named_modules()
+            if isinstance(block, MoEBlock) for w in EXPERT_PARAM_NAMES}
+
+
 def is_expert_param(name: str) -> bool:
     """True for a (local-shard) expert weight name, with or without wrapper prefixes
     (`..._fsdp_wrapped_module.`, `_orig_mod.`): reduce its grad over the expert-data-parallel group."""

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model import moe
 from model.context_parallel import CP_VARLEN
-from model.moe import EXPERT_PARAM_NAMES, MoEBlock, expert_load, is_moe, moe_blocks, moe_state
+from model.moe import expert_load, expert_owners, is_moe, moe_blocks, moe_state
 from model.parallel_dims import ParallelDims
 
 
@@ -180,8 +180,7 @@ def full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     one tensor at a time: an FSDP shard is all-gathered (`full_tensor`), an expert shard is
     then all-gathered over its EP group. A collective: every rank iterates it to the end.
     Peak extra memory is one full tensor (the largest: an expert weight `[E, 2I, H]`)."""
-    experts = {f"{prefix}.experts.{w}": block.experts for prefix, block in _named_blocks(model)
-               for w in EXPERT_PARAM_NAMES}
+    experts = expert_owners(model)
     for name, value in model.state_dict().items():
         full = value.full_tensor() if isinstance(value, DTensor) else value.detach()
         owner = experts.get(name)
@@ -190,10 +189,6 @@ def full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             dist.all_gather(parts, full.contiguous(), group=owner.ep_group)
             full = torch.cat(parts)
         yield name, full
-
-
-def _named_blocks(model: nn.Module):
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoEBlock)]
 
 
 def expert_load_metrics(model: nn.Module, dims: ParallelDims) -> dict[str, float]:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from model.moe import EXPERT_PARAM_NAMES, MoEBlock
+from model.moe import expert_owners
 
 DEFAULT_BUCKET_BYTES = 256 << 20  # rollout.sync_bucket_bytes=null: this, or the largest tensor if larger
 SETTING = "rollout.sync_bucket_bytes"
@@ -59,8 +59,7 @@ class _Entry:
 
 
 def _entries(model: nn.Module) -> list[_Entry]:
-    owners = {f"{prefix}.experts.{w}": block.experts for prefix, block in model.named_modules()
-              if isinstance(block, MoEBlock) for w in EXPERT_PARAM_NAMES}
+    owners = expert_owners(model)
     # tied weights are one Parameter under several names (identity: the same on every rank)
     ids = {name: id(t) for name, t in [*model.named_parameters(remove_duplicate=False),
                                         *model.named_buffers(remove_duplicate=False)]}
