@@ -7,18 +7,14 @@ samples of one prompt calls these; none re-derives them.
     packed_positions([3, 2])                -> tensor([[0, 1, 2, 0, 1]])
     padded_positions(mask [[1, 1, 0]])      -> tensor([[0, 1, 1]])   (right padding repeats the last)
     group_by_prompt([7, 3, 7])              -> {7: [0, 2], 3: [1]}
-    prompt_groups(records, "grpo")          -> the same over records' prompt_index, checked
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
-
-if TYPE_CHECKING:
-    from packing.experience import Experience
 
 
 def cu_seqlens(lens: Sequence[int] | torch.Tensor, *, device: torch.device | str | None = None) -> torch.Tensor:
@@ -56,12 +52,3 @@ def group_by_prompt(prompt_indices: Sequence[int] | torch.Tensor) -> dict[int, l
         groups[int(prompt)].append(i)
     return dict(groups)
 
-
-def prompt_groups(records: Sequence["Experience"], who: str) -> dict[int, list[int]]:
-    """`group_by_prompt` of records; a record without `rewards` or `prompt_index` is an error
-    naming `who` needs them."""
-    for i, rec in enumerate(records):
-        if rec.rewards is None or rec.prompt_index is None:
-            raise ValueError(f"record {i}: {who} needs 'rewards' and 'prompt_index' "
-                             f"(got {rec.rewards}, {rec.prompt_index})")
-    return group_by_prompt([int(rec.prompt_index) for rec in records])

@@ -422,6 +422,9 @@ def test_dynamic_sampling_drops_groups_whose_rewards_are_all_equal():
     assert dropped == [0, 2]  # group 3 has one sample: nothing to compare, kept
     assert kept == [r for r in recs if int(r.prompt_index) in (1, 3)]
     assert sorted(int(r.prompt_index) for r in kept) == [1, 1, 1, 3]
+    recs[2].rewards = None
+    with pytest.raises(ValueError, match=r"record 2: dynamic sampling needs 'rewards' and 'prompt_index'"):
+        filter_uniform_groups(recs)
 
 
 def test_a_registered_estimator_is_checked_by_the_config_and_dispatched(monkeypatch):

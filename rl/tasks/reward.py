@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from packing import Experience
-from packing.layout import prompt_groups
+from packing.layout import group_by_prompt
 
 
 def overlong_penalty(response_length, max_len: int, buffer_len: int, penalty_factor: float = 1.0):
@@ -53,8 +53,12 @@ def filter_uniform_groups(records: Sequence[Experience]) -> tuple[list[Experienc
     one sample is kept (nothing to compare it with: with one sample per prompt, filtering
     would drop everything).
     """
+    for i, rec in enumerate(records):
+        if rec.rewards is None or rec.prompt_index is None:
+            raise ValueError(f"record {i}: dynamic sampling needs 'rewards' and 'prompt_index' "
+                             f"(got {rec.rewards}, {rec.prompt_index})")
     groups = {p: [float(records[i].rewards) for i in members]
-              for p, members in prompt_groups(records, "dynamic sampling").items()}
+              for p, members in group_by_prompt([int(rec.prompt_index) for rec in records]).items()}
     dropped = sorted(p for p, r in groups.items() if len(r) > 1 and max(r) == min(r))
     gone = set(dropped)
     return [rec for rec in records if int(rec.prompt_index) not in gone], dropped
