@@ -31,7 +31,6 @@ the local shard; `model.parallelize.full_parameters` rebuilds the full tensors.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
 
 import torch
 import torch.distributed as dist

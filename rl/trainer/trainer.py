@@ -55,7 +55,7 @@ from rl.algos.losses import LossAgg, aggregate, build_kl_controller, kl_penalty,
 from rl.algos.schedule import make_lr_scheduler
 from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups
 from rl.rollout.sync import sync_weights
-from rl.rollout.vllm_engine import build_engine
+from rl.rollout.build import build_engine
 from rl.tasks.evaluate import evaluate, heldout_problems
 from rl.tasks.task import build_task, score
 
@@ -96,7 +96,7 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
         reference = build(lambda lm: Actor(lm.requires_grad_(False), temperature=m.temperature,
                                            chunk_bytes=m.logprob_chunk_bytes, dims=dims, actions_only=True,
                                            share_prompts=m.share_prompts))
-    engine = build_engine(cfg, dims, task, actor, new_model)  # rollout.engine: hf | vllm (rl/rollout/vllm_engine.py)
+    engine = build_engine(cfg, dims, task, actor, new_model)  # rollout.engine: hf | vllm (rl/rollout/build.py)
     return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine, task=task,
                    heldout=heldout)
 

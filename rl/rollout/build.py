@@ -1,0 +1,67 @@
+"""`build_engine`: the rollout engine the config names, built on the plan of rl/rollout/plan.py.
+
+    replica mode "sharded"       -> PolicyRolloutEngine over the training shards (no copy)
+    rollout.engine=hf  (keep)    -> HFRolloutEngine over an unsharded copy of the policy
+    rollout.engine=vllm (keep)   -> VLLMRolloutEngine (rl/rollout/vllm_engine.py)
+
+Every engine gets the policy's weights once here, bucket by bucket (rl/rollout/sync.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+import torch
+
+from rl.rollout.engine import HFRolloutEngine, PolicyRolloutEngine, RolloutEngine
+from rl.rollout.plan import RolloutEngineName, plan_rollout
+from rl.rollout.sync import resolve_bucket_bytes, sync_weights
+from rl.rollout.vllm_engine import VLLMRolloutEngine, require_vllm
+
+
+def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
+    """The rollout engine `cfg.rollout.engine` names, holding the policy's weights.
+    `new_model()` builds a fresh unsharded policy-shaped model (the HF engine's copy; for
+    vLLM it is saved once as the checkpoint folder of a random-init run)."""
+    stop = getattr(task, "stop_token_id", None)
+    r = cfg.rollout
+    bucket = resolve_bucket_bytes(actor.model, r.sync_bucket_bytes)  # smaller than the largest tensor: an error
+    plan = plan_rollout(cfg, dims, actor)  # rollout.replica: keep a copy, or generate from the sharded policy
+    if dims.rank == 0:
+        logging.getLogger("train").info("%s", plan.describe())
+    if plan.mode == "sharded":
+        engine: RolloutEngine = PolicyRolloutEngine(
+            actor, stop_token_id=stop, group=torch.distributed.group.WORLD if dims.distributed else None)
+    elif RolloutEngineName(r.engine) is RolloutEngineName.HF:
+        engine = HFRolloutEngine(new_model().to(dims.device), stop_token_id=stop)
+    else:
+        require_vllm()
+        model_dir = cfg.model.pretrained_path
+        if model_dir is None:  # a random-init model: vLLM loads a folder, so write one (rank 0, shared)
+            model_dir = _random_init_folder(new_model, dims, cfg.seed)
+        max_len = r.max_model_len
+        if max_len is None and getattr(task, "max_prompt_len", None) is not None:
+            max_len = int(task.max_prompt_len) + max(cfg.task.max_new_tokens, cfg.eval.max_new_tokens or 0)
+        tp_group = None
+        if dims.distributed and r.tensor_parallel_size > 1:
+            tp_group, _ = torch.distributed.new_subgroups(group_size=r.tensor_parallel_size)
+        engine = VLLMRolloutEngine(
+            model_dir, stop_token_id=stop, device=dims.device.type, dtype=cfg.model.dtype.value,
+            max_model_len=max_len, seed=cfg.seed, sync_bucket_bytes=bucket,
+            tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
+            enable_sleep_mode=r.enable_sleep_mode, enforce_eager=r.enforce_eager, kv_cache_gb=r.kv_cache_gb,
+            tp_group=tp_group)
+    engine.sync_bucket_bytes, engine.plan = bucket, plan
+    sync_weights(engine, actor.model)  # bucket by bucket (rl/rollout/sync.py); nothing for the sharded policy
+    return engine
+
+
+def _random_init_folder(new_model, dims, seed: int) -> str:
+    folder = os.path.join(tempfile.gettempdir(), f"rl-vllm-init-{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}")
+    if dims.rank == 0:
+        new_model().save_pretrained(folder)
+    if dims.distributed:
+        torch.distributed.barrier()
+    return folder
