@@ -278,13 +278,7 @@ def load_sharded(wrapper: nn.Module, path: str | Path, dims: ParallelDims) -> nn
                                  f"(nothing in the checkpoint fills it)")
             plan.append(_plan_entry(ckpt, folder, name, name[len(prefix):], tensor, modules.get(owner)))
 
-        wrapper.to_empty(device=dims.device)
-        if tied and lm.get_output_embeddings().weight is not lm.get_input_embeddings().weight:
-            # a plain module's to_empty gives each module its own new Parameter (FSDP2 keeps
-            # shared parameters shared itself): tie them again, as the model's config says
-            lm.tie_weights()
-            if lm.get_output_embeddings().weight is not lm.get_input_embeddings().weight:
-                raise RuntimeError("load_sharded: the tied output head came apart while allocating")
+        _allocate(wrapper, lm, dims.device, tied)
         tensors = dict(wrapper.named_parameters()) | dict(wrapper.named_buffers())
         for name, value in keep.items():
             _local(tensors[name]).copy_(value)
@@ -295,6 +289,33 @@ def load_sharded(wrapper: nn.Module, path: str | Path, dims: ParallelDims) -> nn
             if e.rows:
                 local.copy_(e.source.rows(e.offset, e.offset + e.rows).reshape(local.shape))
     return wrapper
+
+
+@torch.no_grad()
+def materialize(lm: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate an unsharded meta model (`build_model(..., device="meta")`) on `device` without
+    reading a value: parameters and persistent buffers are left uninitialized for the caller
+    to fill whole (the rollout replica: the first weight sync, which refuses a partial state
+    dict), non-persistent buffers (rotary `inv_freq`) are computed by the model's
+    `_init_weights`, a tied head is tied again. Returns `lm`. No checkpoint read, no host copy:
+    a replica on a GPU costs its device bytes only."""
+    head, embed = lm.get_output_embeddings(), lm.get_input_embeddings()
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    owners = [mod for mod in lm.modules() if mod._non_persistent_buffers_set]
+    _allocate(lm, lm, torch.device(device), tied)
+    for mod in owners:
+        lm._init_weights(mod)
+    return lm
+
+
+def _allocate(module: nn.Module, lm: nn.Module, device: torch.device, tied: bool) -> None:
+    """`module.to_empty(device)`, keeping a tied head tied: a plain module's `to_empty` gives
+    each module its own new Parameter (FSDP2 keeps shared parameters shared itself)."""
+    module.to_empty(device=device)
+    if tied and lm.get_output_embeddings().weight is not lm.get_input_embeddings().weight:
+        lm.tie_weights()
+        if lm.get_output_embeddings().weight is not lm.get_input_embeddings().weight:
+            raise RuntimeError("the tied output head came apart while allocating")
 
 
 def _plan_entry(ckpt: Checkpoint, folder: str, name: str, key: str, tensor: torch.Tensor,

@@ -124,8 +124,8 @@ def build_model(
 ) -> transformers.PreTrainedModel:
     """A causal LM on CPU: tiny random weights of family `name` seeded by `seed`, or the
     checkpoint at `pretrained_path` (its family from its config.json; a `name` given too
-    must agree). With `device="meta"` and a `pretrained_path`: the checkpoint's model
-    without its weights (every tensor on the meta device), for `model.loading.load_sharded`.
+    must agree). With `device="meta"`: the same model without its weights (every tensor on
+    the meta device), for `model.loading.load_sharded` or `model.loading.materialize`.
 
     `config_overrides` are Hugging Face config fields (e.g. `num_hidden_layers=4`); an
     unknown key raises a ValueError naming it. The global RNG is left untouched.
@@ -133,9 +133,6 @@ def build_model(
     meta = device is not None and torch.device(device).type == "meta"
     if device is not None and not meta:
         raise ValueError(f"build_model: device={device!r}, expected None (CPU) or 'meta'")
-    if meta and pretrained_path is None:
-        raise ValueError("build_model: device='meta' needs a pretrained_path (a meta model is filled from a "
-                         "checkpoint)")
     if pretrained_path is not None:
         found = checkpoint_family(pretrained_path)
         if name is not None and name != found:
@@ -151,6 +148,11 @@ def build_model(
     config_cls, model_cls, tiny = MODELS[family(name)]
     _check_keys(config_cls, config_overrides)
     config = config_cls(**{**tiny, **config_overrides})
+    if meta:
+        with torch.device("meta"):
+            lm = model_cls(config)
+        lm.set_attn_implementation(attn_implementation)
+        return lm.to(dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         lm = model_cls(config)

@@ -212,3 +212,46 @@ def test_one_step_metrics_equal_the_current_path_on_two_ranks(folders):
         print(f"world 2 rank {rank}: {len(b['metrics'])} metrics equal, grad_norm {a['metrics']['grad_norm']}, "
               f"entropy {a['metrics']['entropy']}")
         _assert_same_step(a, b, f"world 2 rank {rank}")
+
+
+# ---------------------------------------------------------- the rollout replica
+def _replica_logits(path: str, monkeypatch, *, recompute_buffers: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The HF engine's copy as rl/rollout/build.py makes it (meta -> `materialize` -> the first
+    sync fills every weight) and a plain load, on the same tokens. Every allocated element is
+    set to NaN first: what `to_empty` hands back is arbitrary, NaN makes a value left unfilled show."""
+    from rl.rollout.engine import HFRolloutEngine
+
+    allocate = loading._allocate
+
+    def poisoned(module, lm, device, tied):
+        allocate(module, lm, device, tied)
+        for t in [*module.parameters(), *module.buffers()]:
+            if t.is_floating_point():
+                t.data.fill_(float("nan"))
+
+    monkeypatch.setattr(loading, "_allocate", poisoned)
+    plain = build_model(None, pretrained_path=path)
+    skeleton = build_model(None, pretrained_path=path, device="meta")
+    if not recompute_buffers:  # the control: the rotary inv_freq stays what the allocation left
+        skeleton._init_weights = lambda module: None
+    engine = HFRolloutEngine(loading.materialize(skeleton, "cpu"))
+    engine.load_weights(plain.state_dict())
+    ids = torch.arange(3, 19).unsqueeze(0)
+    with torch.no_grad():
+        want, got = plain(input_ids=ids).logits, engine.model(input_ids=ids).logits
+    lm = engine.model
+    return want, got, lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+
+
+def test_the_rollout_replica_is_allocated_empty_and_the_sync_makes_it_the_plain_load(folders, monkeypatch):
+    want, got, tied = _replica_logits(folders["llama", True], monkeypatch, recompute_buffers=True)
+    assert tied and torch.equal(got, want)
+    want, got, _ = _replica_logits(folders["llama", True], monkeypatch, recompute_buffers=False)
+    assert not torch.equal(got, want) and got.isnan().any()  # control: a buffer left unfilled shows
+
+
+def test_a_random_init_model_builds_on_meta_with_the_random_models_shapes():
+    meta, real = build_model("qwen3", device="meta"), build_model("qwen3")
+    assert all(t.is_meta for t in meta.state_dict().values())
+    assert {k: (v.shape, v.dtype) for k, v in meta.state_dict().items()} == \
+        {k: (v.shape, v.dtype) for k, v in real.state_dict().items()}

@@ -1,7 +1,8 @@
 """`build_engine`: the rollout engine the config names, built on the plan of rl/rollout/plan.py.
 
     replica mode "sharded"       -> PolicyRolloutEngine over the training shards (no copy)
-    rollout.engine=hf  (keep)    -> HFRolloutEngine over an unsharded copy of the policy
+    rollout.engine=hf  (keep)    -> HFRolloutEngine over an unsharded copy of the policy, allocated
+                                    empty on the device and filled by the first sync
     rollout.engine=vllm (keep)   -> VLLMRolloutEngine (rl/rollout/vllm_engine.py)
 
 Every engine gets the policy's weights once here, bucket by bucket (rl/rollout/sync.py).
@@ -15,6 +16,7 @@ import tempfile
 
 import torch
 
+from model.loading import materialize
 from rl.rollout.engine import HFRolloutEngine, PolicyRolloutEngine, RolloutEngine
 from rl.rollout.plan import RolloutEngineName, plan_rollout
 from rl.rollout.sync import resolve_bucket_bytes, sync_weights
@@ -23,7 +25,7 @@ from rl.rollout.vllm_engine import VLLMRolloutEngine, require_vllm
 
 def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
     """The rollout engine `cfg.rollout.engine` names, holding the policy's weights.
-    `new_model()` builds a fresh unsharded policy-shaped model (the HF engine's copy; for
+    `new_model(device=None)` builds a fresh unsharded policy-shaped model (on meta: the HF engine's copy; for
     vLLM it is saved once as the checkpoint folder of a random-init run)."""
     stop = getattr(task, "stop_token_id", None)
     r = cfg.rollout
@@ -35,7 +37,8 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
         engine: RolloutEngine = PolicyRolloutEngine(
             actor, stop_token_id=stop, group=torch.distributed.group.WORLD if dims.distributed else None)
     elif RolloutEngineName(r.engine) is RolloutEngineName.HF:
-        engine = HFRolloutEngine(new_model().to(dims.device), stop_token_id=stop)
+        # the copy's storage only: the sync below fills every weight (no checkpoint read, no host copy)
+        engine = HFRolloutEngine(materialize(new_model("meta"), dims.device), stop_token_id=stop)
     else:
         require_vllm()
         model_dir = cfg.model.pretrained_path
