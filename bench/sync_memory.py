@@ -1,7 +1,7 @@
 """What does a weight sync cost in memory? Peak extra host memory of one rank while the HF
 engine's replica is refreshed from the FSDP2 shards: today's `full_parameters` (one
 `full_tensor()` all-gather per tensor) against `rl.rollout.sync.full_parameter_buckets`
-(one all-gather per bucket of tensors) at two bucket sizes; 2 gloo ranks, a dense Qwen3 of
+(the tensors cut into buckets, each gathered into its own buffer) at two bucket sizes; 2 gloo ranks, a dense Qwen3 of
 ~150M parameters (~600 MB in fp32).
 
 How it is measured: each rank resets its peak resident set (`/proc/self/clear_refs` 5),
@@ -9,8 +9,8 @@ runs the sync, and reads the peak (`VmHWM`) back; extra = peak - resident before
 of 1 MiB and more are mmapped (`MALLOC_MMAP_THRESHOLD_`, set before the ranks start), so a
 freed tensor leaves the resident set at once and the peak is that of the bytes alive at once.
 Also counted: the buckets (today: one per tensor, each its own `full_tensor()`; bucketed:
-on NCCL one coalesced all-gather per bucket, on gloo still one per tensor, see
-rl/rollout/sync.py `_gather_dim0`) and the wall time of a sync. Linux only.
+one all-gather per tensor within a bucket, see rl/rollout/sync.py `_gather_dim0`) and the
+wall time of a sync. Linux only.
 
     python bench/sync_memory.py [--quick]      # last line: {"today_peak_mib": ..., ...}
 """

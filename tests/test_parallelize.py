@@ -155,7 +155,14 @@ def audited_step(rank: int, world_size: int, control: bool = False) -> dict:
             moved_modules.add(id(self))
         return to_module(self, *a, **k)
 
-    Experience.to, torch.nn.Module.to = experience_to, module_to
+    to_empty = torch.nn.Module.to_empty
+
+    def module_to_empty(self, *, device, **k):  # a copy allocated on the device, filled by the sync
+        if torch.device(device) == dims.device:
+            moved_modules.add(id(self))
+        return to_empty(self, device=device, **k)
+
+    Experience.to, torch.nn.Module.to, torch.nn.Module.to_empty = experience_to, module_to, module_to_empty
     forward = Actor.forward
     Actor.forward = lambda self, experience, *a, **k: (seen.append(id(experience)), forward(self, experience, *a, **k))[1]
     try:
@@ -168,6 +175,7 @@ def audited_step(rank: int, world_size: int, control: bool = False) -> dict:
         for name, fn in originals.items():
             setattr(dist, name, fn)
         Experience.to, torch.nn.Module.to, Actor.forward = to_experience, to_module, forward
+        torch.nn.Module.to_empty = to_empty
     models = {"policy": trainer.actor.model, "rollout copy": trainer.engine.model}
     return {"problems": sorted(set(problems)), "unmoved_batches": sum(i not in moved_batches for i in seen),
             "batches": len(seen), "unmoved_models": [k for k, m in models.items() if id(m) not in moved_modules]}

@@ -5,9 +5,9 @@
 `full_parameter_buckets(model, bucket_bytes)` yields `(name, full tensor)` for every
 state-dict entry of `model` (stock names and shapes, the engine's `load_weights` contract)
 a bucket at a time: the entries are cut, in state-dict order, into buckets of at most
-`bucket_bytes` of full tensors, and a bucket is gathered with one coalesced all-gather
-per (process group, dtype) among its entries on NCCL (one per tensor on gloo, see
-`_gather_dim0`). What a rank holds beyond its shards is one bucket's full tensors (each
+`bucket_bytes` of full tensors, and each tensor of a bucket is all-gathered straight into
+its own buffer (`_gather_dim0`; the same public collective on NCCL and gloo, so the path a
+GPU runs is the one the CPU tests run). What a rank holds beyond its shards is one bucket's full tensors (each
 gathered straight into its own buffer: no flat receive buffer to copy out of) plus the
 tensor the engine is still copying from the previous bucket, never the full model: peak
 about `bucket_bytes` + one tensor (+ the padding of uneven splits). Measured on 2 gloo ranks,
@@ -30,7 +30,6 @@ refused, naming the setting, the bucket and the tensor.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Iterator
@@ -148,7 +147,7 @@ def sync_weights(engine, model: nn.Module) -> None:
 def _gather(bucket: list[_Entry]) -> list[tuple[str, torch.Tensor]]:
     """Full tensors of one bucket: the FSDP stage (dim-0 shards over each entry's mesh),
     then the EP stage (expert slices over each EP group), each one collective per
-    (group, dtype)."""
+    (group, dtype) call."""
     full: dict[int, torch.Tensor] = {}
     groups: dict[tuple, list[int]] = {}
     for i, e in enumerate(bucket):
@@ -182,12 +181,11 @@ def _gather_dim0(locals_: list[torch.Tensor], shapes: list[tuple[int, ...]], gro
     only trailing rows are padding. A full-size shard is sent as it is; a short or empty
     one (the last ranks of an uneven split) as a zero-padded copy of c rows.
 
-    NCCL: the bucket's all-gathers are coalesced into one group call, which writes each
-    output in place. gloo: one all-gather per tensor, because gloo's coalesced all-gather
-    stages the whole bucket in a flat buffer and copies out (measured on 2 ranks: peak 2.5 x
-    the bucket against 1.3 x one at a time; bench/sync_memory.py)."""
-    from torch.distributed.distributed_c10d import _coalescing_manager
-
+    One all-gather per tensor, on every backend: one flat all-gather of the whole bucket would
+    need a copy out of a rank-major buffer (gloo's coalesced all-gather does that: peak 2.5 x
+    the bucket against 1.3 x one at a time on 2 ranks, bench/sync_memory.py), and coalescing
+    on NCCL takes a private torch API; a collective's launch (tens of microseconds) times a
+    model's few hundred tensors is a few milliseconds a sync."""
     world = dist.get_world_size(group)
     outs, ins = [], []
     for t, shape in zip(locals_, shapes):
@@ -199,8 +197,6 @@ def _gather_dim0(locals_: list[torch.Tensor], shapes: list[tuple[int, ...]], gro
             padded = torch.zeros(slot, dtype=t.dtype, device=t.device)
             padded[:t.numel()] = t.reshape(-1)
             ins.append(padded)
-    coalesce = dist.get_backend(group) == "nccl"
-    with _coalescing_manager(group=group) if coalesce else contextlib.nullcontext():
-        for out, inp in zip(outs, ins):
-            dist.all_gather_single(out, inp, group=group)
+    for out, inp in zip(outs, ins):
+        dist.all_gather_single(out, inp, group=group)
     return [out[:math.prod(shape)].view(shape) for out, shape in zip(outs, shapes)]
