@@ -143,11 +143,8 @@ def build_model(
         if meta:
             return _skeleton(pretrained_path, dtype, attn_implementation, config_overrides)
         return _load(pretrained_path, dtype, attn_implementation, config_overrides)
-    if name is None:
-        raise ValueError("build_model: model.name is needed for a random-init model (no model.pretrained_path)")
-    config_cls, model_cls, tiny = MODELS[family(name)]
-    _check_keys(config_cls, config_overrides)
-    config = config_cls(**{**tiny, **config_overrides})
+    config = model_config(name, **config_overrides)
+    model_cls = MODELS[family(name)][1]
     if meta:
         with torch.device("meta"):
             lm = model_cls(config)
@@ -158,6 +155,20 @@ def build_model(
         lm = model_cls(config)
     lm.set_attn_implementation(attn_implementation)
     return lm.to(dtype)
+
+
+def model_config(name: str | None, *, pretrained_path: str | None = None,
+                 **config_overrides) -> transformers.PretrainedConfig:
+    """The Hugging Face config `build_model` builds its model from, without a weight: the
+    checkpoint's config.json, or the tiny defaults of family `name`, with `config_overrides`."""
+    if pretrained_path is not None:
+        _check_keys(MODELS[checkpoint_family(pretrained_path)][0], config_overrides)
+        return _config(pretrained_path, config_overrides)
+    if name is None:
+        raise ValueError("build_model: model.name is needed for a random-init model (no model.pretrained_path)")
+    config_cls, _, tiny = MODELS[family(name)]
+    _check_keys(config_cls, config_overrides)
+    return config_cls(**{**tiny, **config_overrides})
 
 
 def _config(path, overrides):

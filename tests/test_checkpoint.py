@@ -102,8 +102,11 @@ def test_a_checkpoint_of_another_model_or_algorithm_is_refused_naming_the_key(tm
     path = tmp_path / "step_00000001"
     again = load_and_report(0, 1, str(path), *small)  # the control: the same model loads
     assert again["step"] == 1 and all(torch.equal(again["state"][k], v) for k, v in saved["state"].items())
-    with pytest.raises(ValueError, match=r"model\.overrides\.num_experts=.*num_experts=4"):  # before a model is built
+    with pytest.raises(ValueError, match=r"model has num_local_experts=8, this run's has num_local_experts=4 "  # before a model
+                                         r"\(from model\.overrides\.num_experts\)"):         # is built
         Checkpointer(config(*small, f"resume={path}", "+model.overrides.num_experts=4"), ParallelDims(), tmp_path)
+    # the same model spelled another way: a default passed explicitly resumes (the control above refuses)
+    Checkpointer(config(*small, f"resume={path}", "+model.overrides.num_experts=8"), ParallelDims(), tmp_path)
     with pytest.raises(ValueError, match=r"model\.name='qwen3_moe'"):
         check_config(path, config(*small, "model=dense_tiny"))
     _, other = trainer_for(*small, "+model.overrides.num_experts=4")  # past the config check: the tensors differ

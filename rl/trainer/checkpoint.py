@@ -90,8 +90,12 @@ log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^step_(\d+)$")
-# config keys that define the saved tensors: a difference refuses the checkpoint, naming the key
-MODEL_KEYS = ("model.name", "model.dtype", "model.overrides")
+# config keys that define the saved tensors: a difference refuses the checkpoint, naming the key;
+# the model's shape is the effective Hugging Face config (hf_config.json), not the override dicts
+MODEL_KEYS = ("model.name", "model.dtype")
+# Hugging Face config fields that do not shape a tensor
+_HF_IGNORED = {"transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "use_cache",
+               "output_router_logits"}
 
 
 def checkpoint_name(step: int) -> str:
@@ -302,10 +306,32 @@ def check_config(path: Path, cfg: "Config") -> None:
             raise ValueError(f"resume={str(path)!r}: the checkpoint was saved with "
                              f"{key}={saved.get(key, '<unset>')!r}, this run has {key}={now.get(key, '<unset>')!r} "
                              "(a checkpoint of another model)")
+    _check_model_shape(path, cfg)
     changed = [k for k in changed if k != "resume"]
     if changed:
         log.info("resuming from %s with changed settings: %s", path,
                  ", ".join(f"{k}={saved.get(k, '<unset>')!r}->{now.get(k, '<unset>')!r}" for k in changed))
+
+
+def _check_model_shape(path: Path, cfg: "Config") -> None:
+    """The run's effective Hugging Face config (the checkpoint's or the tiny family's, with
+    `model.overrides`; no weight is read) against the one the checkpoint was saved with: a
+    field that differs refuses it, naming the field, both values and where the run's comes
+    from. An override equal to the default it replaces is the same model."""
+    from model.models import model_config
+
+    m = cfg.model
+    config = model_config(m.name.value if m.name is not None else None, pretrained_path=m.pretrained_path,
+                          **m.overrides)
+    saved, now = type(config).from_json_file(path / "hf_config.json").to_dict(), config.to_dict()
+    for key in sorted((saved.keys() | now.keys()) - _HF_IGNORED):
+        if saved.get(key) != now.get(key):
+            names = {key} | {alias for alias, field in config.attribute_map.items() if field == key}
+            given = [f"model.overrides.{k}" for k in m.overrides if k in names]
+            source = given[0] if given else (f"{m.pretrained_path}/config.json" if m.pretrained_path
+                                             else f"the tiny {config.model_type} default")
+            raise ValueError(f"resume={str(path)!r}: the checkpoint's model has {key}={saved.get(key)!r}, this run's "
+                             f"has {key}={now.get(key)!r} (from {source}): a checkpoint of another model")
 
 
 # ------------------------------------------------------------------ checkpointer
