@@ -78,9 +78,9 @@ def load(rank: int, world: int, current: bool) -> dict:
 
 def replica(rank: int, world: int, current: bool) -> dict:
     """The transformers engine's unsharded copy (rollout.replica=keep) in bfloat16: `current` reads
-    the checkpoint (`from_pretrained`), the new path allocates it empty (`materialize`; the first
-    weight sync fills it). Peak RSS and seconds; on a GPU the copy is device memory and the
-    new path touches no host memory for it at all."""
+    the checkpoint (`from_pretrained`, the old path), else it is allocated empty (`materialize`)
+    and every element written once, as the first weight sync does. Peak RSS and seconds; on a
+    GPU the copy is device memory and the new path touches no host memory for it at all."""
     import time
 
     import torch
@@ -93,6 +93,8 @@ def replica(rank: int, world: int, current: bool) -> dict:
         lm = build_model(None, pretrained_path=str(FOLDER), dtype=torch.bfloat16)
     else:
         lm = materialize(build_model(None, pretrained_path=str(FOLDER), dtype=torch.bfloat16, device="meta"), "cpu")
+        for p in lm.parameters():  # what the first sync writes (every element): the pages are touched
+            p.data.zero_()
     seconds = time.perf_counter() - t0
     held = sum(p.numel() * p.element_size() for p in lm.parameters())
     return {"peak": _status("VmHWM"), "before": before, "seconds": seconds, "held_bytes": held}
@@ -116,10 +118,10 @@ def main() -> None:
             print(f"{path} world {w}: peak RSS per rank {peak / 1e9:.3f} GB (max of {each}), "
                   f"before loading {max(r['before'] for r in ranks) / 1e9:.3f} GB, "
                   f"parameters held {max(r['held_bytes'] for r in ranks) / 1e9:.3f} GB", flush=True)
-    for path in ("current", "sharded"):  # the rollout replica: one process, each path fresh
-        r = run_distributed(replica, 1, path == "current", timeout=600)[0]
+    for path in ("checkpoint", "empty"):  # the rollout replica: one process, each path fresh
+        r = run_distributed(replica, 1, path == "checkpoint", timeout=600)[0]
         runs[f"replica_{path}"] = [r]
-        print(f"rollout replica, {path} path: peak RSS {r['peak'] / 1e9:.3f} GB (before {r['before'] / 1e9:.3f} GB), "
+        print(f"rollout replica, {path}: peak RSS {r['peak'] / 1e9:.3f} GB (before {r['before'] / 1e9:.3f} GB), "
               f"{r['seconds']:.2f} s, replica {r['held_bytes'] / 1e9:.3f} GB", flush=True)
     peak = {k: max(r["peak"] for r in v) for k, v in runs.items()}
     base = {k: max(r["before"] for r in v) for k, v in runs.items()}
@@ -131,8 +133,8 @@ def main() -> None:
         f"ratio_world{top}_vs_sharded_one_process": round(peak[f"sharded_world{top}"] / peak["sharded_world1"], 3),
         **{f"ratio_world{w}_vs_current_one_process": round(peak[f"sharded_world{w}"] / peak["current_world1"], 3)
            for w in worlds if w not in (1, top)},
-        "replica_s_current": round(runs["replica_current"][0]["seconds"], 2),
-        "replica_s_empty_then_sync": round(runs["replica_sharded"][0]["seconds"], 2),
+        "replica_s_checkpoint": round(runs["replica_checkpoint"][0]["seconds"], 2),
+        "replica_s_empty": round(runs["replica_empty"][0]["seconds"], 2),
         # the loading alone: peak minus the resident set before loading (imports, process group)
         **{f"load_gb_{k}": round((peak[k] - base[k]) / 1e9, 3) for k in peak},
     }
