@@ -50,7 +50,10 @@ whole step (peak of rollout and training):
     sharded  generation with the FSDP2 policy (rl/rollout/engine.py PolicyRolloutEngine): the root
              (embeddings, norm, lm head) gathered in bf16 for the whole rollout + two decoder
              layers in bf16 (the one computing, the next being gathered; experts: this EP rank's
-             E/ep); KV cache in bf16; no copy
+             E/ep); KV cache in bf16; no copy. `received a decode step`: what each rank receives
+             to run one decode step this way (every layer's dense rows from the other ranks, its
+             experts from the rest of its expert-data-parallel group), a communication cost paid
+             per generated token
     vllm     an external colocated engine (sleep mode: nothing of it resident during training):
              bf16 weights / TP + bf16 KV cache / TP; the smallest TP of 1, 2, 4, 8 that fits
     KV cache: rollout_rows x rollout_len tokens x 2 (K, V) x layers x kv_heads x head_dim x dtype;
@@ -231,6 +234,11 @@ def rollout_plan(counts: dict[str, Counts], train_rows: list[dict], gpu_gib: flo
         keep_rollout = resident + replica + tokens * kv_bytes_per_token(c.config, FP32) + sampling
         keep = max(keep_rollout, train + replica)
         gathered = BF16 * c.root + 2 * BF16 * (c.layer_dense + c.layer_experts / ep)
+        # what a decode step of the sharded engine receives per rank: every layer's dense rows from
+        # the other ranks, its experts from the other ranks of its expert-data-parallel group
+        edp = gpus // ep
+        per_step = BF16 * c.config.num_hidden_layers * (c.layer_dense * (gpus - 1) / gpus
+                                                        + c.layer_experts / ep * (edp - 1) / edp)
         sharded_rollout = resident + gathered + tokens * kv_bytes_per_token(c.config, BF16) + sampling
         sharded = max(sharded_rollout, train)
         vllm = {tp: resident + (BF16 * P + tokens * kv_bytes_per_token(c.config, BF16)) / tp + sampling
@@ -243,7 +251,8 @@ def rollout_plan(counts: dict[str, Counts], train_rows: list[dict], gpu_gib: flo
         out.append({"model": name, "gpus": gpus, "dp": dp, "cp": cp, "ep": ep, "params": P,
                     "train_peak": train / GIB, "resident": resident / GIB, "kv_tokens": tokens,
                     "keep_copy": replica / GIB, "keep_rollout": keep_rollout / GIB, "keep_peak": keep / GIB,
-                    "sharded_gathered": gathered / GIB, "sharded_rollout": sharded_rollout / GIB,
+                    "sharded_gathered": gathered / GIB, "sharded_step_received": per_step / GIB,
+                    "sharded_rollout": sharded_rollout / GIB,
                     "sharded_peak": sharded / GIB, "vllm_tp": tp_min,
                     "vllm_rollout": (vllm[tp_min] if tp_min else vllm[TP_SIZES[-1]]) / GIB,
                     "keep_fits": keep <= budget, "sharded_fits": sharded <= budget, "chosen": plan.mode,
@@ -253,9 +262,10 @@ def rollout_plan(counts: dict[str, Counts], train_rows: list[dict], gpu_gib: flo
 
 def rollout_table(rows: list[dict]) -> str:
     head = ["model", "GPUs", "train peak", "resident", "keep: copy", "rollout", "peak", "fits",
-            "sharded: gathered", "rollout", "peak", "fits", "vllm TP", "rollout", "chosen", "chosen rollout"]
+            "sharded: gathered", "received a decode step", "rollout", "peak", "fits", "vllm TP", "rollout", "chosen",
+            "chosen rollout"]
     keys = ["model", "gpus", "train_peak", "resident", "keep_copy", "keep_rollout", "keep_peak", "keep_fits",
-            "sharded_gathered", "sharded_rollout", "sharded_peak", "sharded_fits", "vllm_tp", "vllm_rollout",
+            "sharded_gathered", "sharded_step_received", "sharded_rollout", "sharded_peak", "sharded_fits", "vllm_tp", "vllm_rollout",
             "chosen", "chosen_rollout"]
     return _format(head, keys, rows)
 
@@ -317,6 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rollout_gib_chosen": {r["model"]: round(r["chosen_rollout"], 1) for r in rollout},
         "rollout_gib_keep": {r["model"]: round(r["keep_rollout"], 1) for r in rollout},
         "rollout_gib_sharded": {r["model"]: round(r["sharded_rollout"], 1) for r in rollout},
+        "sharded_received_gib_per_decode_step": {r["model"]: round(r["sharded_step_received"], 1) for r in rollout},
     }
     return emit("memory_plan", summary, {"rows": rows, "rollout": rollout})
 
