@@ -299,6 +299,10 @@ def materialize(lm: nn.Module, device: torch.device | str) -> nn.Module:
     dict), non-persistent buffers (rotary `inv_freq`) are computed by the model's
     `_init_weights`, a tied head is tied again. Returns `lm`. No checkpoint read, no host copy:
     a replica on a GPU costs its device bytes only."""
+    real = [name for name, t in [*lm.named_parameters(), *lm.named_buffers()] if not t.is_meta]
+    if real:  # allocating would throw their values away
+        raise ValueError(f"materialize: {len(real)} tensors of the model already hold values (e.g. {real[0]}); "
+                         "it takes a model built on the meta device")
     head, embed = lm.get_output_embeddings(), lm.get_input_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight
     owners = [mod for mod in lm.modules() if mod._non_persistent_buffers_set]

@@ -159,20 +159,22 @@ TIMED = ("_s", "_per_s")
 def one_step(rank: int, world_size: int, overrides: tuple[str, ...], current: bool) -> dict:
     """Step 0's untimed metrics and the policy after it; `current`: today's path (a plain load
     on every rank, then sharded) instead of the sharded load."""
+    import rl.rollout.build as build_module
     import rl.trainer.trainer as trainer_module
     from inprocess import compose
 
     cfg = compose(*overrides, world_size=world_size)
     dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device="cpu")
-    build, load = trainer_module.build_model, trainer_module.load_sharded
-    if current:
+    build, load, materialize = trainer_module.build_model, trainer_module.load_sharded, build_module.materialize
+    if current:  # every model read whole from the checkpoint, the rollout copy too
         trainer_module.build_model = lambda *a, device=None, **k: build(*a, **k)
         trainer_module.load_sharded = lambda module, path, dims: module
+        build_module.materialize = lambda lm, device: lm.to(device)
     try:
         torch.manual_seed(cfg.seed)
         tr = trainer_module.build_trainer(cfg, dims)
     finally:
-        trainer_module.build_model, trainer_module.load_sharded = build, load
+        trainer_module.build_model, trainer_module.load_sharded, build_module.materialize = build, load, materialize
     metrics = {k: v for k, v in tr.step(0).items() if not k.endswith(TIMED)}
     frozen = [not p.requires_grad for m in (tr.actor, tr.reference) for p in m.parameters()]
     return {"metrics": metrics, "frozen": frozen, "policy": {k: v.clone() for k, v in full_parameters(tr.actor.model)},
@@ -252,6 +254,8 @@ def test_the_rollout_replica_is_allocated_empty_and_the_sync_makes_it_the_plain_
 
 def test_a_random_init_model_builds_on_meta_with_the_random_models_shapes():
     meta, real = build_model("qwen3", device="meta"), build_model("qwen3")
+    with pytest.raises(ValueError, match=r"materialize: \d+ tensors of the model already hold values"):
+        loading.materialize(real, "cpu")  # a loaded model: allocating would lose its weights
     assert all(t.is_meta for t in meta.state_dict().values())
     assert {k: (v.shape, v.dtype) for k, v in meta.state_dict().items()} == \
         {k: (v.shape, v.dtype) for k, v in real.state_dict().items()}
