@@ -6,10 +6,10 @@
 state-dict entry of `model` (stock names and shapes, the engine's `load_weights` contract)
 a bucket at a time: the entries are cut, in state-dict order, into buckets of at most
 `bucket_bytes` of full tensors, and each tensor of a bucket is all-gathered straight into
-its own buffer (`_gather_dim0`; the same public collective on NCCL and gloo, so the path a
-GPU runs is the one the CPU tests run). What a rank holds beyond its shards is one bucket's full tensors (each
-gathered straight into its own buffer: no flat receive buffer to copy out of) plus the
-tensor the engine is still copying from the previous bucket, never the full model: peak
+its own buffer (`_gather_dim0`: no flat receive buffer to copy out of; the same public
+collective on NCCL and gloo, so the path a GPU runs is the one the CPU tests run). What a
+rank holds beyond its shards is one bucket's full tensors plus the tensor the engine is
+still copying from the previous bucket, never the full model: peak
 about `bucket_bytes` + one tensor (+ the padding of uneven splits). Measured on 2 gloo ranks,
 a 485 MiB model whose largest tensor is 62.5 MiB (bench/sync_memory.py): 125 MiB with 64 MiB
 buckets, 293 MiB with 256 MiB buckets, 125 MiB for `full_parameters` (one tensor at a time).
@@ -146,8 +146,7 @@ def sync_weights(engine, model: nn.Module) -> None:
 # ------------------------------------------------------------------ gathering
 def _gather(bucket: list[_Entry]) -> list[tuple[str, torch.Tensor]]:
     """Full tensors of one bucket: the FSDP stage (dim-0 shards over each entry's mesh),
-    then the EP stage (expert slices over each EP group), each one collective per
-    (group, dtype) call."""
+    then the EP stage (expert slices over each EP group), each grouped by (group, dtype)."""
     full: dict[int, torch.Tensor] = {}
     groups: dict[tuple, list[int]] = {}
     for i, e in enumerate(bucket):
