@@ -104,6 +104,21 @@ def test_evaluate_is_greedy_pass_at_1_over_every_problem_once(task):
     assert {t for _, t in engine.calls} == {0.0} and max(len(i) for i, _ in engine.calls) == 16
 
 
+def test_evaluation_shows_its_progress_when_asked(task, capsys):
+    problems = task.heldout(8)
+    engine = Oracle(task)
+    engine.problems = problems
+    for progress in (False, True):
+        evaluate(engine, task, problems, ParallelDims(), max_new_tokens=8, batch_size=4, progress=progress)
+        shown = capsys.readouterr().err
+        assert ("held-out" in shown and "/2 " in shown) if progress else shown == ""  # 2 batches
+
+
+def test_a_task_without_a_heldout_split_is_named_when_evaluation_is_asked():
+    with pytest.raises(ValueError, match=r"eval.every > 0 but task 'target_token' has no held-out split"):
+        trainer("task=target_token", "eval.every=1")
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory, tokenizer):
     folder = tmp_path_factory.mktemp("llama")

@@ -16,6 +16,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from model.parallel_dims import ParallelDims
 from rl.tasks.task import Prompt, Task, score
@@ -32,13 +33,14 @@ def heldout_problems(task: Task, n: int, task_name: str) -> list[Prompt]:
 
 @torch.no_grad()
 def evaluate(engine, task: Task, problems: list[Prompt], dims: ParallelDims, *, max_new_tokens: int,
-             batch_size: int = 64) -> dict[str, float]:
-    """Greedy pass@1 over `problems`, split over the DP ranks (a collective over the DP group)."""
+             batch_size: int = 64, progress: bool = False) -> dict[str, float]:
+    """Greedy pass@1 over `problems`, split over the DP ranks (a collective over the DP group);
+    `progress`: a bar of this rank's batches."""
     t0 = time.perf_counter()
     mine = list(range(dims.dp_rank, len(problems), dims.dp))
     correct = reward = 0.0
     most = -(-len(problems) // dims.dp)  # every rank calls generate as often (an engine may be a collective)
-    for start in range(0, most, batch_size):
+    for start in tqdm(range(0, most, batch_size), desc="held-out", unit="batch", leave=False, disable=not progress):
         chunk = mine[start:start + batch_size]
         records = engine.generate([problems[i][0] for i in chunk], prompt_indices=chunk,
                                   max_new_tokens=max_new_tokens, temperature=0.0, seed=0)

@@ -72,7 +72,7 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
     task = build_task(cfg.task.name, prompts_path=cfg.task.prompts_path, reward_fn=cfg.task.reward_fn,
                       tokenizer_path=cfg.task.tokenizer_path, vocab_size=vocab_size, **cfg.task.options)
     check_task_fits(cfg, task)  # batch.max_tokens holds the task's longest prompt + task.max_new_tokens
-    heldout = heldout_problems(task, cfg.eval.num_prompts, cfg.task.name) if cfg.eval.every else []
+    heldout = heldout_problems(task, cfg.eval.num_prompts, cfg.task.name.value) if cfg.eval.every else []
 
     def new_model(device=None):
         name = m.name.value if m.name is not None else None
@@ -148,7 +148,8 @@ class Trainer:
         """Greedy pass@1 of the current policy on the held-out problems (rl/tasks/evaluate.py)."""
         e = self.cfg.eval
         return evaluate(self.engine, self.task, self.heldout, self.dims, batch_size=e.batch_size,
-                        max_new_tokens=e.max_new_tokens or self.cfg.task.max_new_tokens)
+                        max_new_tokens=e.max_new_tokens or self.cfg.task.max_new_tokens,
+                        progress=self.cfg.trainer.progress and self.dims.rank == 0)
 
     def step(self, step: int) -> dict[str, float]:
         """One step; the held-out evaluation of the policy it starts from when one is due
