@@ -147,8 +147,8 @@ def shared_prompt_attn_kwargs(
             start += r
     if not lens_q:
         raise ValueError("shared_prompt_attn_kwargs: units is empty; a pack holds at least one sequence")
-    layout = SharedPrompts(cu_seqlens(lens_q, device=device), cu_seqlens(lens_k, device=device), torch.cat(kv).to(device), max(lens_q), max(lens_k),
-                           tuple(lens_q), tuple(lens_k))
+    layout = SharedPrompts(cu_seqlens(lens_q, device=device), cu_seqlens(lens_k, device=device),
+                           torch.cat(kv).to(device), max(lens_q), max(lens_k), tuple(lens_q), tuple(lens_k))
     return {"shared_prompts": layout}
 
 

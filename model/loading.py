@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from model.moe import EXPERT_PARAM_NAMES, ExpertParallelExperts
-from model.parallel_dims import ParallelDims
+from model.parallel_dims import ParallelDims, local_tensor
 
 KEY = "model.pretrained_path"
 # The load-time key conversions of transformers (`conversion_mapping`, what `from_pretrained`
@@ -266,8 +266,8 @@ def load_sharded(wrapper: nn.Module, path: str | Path, dims: ParallelDims) -> nn
         plan, keep, init = [], {}, set()
         named = list(wrapper.named_parameters()) + list(wrapper.named_buffers())
         for name, tensor in named:  # named once each: a tied head is the embedding's Parameter
-            if not _local(tensor).is_meta:
-                keep[name] = _local(tensor).detach().clone()
+            if not local_tensor(tensor).is_meta:
+                keep[name] = local_tensor(tensor).detach().clone()
                 continue
             owner = name.rpartition(".")[0]
             if name in non_persistent:
@@ -281,11 +281,11 @@ def load_sharded(wrapper: nn.Module, path: str | Path, dims: ParallelDims) -> nn
         _allocate(wrapper, lm, dims.device, tied)
         tensors = dict(wrapper.named_parameters()) | dict(wrapper.named_buffers())
         for name, value in keep.items():
-            _local(tensors[name]).copy_(value)
+            local_tensor(tensors[name]).copy_(value)
         for owner in sorted(init):
             lm._init_weights(modules[owner])
         for e in plan:
-            local = _local(tensors[e.name])
+            local = local_tensor(tensors[e.name])
             if e.rows:
                 local.copy_(e.source.rows(e.offset, e.offset + e.rows).reshape(local.shape))
     return wrapper
@@ -340,7 +340,3 @@ def _plan_entry(ckpt: Checkpoint, folder: str, name: str, key: str, tensor: torc
                          f"model built from its config.json and model.overrides expects {list(full)} for {key}")
     offset, rows = _local_rows(tensor)
     return _Entry(name, source, first + offset, rows)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -138,12 +138,11 @@ def build_model(
         if name is not None and name != found:
             raise ValueError(f"model.name={name!r} but the checkpoint {pretrained_path} is a {found!r} model "
                              f"(leave model.name unset: the checkpoint's config.json names its family)")
-        config_cls = MODELS[found][0]
-        _check_keys(config_cls, config_overrides)
+    config = model_config(name, pretrained_path=pretrained_path, **config_overrides)
+    if pretrained_path is not None:
         if meta:
-            return _skeleton(pretrained_path, dtype, attn_implementation, config_overrides)
-        return _load(pretrained_path, dtype, attn_implementation, config_overrides)
-    config = model_config(name, **config_overrides)
+            return _skeleton(config, dtype, attn_implementation)
+        return _load(pretrained_path, config, dtype, attn_implementation)
     model_cls = MODELS[family(name)][1]
     if meta:
         with torch.device("meta"):
@@ -178,17 +177,15 @@ def _config(path, overrides):
     return config
 
 
-def _skeleton(path, dtype, attn_implementation, overrides) -> transformers.PreTrainedModel:
+def _skeleton(config, dtype, attn_implementation) -> transformers.PreTrainedModel:
     """What `_load` builds before it reads a weight: the same config, dtype and attention,
     every tensor on meta, in eval mode (as `from_pretrained` returns a model)."""
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(_config(path, overrides), dtype=dtype,
-                                              attn_implementation=attn_implementation)
+        lm = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     return lm.eval()
 
 
-def _load(path, dtype, attn_implementation, overrides) -> transformers.PreTrainedModel:
-    config = _config(path, overrides)
+def _load(path, config, dtype, attn_implementation) -> transformers.PreTrainedModel:
     if torch.cuda.is_available():
         from nemo_automodel import NeMoAutoModelForCausalLM
 

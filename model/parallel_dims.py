@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -156,6 +157,11 @@ def build_mesh(dims: ParallelDims) -> DeviceMesh | None:
     ranks = torch.arange(dims.world_size).view(dims.edp, dims.ep, dims.cp).permute(1, 0, 2).reshape(dims.ep, -1)
     dims.expert_mesh = DeviceMesh(kind, ranks, mesh_dim_names=("ep", "edp_cp"))
     return dims.mesh
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local shard, any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def resolve_device(choice: str = "auto") -> torch.device:

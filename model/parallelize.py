@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from model import moe
 from model.context_parallel import CP_VARLEN
 from model.moe import expert_load, expert_owners, is_moe, moe_blocks, moe_state
-from model.parallel_dims import ParallelDims
+from model.parallel_dims import ParallelDims, local_tensor
 
 
 def parallelize(wrapper: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype | None = None,
@@ -62,11 +62,7 @@ def parallelize(wrapper: nn.Module, dims: ParallelDims, *, param_dtype: torch.dt
 
 def on_meta(module: nn.Module) -> bool:
     """True when any parameter or buffer of `module` has no storage yet (the meta device)."""
-    return any(_local(t).is_meta for t in (*module.parameters(), *module.buffers()))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return any(local_tensor(t).is_meta for t in (*module.parameters(), *module.buffers()))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -157,7 +153,7 @@ def clip_grad_norm_(parameters, max_norm: float, dims: ParallelDims) -> torch.Te
     the sum over all ranks of the local squared norms: the same value on every rank.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    local = [local_tensor(g) for g in grads]
     if dims.distributed and any(not isinstance(g, DTensor) for g in grads):
         raise RuntimeError("clip_grad_norm_: with world_size > 1 every gradient must be an FSDP shard (DTensor)")
     sq = torch.zeros((), dtype=torch.float64, device=dims.device)

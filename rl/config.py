@@ -122,6 +122,11 @@ class AlgoConfig(PolicyLossConfig, KLConfig, AdvantageConfig):
     def uses_critic(self) -> bool:
         return get_advantage_estimator(self.advantage).uses_critic
 
+    @property
+    def kl_in_reward(self) -> bool:
+        """The KL to the reference is shaped into the token rewards (`kl_mode=reward`, kl_coef > 0)."""
+        return bool(self.kl_coef) and self.kl_mode == KLMode.REWARD
+
 
 @dataclass
 class TaskConfig:
@@ -297,7 +302,7 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
                          "a group of one sample has advantage 0 everywhere (nothing to learn); use >= 2")
     # the KL to the reference is either a loss term or a reward penalty, never both (rl/algos/advantages.py)
     kl_mode = KLMode(cfg.algo.kl_mode)
-    if cfg.algo.kl_coef and kl_mode is KLMode.REWARD and not advantage.token_level:
+    if cfg.algo.kl_in_reward and not advantage.token_level:
         # a sequence-level estimator folds the KL into each sample's scalar reward before its
         # group baseline, but a rank holds only its own samples' KL (only the rewards are gathered)
         token_level = sorted(e.name for e in ADVANTAGE_ESTIMATORS.values() if e.token_level)

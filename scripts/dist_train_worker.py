@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from model.actor import Actor
 from model.models import TINY_MOE, build_model
-from model.parallel_dims import ParallelDims, init_distributed
+from model.parallel_dims import ParallelDims, init_distributed, local_tensor
 from model.parallelize import clip_grad_norm_, full_parameters, parallelize
 from packing import make_experience_batch, plan_microbatches
 from rl.algos.losses import PolicyLossConfig, aggregate, policy_loss
@@ -53,15 +53,11 @@ def train(name: str, dims: ParallelDims, records, packed: bool, *, mean_reductio
         norms.append(float(clip_grad_norm_(actor.parameters(), CLIP, dims)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    local = sum(_local(p).numel() * p.element_size() for p in actor.parameters())
-    local += sum(_local(t).numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+    local = sum(local_tensor(p).numel() * p.element_size() for p in actor.parameters())
+    local += sum(local_tensor(t).numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                  if torch.is_tensor(t) and t.dim() > 0)
     return {"params": dict(full_parameters(actor.model)), "norms": norms, "state_bytes": local,
             "microbatches": len(plan[dims.dp_rank]), "all_dtensor": all(isinstance(p, DTensor) for p in actor.parameters())}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def fsdp_checks(rank: int, world_size: int, name: str, ep: int, cp: int = 1, packed: bool = True,

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from model.parallel_dims import local_tensor
 from rl.choice import Choice
 
 GIB = 2**30
@@ -120,11 +120,7 @@ def device_budget(device: torch.device, *, budget_gb: float | None, local_ranks:
 
 def local_shard_bytes(module: nn.Module) -> int:
     """Bytes of this rank's share of `module`'s parameters (a DTensor's local shard)."""
-    total = 0
-    for p in module.parameters():
-        t = p.to_local() if isinstance(p, DTensor) else p
-        total += t.numel() * t.element_size()
-    return total
+    return sum(local_tensor(p).numel() * p.element_size() for p in module.parameters())
 
 
 def plan_rollout(cfg, dims, actor: nn.Module) -> RolloutPlan:

@@ -292,20 +292,19 @@ class Trainer:
     def score(self, minibatches: list[MiniBatch]) -> None:
         """Fields read before the update, in place on the collated batches."""
         algo = self.cfg.algo
-        kl_reward = bool(algo.kl_coef) and algo.kl_mode == "reward"
         updates = algo.mini_batches * algo.epochs > 1
         for mb in minibatches:
             for batch in mb.batches:
                 if algo.old_log_probs == "rollout":
                     batch.action_log_probs = batch.rollout_log_probs
-                elif updates or kl_reward:
+                elif updates or algo.kl_in_reward:
                     self.actor.eval()
                     batch.action_log_probs = self.actor(batch)
                 if self.reference is not None:
                     batch.base_action_log_probs = self.reference(batch)
                 if self.critic is not None:
                     batch.values = self.critic(batch)
-                if kl_reward:
+                if algo.kl_in_reward:
                     batch.kl = self._kl(batch.action_log_probs, batch.base_action_log_probs)
         self.actor.train()
 
@@ -317,12 +316,12 @@ class Trainer:
         returns with the KL reward (`kl_mode=reward`), or the scalar broadcast - whitened
         over every action token of the step (the moments summed over the DP ranks)."""
         algo = self.cfg.algo
-        kl_reward = bool(algo.kl_coef) and algo.kl_mode == "reward"
         compute_advantages([b for mb in minibatches for b in mb.batches], algo.advantage, samples=records,
                            rows=[r for mb in minibatches for r in mb.rows],
                            weights=[w for mb in minibatches for w in mb.weights], group=self.dims.dp_group,
                            whiten=algo.whiten_advantages, gamma=algo.gamma, lam=algo.lam,
-                           kl_coef=self.kl_ctl.value if kl_reward else 0.0, scale_by_std=algo.grpo_scale_by_std)
+                           kl_coef=self.kl_ctl.value if algo.kl_in_reward else 0.0,
+                           scale_by_std=algo.grpo_scale_by_std)
 
     # ------------------------------------------------------------------- train
     def train_microbatch(self, batch: Experience, weight: float, mb: MiniBatch, stats: "Stats") -> None:
