@@ -37,10 +37,10 @@ EP, EXPERTS, TOP_K = 4, 16, 2
 
 def build():
     from model.models import build_model
-    from model.moe import apply_expert_parallel
+    from model.moe import shard_experts
 
     lm = build_model("qwen3_moe", seed=0, num_experts=EXPERTS, num_experts_per_tok=TOP_K, vocab_size=1024)
-    return apply_expert_parallel(lm, None)
+    return shard_experts(lm, None)
 
 
 def packs(quick: bool) -> list:

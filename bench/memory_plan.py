@@ -58,7 +58,7 @@ whole step (peak of rollout and training):
              bf16 weights / TP + bf16 KV cache / TP; the smallest TP of 1, 2, 4, 8 that fits
     KV cache: rollout_rows x rollout_len tokens x 2 (K, V) x layers x kv_heads x head_dim x dtype;
     sampling buffers: rows x vocab x 16 B (fp32 logits, fp32 log-softmax, fp64 CDF).
-`chosen` is what `rollout.replica=auto` decides at start-up (rl/rollout/plan.py `choose`, the
+`chosen` is what `rollout.replica=auto` decides at start-up (rl/rollout/replica.py `choose`, the
 same function): keep when copy + training state to come (gradients + AdamW, 12 B/param/world)
 <= 90% of the free memory after the shards are placed (GPU - reserve - 4 B/param/world), else
 sharded. `keep_fits` / `sharded_fits` check each mode against the fuller model above.
@@ -83,7 +83,7 @@ from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCa
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from model.moe import is_expert_param  # noqa: E402
-from rl.rollout.plan import RESERVE, choose  # noqa: E402
+from rl.rollout.replica import RESERVE, choose  # noqa: E402
 
 GIB = 2**30
 BF16, FP32 = 2, 4

@@ -84,7 +84,7 @@ def _actor(name: str, dtype: torch.dtype, dims):
 
     # initializer_range 0.2: peaked next-token distributions, like a trained model's (as tests/test_actor_replay.py)
     model = build_model(name, seed=0, dtype=dtype, initializer_range=0.2)
-    return parallelize(Actor(model, chunk_size=128, dims=dims), dims).eval()
+    return parallelize(Actor(model, chunk_bytes=128 * 4 * model.config.vocab_size, dims=dims), dims).eval()
 
 
 def _one_process(device: torch.device):

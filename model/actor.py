@@ -232,7 +232,7 @@ class Actor(nn.Module):
     The Actor is the module FSDP2 wraps last (model/parallelize.py): its forward reads the
     lm head's weight directly (chunked log-softmax), which the root's unshard covers.
     `chunk_bytes` is the log-prob head's budget of one `[rows, V]` fp32 chunk
-    (model/logprobs.py; `model.logprob_chunk_bytes`); `chunk_size` fixes the rows instead.
+    (model/logprobs.py; `model.logprob_chunk_bytes`).
     `actions_only` runs the lm head on the slots `action_mask` selects only; every other slot
     is then exactly 0 (with no gradient) like a slot with no next token (the trainer's
     setting: its losses, KL and metrics are masked by `action_mask`).
@@ -241,15 +241,11 @@ class Actor(nn.Module):
     """
 
     def __init__(self, model: nn.Module, *, temperature: float = 1.0, chunk_bytes: int = LOGPROB_CHUNK_BYTES,
-                 chunk_size: int | None = None, dims: ParallelDims | None = None, replay: bool = True,
+                 dims: ParallelDims | None = None, replay: bool = True,
                  actions_only: bool = False, share_prompts: bool = False) -> None:
         super().__init__()
-        if temperature <= 0:
-            raise ValueError(f"Actor: temperature={temperature}, expected > 0")
         if chunk_bytes < 1:
             raise ValueError(f"Actor: chunk_bytes={chunk_bytes}, expected >= 1")
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"Actor: chunk_size={chunk_size}, expected >= 1 (or None: rows from chunk_bytes)")
         head = model.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise ValueError(
@@ -257,8 +253,7 @@ class Actor(nn.Module):
             )
         self.model = model
         self.temperature = temperature
-        self.chunk_bytes = chunk_bytes  # log-prob chunk: rows = chunk_bytes // (4 x vocab) ...
-        self.chunk_size = chunk_size  # ... unless a row count is given (tests)
+        self.chunk_bytes = chunk_bytes  # log-prob chunk: rows = chunk_bytes // (4 x vocab)
         self.dims = dims if dims is not None else ParallelDims()
         self.replay = replay
         self.actions_only = actions_only
@@ -277,7 +272,7 @@ class Actor(nn.Module):
             targets = view.targets
         out = token_log_probs(
             hidden, self.model.get_output_embeddings().weight, targets,
-            temperature=self.temperature, chunk_bytes=self.chunk_bytes, chunk_size=self.chunk_size,
+            temperature=self.temperature, chunk_bytes=self.chunk_bytes,
             return_entropy=return_entropy,
         )
         outs = out if return_entropy else (out,)

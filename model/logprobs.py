@@ -49,7 +49,6 @@ def token_log_probs(
     *,
     temperature: float = 1.0,
     chunk_bytes: int = LOGPROB_CHUNK_BYTES,
-    chunk_size: int | None = None,
     return_entropy: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(hidden @ W^T / temperature)[target], fp32, for every token position.
@@ -57,8 +56,7 @@ def token_log_probs(
     hidden `[..., S, H]` (any dtype), lm_head_weight `[V, H]`, targets `[..., S]` int ids.
     Returns log-probs `[..., S]` fp32 and, with `return_entropy`, the entropy `[..., S]`
     fp32 of the same tempered distribution. The lm-head matmul runs in the weight's dtype
-    and its output is upcast before the softmax. A chunk holds `chunk_size` rows if given,
-    else `chunk_bytes // (4 V)`.
+    and its output is upcast before the softmax. A chunk holds `chunk_rows(V, chunk_bytes)` rows.
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(
@@ -70,11 +68,7 @@ def token_log_probs(
             f"token_log_probs: lm_head_weight has shape {tuple(lm_head_weight.shape)}, "
             f"expected [V, {hidden.shape[-1]}] (hidden size of hidden {tuple(hidden.shape)})"
         )
-    if temperature <= 0:
-        raise ValueError(f"token_log_probs: temperature={temperature}, expected > 0")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"token_log_probs: chunk_size={chunk_size}, expected >= 1")
-    rows = chunk_size if chunk_size is not None else chunk_rows(lm_head_weight.shape[0], chunk_bytes)
+    rows = chunk_rows(lm_head_weight.shape[0], chunk_bytes)
 
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1).long()

@@ -7,9 +7,8 @@ families share one forward path; `qwen3_moe` is the expert-parallel one (model/m
 
 A checkpoint's family comes from its `config.json` (`model_type`): nothing else has to
 name it, and an unsupported `model_type` is refused before any weight is read. Random-init
-models are built with transformers directly (nemo-automodel's `from_config` asserts CUDA);
-a checkpoint loads with transformers on CPU and with nemo-automodel's
-`NeMoAutoModelForCausalLM` when CUDA is present. Nothing is downloaded.
+models and checkpoints are built with transformers directly, on every device (the trainer
+loads a checkpoint sharded, model/loading.py). Nothing is downloaded.
 
 `device="meta"` builds a checkpoint's module tree without storage (the dtype, config and
 attention of a plain load): model/loading.py then fills each rank's shard of it after
@@ -186,15 +185,6 @@ def _skeleton(config, dtype, attn_implementation) -> transformers.PreTrainedMode
 
 
 def _load(path, config, dtype, attn_implementation) -> transformers.PreTrainedModel:
-    if torch.cuda.is_available():
-        from nemo_automodel import NeMoAutoModelForCausalLM
-
-        # force_hf keeps the Hugging Face module tree (model.model, lm_head, the attention interface)
-        # that model/actor.py drives; liger kernels stay off so CPU and GPU run the same modules
-        return NeMoAutoModelForCausalLM.from_pretrained(
-            path, config=config, torch_dtype=dtype, attn_implementation=attn_implementation,
-            force_hf=True, use_liger_kernel=False, local_files_only=True,
-        )
     return AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
     )

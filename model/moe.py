@@ -1,6 +1,6 @@
 """Mixture-of-experts: expert parallelism, synthetic-row masking, routing replay (R3), expert load.
 
-`apply_expert_parallel(model, ep_group)` swaps every sparse MoE block of a Hugging Face MoE
+`shard_experts(model, ep_group)` swaps every sparse MoE block of a Hugging Face MoE
 model (Qwen3-MoE: `mlp.gate` router + fused `mlp.experts`) for a `MoEBlock`. EP rank r of
 an `ep`-sized group keeps experts [r*E/ep, (r+1)*E/ep) of `gate_up_proj [E, 2I, H]` and
 `down_proj [E, H, I]` as its own Parameters; every token-slot pair goes to the owning rank
@@ -282,7 +282,7 @@ def _looks_like_sparse_block(module: nn.Module) -> bool:
     )
 
 
-def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None) -> nn.Module:
+def shard_experts(model: nn.Module, ep_group: dist.ProcessGroup | None) -> nn.Module:
     """Shard the experts of every sparse MoE block over `ep_group` (None: keep all experts local).
 
     Load the full weights first; apply before FSDP. Every EP rank must call it on the same model.
@@ -290,18 +290,18 @@ def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None) 
     found = [(name, m) for name, m in model.named_modules() if _looks_like_sparse_block(m)]
     if not found:
         already = "; it has MoEBlocks already (applied twice?)" if moe_blocks(model, strict=False) else ""
-        raise ValueError(f"apply_expert_parallel: {type(model).__name__} has no sparse MoE block "
+        raise ValueError(f"shard_experts: {type(model).__name__} has no sparse MoE block "
                          f"(a module with a top-k router `gate` and fused `experts`){already}")
     for layer, (name, block) in enumerate(found):
         if type(block).__name__ not in SUPPORTED_BLOCKS:
-            raise ValueError(f"apply_expert_parallel: {name} is a {type(block).__name__}; supported MoE blocks: "
+            raise ValueError(f"shard_experts: {name} is a {type(block).__name__}; supported MoE blocks: "
                              f"{SUPPORTED_BLOCKS} (their router normalization and expert layout are the ones checked)")
         extra = sorted(set(dict(block.named_children())) - {"gate", "experts"})
         if extra:
-            raise ValueError(f"apply_expert_parallel: {name} ({type(block).__name__}) has submodules {extra} "
+            raise ValueError(f"shard_experts: {name} ({type(block).__name__}) has submodules {extra} "
                              f"besides gate/experts (e.g. a shared expert), which MoEBlock does not run")
         if any(isinstance(p, DTensor) for p in block.parameters()):
-            raise ValueError(f"apply_expert_parallel: {name} holds DTensor parameters: apply EP before FSDP")
+            raise ValueError(f"shard_experts: {name} holds DTensor parameters: apply EP before FSDP")
         experts = ExpertParallelExperts(block.experts, int(block.gate.num_experts), ep_group)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -318,7 +318,7 @@ def moe_blocks(model: nn.Module, *, strict: bool = True) -> list[MoEBlock]:
     """The model's `MoEBlock`s in layer order (the L axis of `routed_experts`)."""
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     if strict and not blocks:
-        raise ValueError(f"{type(model).__name__} has no MoEBlock: call apply_expert_parallel(model, ep_group) "
+        raise ValueError(f"{type(model).__name__} has no MoEBlock: call shard_experts(model, ep_group) "
                          f"first (ep_group=None for an unsharded model)")
     return blocks
 

@@ -80,7 +80,7 @@ def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
 # ------------------------------------------------------------- expert parallelism
 def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> None:
     """Every MoE model's sparse blocks become `MoEBlock`s holding this EP rank's experts
-    (`model.moe.apply_expert_parallel` over `dims.ep_group`; all experts when ep == 1), once;
+    (`model.moe.shard_experts` over `dims.ep_group`; all experts when ep == 1), once;
     ep > 1 on a dense model is an error naming parallel.ep."""
     if not is_moe(model):
         if dims.ep > 1:
@@ -88,7 +88,7 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> None:
                              f"models")
         return
     if not moe_blocks(model, strict=False):
-        moe.apply_expert_parallel(model, dims.ep_group)
+        moe.shard_experts(model, dims.ep_group)
 
 
 # -------------------------------------------------------- activation checkpointing

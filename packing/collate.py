@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from packing.experience import Experience, Kind
+from packing.experience import Experience, Kind, routing_shape
 from packing.layout import packed_positions
 
 ROUTING_PAD = -1  # "no record: keep live routing"
@@ -127,12 +127,6 @@ def _validate(items: Sequence[Experience], packed: bool) -> None:
                     f"item {i}: action field '{name}' has shape {tuple(value.shape)}, expected ({n - 1},) = [T-1] "
                     f"for sequences of length T={n}"
                 )
-        for name, value in item.present(Kind.ROUTING).items():
-            if value.dim() != 3 or value.shape[-1] != n:
-                raise ValueError(
-                    f"item {i}: field '{name}' has shape {tuple(value.shape)}, expected [L, K, {n}] "
-                    f"(sequence axis last, T={n})"
-                )
         if packed:
             media = item.present(Kind.MEDIA)
             if media:
@@ -143,7 +137,8 @@ def _validate(items: Sequence[Experience], packed: bool) -> None:
                     f"collate with packed=False for multimodal samples"
                 )
 
-    # one dtype (and for routing one [L, K]) per field across items
+    routing_shape(items)  # [L, K, T] each, one [L, K]
+    # one dtype per field across items
     for kind in (Kind.TOKEN, Kind.ACTION, Kind.ROUTING, Kind.EPISODE):
         for name in Experience.names(kind):
             tensors = [(i, v) for i, item in enumerate(items) if isinstance(v := getattr(item, name), torch.Tensor)]
@@ -153,8 +148,3 @@ def _validate(items: Sequence[Experience], packed: bool) -> None:
             for i, value in tensors[1:]:
                 if value.dtype != ref.dtype:
                     raise ValueError(f"item {i}: field '{name}' has dtype {value.dtype}, but item {j} has {ref.dtype}")
-                if kind is Kind.ROUTING and value.shape[:2] != ref.shape[:2]:
-                    raise ValueError(
-                        f"item {i}: field '{name}' has [L, K] = {list(value.shape[:2])}, "
-                        f"expected {list(ref.shape[:2])} as on item {j}"
-                    )

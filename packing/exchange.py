@@ -45,7 +45,7 @@ from typing import Hashable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from packing.experience import Experience, Kind
+from packing.experience import Experience, Kind, routing_shape
 
 # transported fields, in a fixed order every rank shares
 FIELDS: tuple[str, ...] = tuple(Experience.names(Kind.TOKEN) + Experience.names(Kind.ACTION)
@@ -99,7 +99,7 @@ def canonical_action_mask(total_length: int, response_length: int) -> torch.Tens
 def _schema(records: Sequence[Experience]) -> tuple[list[int], tuple[int, int]]:
     """Per transported field its dtype code (index in DTYPES + 1; 0 = absent), and the
     routing's (layers, topk); every record must carry the same fields."""
-    codes, routing = [0] * len(FIELDS), (0, 0)
+    codes = [0] * len(FIELDS)
     for i, rec in enumerate(records):
         if rec.present(Kind.MEDIA):
             raise ValueError(f"record {i}: media fields {sorted(rec.present(Kind.MEDIA))} cannot be exchanged "
@@ -110,12 +110,7 @@ def _schema(records: Sequence[Experience]) -> tuple[list[int], tuple[int, int]]:
             raise ValueError(f"record {i}: fields {diff} differ from record 0's (presence or dtype): the records of a "
                              f"step must carry the same fields")
         codes = mine
-        if rec.routed_experts is not None:
-            shape = tuple(rec.routed_experts.shape[:2])
-            if i and shape != routing:
-                raise ValueError(f"record {i}: routed_experts [L, K] = {shape}, record 0 has {routing}")
-            routing = shape
-    return codes, routing
+    return codes, routing_shape(records) or (0, 0)
 
 
 def _rows(records: Sequence[Experience]) -> tuple[torch.Tensor, bool, int, int]:
@@ -132,12 +127,9 @@ def _rows(records: Sequence[Experience]) -> tuple[torch.Tensor, bool, int, int]:
         for name, value in rec.present(Kind.ACTION).items():
             if value.shape != (T - 1,):
                 raise ValueError(f"record {i}: {name} has shape {tuple(value.shape)}, expected ({T - 1},)")
-        if rec.routed_experts is not None:
-            if rec.routed_experts.dim() != 3 or rec.routed_experts.shape[-1] != T:
-                raise ValueError(f"record {i}: routed_experts {tuple(rec.routed_experts.shape)}, expected [L, K, {T}]")
-            if rec.routed_experts.numel():
-                low = min(low, int(rec.routed_experts.min()))
-                high = max(high, int(rec.routed_experts.max()))
+        if rec.routed_experts is not None and rec.routed_experts.numel():  # its shape: `_schema`
+            low = min(low, int(rec.routed_experts.min()))
+            high = max(high, int(rec.routed_experts.max()))
         for name, value in rec.present(Kind.EPISODE).items():
             if value.dim() != 0:
                 raise ValueError(f"record {i}: {name} has shape {tuple(value.shape)}, expected a 0-d tensor")
@@ -154,8 +146,8 @@ def gather_metadata(records: Sequence[Experience], key: Hashable = 0, *, dp_rank
     `all_gather_object` of the records gave), from `len(ROW)` int64 numbers per sample
     and a small header per rank, gathered over all `dp * cp` ranks (world rank =
     dp_rank * cp + cp_rank). `source = (dp rank, (key, index in its records))`."""
-    codes, (layers, topk) = _schema(records)
     rows, canonical, low, high = _rows(records)
+    codes, (layers, topk) = _schema(records)
     head = torch.tensor([len(records), layers, topk, low, high, int(canonical), *codes], dtype=torch.int64)
     world = dp * cp
     if world > 1:
@@ -214,16 +206,14 @@ def _shape(kind: Kind, T: int, layers: int, topk: int) -> tuple[int, ...]:
 
 def exchange(local: Mapping[Hashable, Experience], standins: Sequence[StandIn], dest: Sequence[Sequence[int]], *,
              dp_rank: int = 0, dp: int = 1, group: dist.ProcessGroup | None = None,
-             device: torch.device | str = "cpu", counter: dict | None = None) -> list[Experience | None]:
+             device: torch.device | str = "cpu") -> list[Experience | None]:
     """Deliver each sample to the DP ranks `dest[j]` names: the result holds, at j, the
     record of `standins[j]` where this rank is one of `dest[j]` (a new `Experience` with the
     generating rank's transported fields, bit for bit, on the CPU), else None.
 
     `local` maps this rank's keys (`StandIn.source[1]`) to its records. One
     `all_to_all_single` per present field over `group` (the DP group of this CP coordinate;
-    None: one DP rank, nothing moves). `counter`, if given, accumulates the bytes this rank
-    sends to and receives from other ranks (`sent`, `received`) and records each field's
-    dtype in transit (`wire`)."""
+    None: one DP rank, nothing moves)."""
     out: list[Experience | None] = [None] * len(standins)
     if not standins:
         return out
@@ -256,10 +246,6 @@ def exchange(local: Mapping[Hashable, Experience], standins: Sequence[StandIn], 
         inp = (torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)).to(device)
         buf = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
         dist.all_to_all_single(buf, inp, out_splits, in_splits, group=group)
-        if counter is not None:
-            counter["sent"] = counter.get("sent", 0) + sum(in_splits) - in_splits[dp_rank]
-            counter["received"] = counter.get("received", 0) + sum(out_splits) - out_splits[dp_rank]
-            counter.setdefault("wire", {})[name] = wire
         del inp, pieces
         flat, offset = buf.cpu(), 0
         for _, j in recv:

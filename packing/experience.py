@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -94,13 +94,6 @@ class Experience:
         return self.sequences is not None and self.sequences.dim() == 1
 
     @property
-    def num_tokens(self) -> int:
-        """Real tokens (padding excluded)."""
-        if self.attention_mask is not None:
-            return int(self.attention_mask.sum())
-        return self.sequences.numel()
-
-    @property
     def cu_seqlens(self) -> torch.Tensor:
         """`[num_seqs + 1]` int32 cumulative lengths of a pack (what varlen kernels take)."""
         return cu_seqlens(self._require_pack())
@@ -154,3 +147,23 @@ class Experience:
             rec.update({n: v[i] for n, v in self.present(Kind.MEDIA).items()})
             records.append(Experience(**rec))
         return records
+
+
+def routing_shape(records: Sequence[Experience]) -> tuple[int, int] | None:
+    """`(L, K)` of the records' routing fields, each `[L, K, T]` with T its record's sequence
+    length; None when no record has one. The one check of a record's routing shape: a
+    ValueError names the record, the field and its shape when one is not of that form or
+    its `[L, K]` differs from the first one's."""
+    first = None
+    for i, rec in enumerate(records):
+        T = rec.sequences.numel()
+        for name, value in rec.present(Kind.ROUTING).items():
+            if value.dim() != 3 or value.shape[-1] != T:
+                raise ValueError(f"item {i}: field '{name}' has shape {tuple(value.shape)}, expected [L, K, {T}] "
+                                 f"(sequence axis last, T={T})")
+            if first is None:
+                first = (i, list(value.shape[:2]))
+            elif list(value.shape[:2]) != first[1]:
+                raise ValueError(f"item {i}: field '{name}' has [L, K] = {list(value.shape[:2])}, expected "
+                                 f"{first[1]} as on item {first[0]}")
+    return None if first is None else tuple(first[1])

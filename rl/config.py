@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from model.parallel_dims import ParallelDims, resolve_device
 from rl.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, get_advantage_estimator
 from rl.choice import Choice
-from rl.rollout.plan import ReplicaMode, RolloutEngineName, check_sharded
+from rl.rollout.replica import ReplicaMode, RolloutEngineName, check_sharded
 from rl.algos.losses import KLConfig, KLMode, PolicyLossConfig, check_policy_loss_config
 from rl.tasks.task import TaskName
 from rl.algos.schedule import LRSchedule
@@ -162,7 +162,7 @@ class RolloutConfig:
     """`rollout.*`: which engine generates, and the vLLM engine's settings (rl/rollout/vllm_engine.py)."""
 
     engine: RolloutEngineName = RolloutEngineName.HF
-    # where generation gets its weights (rl/rollout/plan.py): auto = keep an unsharded copy if the start-up
+    # where generation gets its weights (rl/rollout/replica.py): auto = keep an unsharded copy if the start-up
     # memory plan says it fits, else sharded (generate with the FSDP2-sharded policy itself)
     replica: ReplicaMode = ReplicaMode.AUTO
     memory_budget_gb: Optional[float] = None  # the plan's per-rank budget; None = the device's free memory
@@ -302,10 +302,10 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
                          "a group of one sample has advantage 0 everywhere (nothing to learn); use >= 2")
     # the KL to the reference is either a loss term or a reward penalty, never both (rl/algos/advantages.py)
     kl_mode = KLMode(cfg.algo.kl_mode)
-    if cfg.algo.kl_in_reward and not advantage.token_level:
+    if cfg.algo.kl_in_reward and not advantage.reads_kl:
         # a sequence-level estimator folds the KL into each sample's scalar reward before its
         # group baseline, but a rank holds only its own samples' KL (only the rewards are gathered)
-        token_level = sorted(e.name for e in ADVANTAGE_ESTIMATORS.values() if e.token_level)
+        token_level = sorted(e.name for e in ADVANTAGE_ESTIMATORS.values() if e.reads_kl)
         raise ValueError(f"algo.kl_mode=reward with algo.advantage={advantage.name}: its group baseline would need "
                          f"every sample's KL on every rank; use algo.kl_mode=loss, or a token-level estimator "
                          f"({', '.join(token_level)}) that reads the KL per token")
@@ -339,7 +339,7 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
 
 
 def _check_experts(cfg: Config, ep: int) -> None:
-    """ep divides the expert count (what apply_expert_parallel would refuse later, named by
+    """ep divides the expert count (what model.moe.shard_experts would refuse later, named by
     config key here); the sizes against the world are ParallelDims' check."""
     if ep > 1 and model_family(cfg) == ModelName.QWEN3_MOE.value:
         experts, key = _num_experts(cfg)

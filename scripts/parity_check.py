@@ -85,7 +85,8 @@ def core_parity(name: str) -> dict:
     records = make_records(LENGTHS, seed=1)
     padded = make_experience_batch(records, packed=False)
     pack = make_experience_batch(records, packed=True)
-    actor = Actor(build_model(name, seed=0), chunk_size=32)
+    model = build_model(name, seed=0)
+    actor = Actor(model, chunk_bytes=32 * 4 * model.config.vocab_size)  # 32-row log-prob chunks
 
     def scored(values, batch):  # per sample, scored slots only
         rows = dataclasses.replace(batch, action_log_probs=values).split()

@@ -17,7 +17,7 @@ from model import moe
 from model.models import TINY_MOE
 from model.parallelize import full_parameters
 from model.moe import (
-    apply_expert_parallel,
+    shard_experts,
     ep_suffix_length,
     expert_load,
     is_expert_param,
@@ -99,7 +99,7 @@ def ep_checks(rank: int, world_size: int) -> dict:
     group = dist.group.WORLD
     out: dict = {}
     stock = tiny_moe(0)
-    ep_model = apply_expert_parallel(copy.deepcopy(stock), group)
+    ep_model = shard_experts(copy.deepcopy(stock), group)
     batches = [packed_batch(lengths, seed=100 + r) for r, lengths in enumerate(RANK_LENGTHS)]
     ids, pos = batches[rank]
     N = ids.shape[1]
@@ -122,7 +122,7 @@ def ep_checks(rank: int, world_size: int) -> dict:
                            ep_model.model.layers[0].mlp.experts.num_local_experts)
 
     # control 1: a rank holding the wrong experts (rank r gets rank 1-r's slice)
-    wrong = apply_expert_parallel(copy.deepcopy(stock), group)
+    wrong = shard_experts(copy.deepcopy(stock), group)
     full = dict(stock.named_parameters())
     with torch.no_grad():
         for name, p in wrong.named_parameters():
@@ -182,7 +182,7 @@ def ep_checks(rank: int, world_size: int) -> dict:
     ep_model.zero_grad(set_to_none=True)
 
     # routing does not depend on EP: recorded ids match an unsharded copy's
-    local = apply_expert_parallel(copy.deepcopy(stock), None)
+    local = shard_experts(copy.deepcopy(stock), None)
     with torch.no_grad(), record_routing(local) as rec_local:
         logits_of(local, ids, pos)
     out["routing_matches_unsharded"] = torch.equal(rec_ep.routed_experts, rec_local.routed_experts)
@@ -195,7 +195,7 @@ def ep_checks(rank: int, world_size: int) -> dict:
 
     # ep must divide the expert count
     try:
-        apply_expert_parallel(tiny_moe(0, num_experts=3), group)
+        shard_experts(tiny_moe(0, num_experts=3), group)
         out["indivisible_error"] = None
     except ValueError as e:
         out["indivisible_error"] = str(e)

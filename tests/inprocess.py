@@ -78,10 +78,10 @@ def steps_rank(rank: int, world_size: int, overrides: tuple[str, ...], steps: in
     plan, tr.plan = tr.plan, None
     empties = []
 
-    def plan_and_count(records):
-        minibatches = plan(records)
-        empties.extend(w == 0.0 for mb in minibatches for w in mb.weights)
-        return minibatches
+    def plan_and_count(samples):
+        step_plan = plan(samples)
+        empties.extend(w == 0.0 for mb in step_plan.minibatches for w in mb.weights)
+        return step_plan
 
     tr.plan = plan_and_count
     metrics = [tr.step(s) for s in range(steps)]

@@ -13,7 +13,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from model.actor import Actor, Critic, _forward_slots, _local_view, _slot_targets
 from model.attention import packed_attn_kwargs, varlen_attention_forward
-from model.logprobs import chunk_rows, token_log_probs
+from model.logprobs import LOGPROB_CHUNK_BYTES, chunk_rows, token_log_probs
 from model.models import TINY, TINY_MOE, build_model
 from packing.collate import make_experience_batch
 from model.parallel_dims import ParallelDims
@@ -90,7 +90,7 @@ def trailing_slots(pack: Experience) -> torch.Tensor:
 
 # ---------------------------------------------------------------- parity
 def test_packed_log_probs_entropy_and_grads_match_padded(lm, records, padded, pack):
-    actor = Actor(lm, chunk_size=32)
+    actor = Actor(lm, chunk_bytes=32 * 4 * lm.config.vocab_size)  # 32-row chunks
     lp_pad, ent_pad = actor(padded, return_entropy=True)
     lp_pack, ent_pack = actor(pack, return_entropy=True)
     assert lp_pad.shape == padded.action_mask.shape and lp_pack.shape == pack.action_mask.shape
@@ -247,9 +247,9 @@ def test_ep_suffix_on_a_padded_batch_is_refused(dense, padded):
 
 # ------------------------------------------------------------- log-probs
 @pytest.mark.parametrize("entropy_grad", [True, False], ids=["entropy-loss", "entropy-logged"])
-@pytest.mark.parametrize("chunk_size", [7, None], ids=["chunks-recompute", "one-chunk-kept"])
+@pytest.mark.parametrize("chunk_bytes", [7 * 4 * 40, LOGPROB_CHUNK_BYTES], ids=["chunks-recompute", "one-chunk-kept"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_log_probs_and_grads_equal_full_log_softmax(temperature, chunk_size, entropy_grad):
+def test_chunked_log_probs_and_grads_equal_full_log_softmax(temperature, chunk_bytes, entropy_grad):
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, 50, 16, generator=gen, requires_grad=True)
     weight = torch.randn(40, 16, generator=gen, requires_grad=True)
@@ -257,7 +257,7 @@ def test_chunked_log_probs_and_grads_equal_full_log_softmax(temperature, chunk_s
     w = torch.randn(1, 50, generator=gen)
     e = torch.randn(1, 50, generator=gen) if entropy_grad else torch.zeros(1, 50)
 
-    lp, ent = token_log_probs(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size,
+    lp, ent = token_log_probs(hidden, weight, targets, temperature=temperature, chunk_bytes=chunk_bytes,
                               return_entropy=True)
     g = torch.autograd.grad((lp * w).sum() + ((ent * e).sum() if entropy_grad else 0), (hidden, weight))
 
@@ -280,7 +280,8 @@ def test_chunked_log_probs_keep_no_logits_for_backward():
     weight = torch.randn(v, h, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        lp, ent = token_log_probs(hidden, weight, torch.randint(0, v, (1, n)), chunk_size=16, return_entropy=True)
+        lp, ent = token_log_probs(hidden, weight, torch.randint(0, v, (1, n)), chunk_bytes=16 * 4 * v,
+                                  return_entropy=True)
     assert max(saved) <= max(n * h, v * h) < 16 * v
     (lp.sum() + ent.sum()).backward()
     assert hidden.grad is not None and weight.grad is not None
@@ -311,10 +312,10 @@ def test_chunk_rows_follow_the_byte_budget():
 def test_log_probs_without_grad_match_with_grad():
     hidden, weight = torch.randn(1, 33, 8), torch.randn(30, 8)
     targets = torch.randint(0, 30, (1, 33))
-    for chunk_size in (None, 5):
+    for chunk_bytes in (LOGPROB_CHUNK_BYTES, 5 * 4 * 30):  # one chunk; 5-row chunks
         with torch.no_grad():
-            a = token_log_probs(hidden, weight, targets, chunk_size=chunk_size, return_entropy=True)
-        b = token_log_probs(hidden.requires_grad_(), weight, targets, chunk_size=chunk_size, return_entropy=True)
+            a = token_log_probs(hidden, weight, targets, chunk_bytes=chunk_bytes, return_entropy=True)
+        b = token_log_probs(hidden.requires_grad_(), weight, targets, chunk_bytes=chunk_bytes, return_entropy=True)
         hidden.requires_grad_(False)
         assert all(torch.equal(x, y.detach()) for x, y in zip(a, b))
 

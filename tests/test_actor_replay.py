@@ -9,7 +9,7 @@ from conftest import make_records
 from scripts.parity_check import assert_control_fails, assert_parity
 from model.actor import Actor
 from model.models import build_model
-from model.moe import apply_expert_parallel, record_routing
+from model.moe import shard_experts, record_routing
 from packing import Experience, make_experience_batch
 
 LENGTHS = [6, 19, 11, 4]
@@ -17,7 +17,7 @@ LENGTHS = [6, 19, 11, 4]
 
 @pytest.fixture(scope="module")
 def models():
-    a = apply_expert_parallel(build_model("qwen3_moe", seed=0, initializer_range=0.2), None)
+    a = shard_experts(build_model("qwen3_moe", seed=0, initializer_range=0.2), None)
     b = copy.deepcopy(a)
     with torch.no_grad():  # a perturbed router: live routing of B differs from A's
         for layer in b.model.layers:

@@ -38,18 +38,14 @@ def response(rec):
 
 
 # ------------------------------------------------- per-sequence references
-def ref_rewards(records, kl_coef=0.0):
-    """r_i - kl_coef * sum of kl over record i's response slots, one Python float each."""
-    out = []
-    for r in records:
-        kl = 0.0 if not kl_coef else float((r.kl * r.action_mask).sum())
-        out.append(float(r.rewards) - kl_coef * kl)
-    return out
+def ref_rewards(records):
+    """Each record's reward, one Python float each."""
+    return [float(r.rewards) for r in records]
 
 
-def ref_group_advantages(records, kind, kl_coef=0.0, eps=1e-6):
+def ref_group_advantages(records, kind, eps=1e-6):
     """grpo / rloo / the REINFORCE++ baseline's shaped reward, sample by sample."""
-    rewards = ref_rewards(records, kl_coef)
+    rewards = ref_rewards(records)
     out = []
     for i, r in enumerate(records):
         group = [rewards[j] for j, o in enumerate(records) if int(o.prompt_index) == int(r.prompt_index)]
@@ -88,9 +84,9 @@ def ref_returns(rec, reward, gamma, kl_coef=0.0):
 
 def reference(name, records, gamma=0.9, lam=0.8, kl_coef=0.1):
     """(advantages, returns) per record of estimator `name`, unwhitened."""
-    if name in ("grpo", "rloo"):
+    if name in ("grpo", "rloo"):  # sequence-level: no KL reward
         adv = [torch.full(r.action_mask.shape, a) * r.action_mask
-               for a, r in zip(ref_group_advantages(records, name, kl_coef), records)]
+               for a, r in zip(ref_group_advantages(records, name), records)]
         return adv, adv
     if name == "gae":
         out = [ref_gae(r, float(r.rewards), gamma, lam, kl_coef) for r in records]
@@ -118,14 +114,14 @@ def test_rloo_subtracts_the_mean_of_the_other_samples():
         compute_advantages([record([True], 1.0, prompt=3)], "rloo")
 
 
-def test_grpo_folds_a_kl_reward_penalty_into_the_reward():
-    # rewards 1, 1; KL sums over the response 0 and 2 (the prompt slot's 9 is ignored); kl_coef 0.5
-    recs = [record([False, True, True], 1.0, kl=[9.0, 0.0, 0.0]), record([False, True, True], 1.0, kl=[9.0, 0.5, 1.5])]
-    compute_advantages(recs, "grpo", scale_by_std=False, kl_coef=0.5)  # shaped rewards 1 and 0: mean 0.5
-    assert torch.allclose(response(recs[0]), torch.full((2,), 0.5))
-    assert torch.allclose(response(recs[1]), torch.full((2,), -0.5))
-    with pytest.raises(ValueError, match=r"record 0: kl_coef=0.5 .* needs 'kl'"):
-        compute_advantages([record([True], 1.0)], "grpo", kl_coef=0.5)
+def test_sequence_level_estimators_refuse_a_kl_reward_they_would_ignore():
+    """grpo and rloo read no per-token KL (their group baselines would need every sample's KL on
+    every rank): a non-zero kl_coef is an error, not a silent no-op; kl_coef=0 is fine."""
+    for name in ("grpo", "rloo"):
+        with pytest.raises(ValueError, match=rf"advantage={name} reads no per-token KL: kl_coef=0.5 would be ignored "
+                                             r"\(the KL reward is read by gae, reinforce_pp, reinforce_pp_baseline\)"):
+            compute_advantages(estimator_records(), name, kl_coef=0.5)
+        compute_advantages(estimator_records(), name, kl_coef=0.0)
 
 
 # ---------------------------------------------------------------- REINFORCE++
@@ -368,7 +364,8 @@ def test_dispatch_by_name_gives_that_estimators_numbers_and_no_others(estimator)
     """Each name gives its own per-sequence reference, and not any other estimator's (the
     control: a dispatcher that ran one estimator for every name fails here). Whitening
     is on by default exactly for gae and the REINFORCE++ pair."""
-    opts = dict(gamma=0.9, lam=0.8, kl_coef=0.1, scale_by_std=True)  # every option; each estimator takes its own
+    # every option (each estimator takes its own); the KL reward only where the estimator reads it
+    opts = dict(gamma=0.9, lam=0.8, kl_coef=0.1 if estimator not in ("grpo", "rloo") else 0.0, scale_by_std=True)
     got = estimator_records()
     compute_advantages(got, estimator, whiten=False, **opts)
     adv, ret = reference(estimator, estimator_records())
@@ -437,10 +434,12 @@ def test_a_registered_estimator_is_checked_by_the_config_and_dispatched(monkeypa
         compose("algo.advantage=max_baseline")
 
     @register_advantage_estimator("max_baseline", needs_groups=True)
-    def max_baseline(rewards, prompt_index):
-        """r_i - max of its group."""
-        same = prompt_index.unsqueeze(0) == prompt_index.unsqueeze(1)
-        return rewards - torch.where(same, rewards.unsqueeze(0), -torch.inf).max(1).values
+    def max_baseline(x):
+        """r_i - max of its group, on every response token."""
+        same = x.prompt_index.unsqueeze(0) == x.prompt_index.unsqueeze(1)
+        scalars = x.rewards - torch.where(same, x.rewards.unsqueeze(0), -torch.inf).max(1).values
+        advantages = x.per_row(scalars).unsqueeze(1) * x.mask
+        return advantages, advantages
 
     assert compose("algo.advantage=max_baseline").algo.advantage == "max_baseline"
     with pytest.raises(ValueError, match="max_baseline with task.samples_per_prompt=1"):

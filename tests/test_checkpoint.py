@@ -31,7 +31,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 def launch(out: Path, *overrides: str, nproc: int = 1, kill: str | None = None, restarts: int | None = None):
     """train.py in a subprocess (torchrun for nproc > 1; launch/local.sh when `restarts` is
-    set); `kill` sets the RL_TEST_KILL fault hook (rl/trainer/checkpoint.py `inject_fault`)."""
+    set); `kill` sets RL_TEST_KILL for the fault hook tests/fault/sitecustomize.py."""
     args = [f"hydra.run.dir={out}", *overrides]
     if restarts is not None:
         cmd = ["launch/local.sh", str(nproc), *args]
@@ -40,7 +40,8 @@ def launch(out: Path, *overrides: str, nproc: int = 1, kill: str | None = None, 
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py",
                *args]
-    env = {**ENV, **({"RL_TEST_KILL": kill} if kill else {}), **({"MAX_RESTARTS": str(restarts)} if restarts else {})}
+    hook = {"RL_TEST_KILL": kill, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fault"), str(ROOT)])}
+    env = {**ENV, **(hook if kill else {}), **({"MAX_RESTARTS": str(restarts)} if restarts else {})}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 

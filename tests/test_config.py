@@ -56,6 +56,11 @@ def test_sizes_must_be_positive(key, value):
     assert refused(f"{key}={value}").startswith(f"{key}={value}: expected a positive number")
 
 
+def test_the_temperature_is_checked_once_at_start_up():  # engines, Actor and log-prob head trust it
+    for value in (0, -2):
+        assert refused(f"model.temperature={value}").startswith(f"model.temperature={float(value)}: expected a positive")
+
+
 def test_prompts_per_step_must_divide_over_dp():
     message = refused("task.prompts_per_step=6", world_size=4)
     assert message.startswith("task.prompts_per_step=6 does not divide over dp=4"), message

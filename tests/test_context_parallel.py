@@ -1,7 +1,7 @@
 """Context parallelism: a CP forward gives one process's numbers, and its layout is balanced.
 
 The reference is stock transformers "sdpa" on the padded batch (attention_mask) in one
-process: independent of packing/cp.py and model/context_parallel.py. The CP runs are one
+process: independent of model/context_parallel.py. The CP runs are one
 gloo launch per cp size (cp=2, cp=4), every case inside it (tests/cp_worker.py).
 """
 

@@ -89,20 +89,19 @@ def exchange_rank(rank: int, world_size: int, cp: int, experts: int | None, n: i
     calls = []
     original = dist.all_to_all_single
 
-    def watch(output, input, *args, **kwargs):
-        calls.append(input.numel())
-        return original(output, input, *args, **kwargs)
+    def watch(output, input, output_split_sizes, input_split_sizes, group=None):
+        calls.append(sum(output_split_sizes) - output_split_sizes[dist.get_rank(group)])  # bytes from other ranks
+        return original(output, input, output_split_sizes, input_split_sizes, group=group)
 
-    dist.all_to_all_single, counter = watch, {}
+    dist.all_to_all_single = watch
     try:
         local = {("r0", i): rec for i, rec in enumerate(records)}
-        received = exchange(local, standins, dest, dp_rank=dp_rank, dp=dp, group=groups[cp_rank] if dp > 1 else None,
-                            counter=counter)
+        received = exchange(local, standins, dest, dp_rank=dp_rank, dp=dp, group=groups[cp_rank] if dp > 1 else None)
     finally:
         dist.all_to_all_single = original
     return {"generated": records, "received": {j: r for j, r in enumerate(received) if r is not None},
             "sources": [s.source for s in standins], "dest": dest, "same_advantages": same_advantages,
-            "scalars": scalars, "calls": len(calls), "counter": counter, "order": len(standins) == len(full)}
+            "scalars": scalars, "calls": len(calls), "received_bytes": sum(calls), "order": len(standins) == len(full)}
 
 
 def _check_delivery(results, world_size: int, cp: int, experts: int | None):
@@ -126,16 +125,13 @@ def _check_delivery(results, world_size: int, cp: int, experts: int | None):
                     assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (rank, j, name)
     fields = [n for n in FIELDS if getattr(results[0]["generated"][0], n) is not None]
     assert all(r["calls"] == len(fields) for r in results)  # one all_to_all_single per field
-    if experts is not None:
-        narrow = torch.int8 if experts <= 128 else torch.int16
-        assert all(r["counter"]["wire"]["routed_experts"] == narrow for r in results)
-        assert all(r["counter"]["wire"]["sequences"] == torch.int64 for r in results)
     # bytes: a rank receives exactly the samples it runs that others generated, routing narrowed
+    # (int8 up to 128 experts, int16 above), every other field in its own dtype
     for rank, r in enumerate(results):
         run = [r["received"][j] for j in r["received"] if sources[j][0] != rank // cp]
         narrowed = sum(_bytes(x) - (x.routed_experts.numel() * 7 if experts and experts <= 128 else
                                     x.routed_experts.numel() * 6 if experts else 0) for x in run)
-        assert r["counter"]["received"] == narrowed, (rank, r["counter"]["received"], narrowed)
+        assert r["received_bytes"] == narrowed, (rank, r["received_bytes"], narrowed)
 
 
 def _bytes(rec: Experience) -> int:
@@ -197,11 +193,13 @@ def _untimed(metrics: dict) -> dict:
 def _old_path(tr) -> None:
     """The data path before issue #20, as the reference: every rank all-gathers every
     record (pickled) and plans and collates from the whole step (rl/trainer/trainer.py at 570b134)."""
+    import time
+
     from packing import make_experience_batch
     from rl.algos.losses import LossAgg, loss_normalizer
     from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups
-    from rl.tasks.task import score
-    from rl.trainer.trainer import MiniBatch, _groups
+    from rl.tasks.task import assign_rewards
+    from rl.trainer.trainer import MiniBatch, MiniBatchPlan, Rollouts, StepPlan, _groups
 
     def _rollout(step, round_):
         task, dims, algo = tr.cfg.task, tr.dims, tr.cfg.algo
@@ -215,7 +213,7 @@ def _old_path(tr) -> None:
         records = tr.engine.generate(
             [p for p, _ in prompts for _ in range(task.samples_per_prompt)], prompt_indices=index,
             max_new_tokens=task.max_new_tokens, temperature=tr.cfg.model.temperature, seed=tr.cfg.seed * 7919 + step)
-        score(tr.task, records, [m for _, m in prompts for _ in range(task.samples_per_prompt)])
+        assign_rewards(tr.task, records, [m for _, m in prompts for _ in range(task.samples_per_prompt)])
         if algo.overlong_buffer is not None:
             apply_overlong_penalty(records, task.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
         if not algo.routing_replay:
@@ -227,12 +225,11 @@ def _old_path(tr) -> None:
         dist.all_gather_object(gathered, records if dims.cp_rank == 0 else None)
         return [rec for part in gathered if part is not None for rec in part]
 
-    def collect(step):
-        algo, want = tr.cfg.algo, tr.cfg.task.prompts_per_step
+    def rollout(step):
+        t0, algo, want = time.perf_counter(), tr.cfg.algo, tr.cfg.task.prompts_per_step
         records = _rollout(step, 0)
-        tr.sampling = {}
         if not algo.dynamic_sampling:
-            return records
+            return Rollouts(records, {}, {}, time.perf_counter() - t0)
         kept, dropped = filter_uniform_groups(records)
         rounds = 1
         while _groups(kept) < want and rounds < algo.max_sampling_rounds:
@@ -240,8 +237,8 @@ def _old_path(tr) -> None:
             kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
         first = set(sorted({int(r.prompt_index) for r in kept})[:want])
         kept = [r for r in kept if int(r.prompt_index) in first]
-        tr.sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
-        return kept or records
+        sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
+        return Rollouts(kept or records, {}, sampling, time.perf_counter() - t0)
 
     def plan(records):
         k, dims, b = tr.cfg.algo.mini_batches, tr.dims, tr.cfg.batch
@@ -251,18 +248,20 @@ def _old_path(tr) -> None:
             part = records[lo:hi]
             plan = plan_microbatches([r.sequences.numel() for r in part], b.max_tokens, dims.dp,
                                      micro_batch_size=b.micro_batch_size, cost=tr.cost)  # the trainer's balance
-            batches, weights, rows = [], [], []
-            for items in plan[dims.dp_rank]:
-                weights.append(1.0 if items else 0.0)
-                rows.append([lo + i for i in items] if items else [lo])
-                chosen = [part[i] for i in items] if items else [part[0]]
-                batches.append(make_experience_batch(chosen, packed=b.packed).to(dims.device))
-            out.append(MiniBatch(batches, weights, rows, tokens=loss_normalizer(part, LossAgg.TOKEN_MEAN),
-                                 normalizer=loss_normalizer(part, tr.cfg.algo.loss_agg),
-                                 all_tokens=sum(r.sequences.numel() for r in part)))
-        return out
+            mine = plan[dims.dp_rank]
+            out.append(MiniBatchPlan([[lo + i for i in items] if items else [lo] for items in mine],
+                                     [1.0 if items else 0.0 for items in mine],
+                                     tokens=loss_normalizer(part, LossAgg.TOKEN_MEAN),
+                                     normalizer=loss_normalizer(part, tr.cfg.algo.loss_agg),
+                                     all_tokens=sum(r.sequences.numel() for r in part)))
+        return StepPlan(out, [])
 
-    tr._rollout, tr.collect, tr.plan = _rollout, collect, plan
+    def collate(rollouts, plan):  # every rank holds every record: nothing moves
+        return [MiniBatch(**vars(mb), batches=[
+            make_experience_batch([rollouts.samples[j] for j in rows], packed=tr.cfg.batch.packed).to(tr.dims.device)
+            for rows in mb.rows]) for mb in plan.minibatches]
+
+    tr.rollout, tr.plan, tr.collate = rollout, plan, collate
 
 
 def paths_rank(rank: int, world_size: int, overrides: tuple[str, ...], steps: int) -> dict:

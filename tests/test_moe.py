@@ -9,7 +9,7 @@ from dist_moe_worker import RANK_LENGTHS, logits_of, packed_batch, tiny_moe, tok
 from scripts.distributed import run_distributed
 from scripts.parity_check import assert_control_fails, assert_parity
 from model.moe import (
-    apply_expert_parallel,
+    shard_experts,
     ep_suffix_length,
     expert_load,
     is_expert_param,
@@ -31,7 +31,7 @@ def stock():
 
 @pytest.fixture(scope="module")
 def model_a(stock):
-    return apply_expert_parallel(copy.deepcopy(stock), None)
+    return shard_experts(copy.deepcopy(stock), None)
 
 
 @pytest.fixture(scope="module")
@@ -220,11 +220,11 @@ def test_without_a_group_there_is_no_suffix_and_bad_counts_raise():
 
 
 def test_models_without_moe_blocks_raise(stock, model_a):
-    with pytest.raises(ValueError, match="call apply_expert_parallel"):
+    with pytest.raises(ValueError, match="call shard_experts"):
         with record_routing(stock):
             pass
     with pytest.raises(ValueError, match="applied twice"):
-        apply_expert_parallel(model_a, None)
+        shard_experts(model_a, None)
 
 
 # ------------------------------------------------------------------ ep=2 on gloo

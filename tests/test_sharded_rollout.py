@@ -155,7 +155,7 @@ def sharded_run_vs_replica_run(rank: int, world: int, overrides: tuple[str, ...]
         dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device="cpu")
         torch.manual_seed(cfg.seed)
         tr = build_trainer(cfg, dims)
-        out[mode] = {"plan": tr.engine.plan.mode, "metrics": [tr.step(s) for s in range(steps)]}
+        out[mode] = {"plan": tr.engine.replica.mode, "metrics": [tr.step(s) for s in range(steps)]}
     return out
 
 
@@ -210,7 +210,7 @@ def test_one_process_sharded_run_equals_replica_run():
     runs = {}
     for mode in ("keep", "sharded"):
         tr = trainer(*SMALL, "task.max_new_tokens=6", f"rollout.replica={mode}")
-        assert tr.engine.plan.mode == mode and tr.engine.needs_sync == (mode == "keep")
+        assert tr.engine.replica.mode == mode and tr.engine.needs_sync == (mode == "keep")
         runs[mode] = [tr.step(s) for s in range(2)]
     for keep, sharded in zip(runs["keep"], runs["sharded"]):
         differ = {k: (keep[k], sharded[k]) for k in keep if not k.endswith(("_s", "tokens_per_s"))
@@ -235,7 +235,7 @@ def test_bucket_smaller_than_the_largest_tensor_is_refused():
 
 
 def test_memory_plan_decisions():
-    from rl.rollout.plan import choose
+    from rl.rollout.replica import choose
 
     g = 2**30
     kw = dict(engine="hf", replica_bytes=10 * g, state_bytes=20 * g, budget_source="test")
@@ -264,4 +264,4 @@ def test_config_names_what_the_plan_refuses():
     with pytest.raises(ValueError, match=r"rollout.sync_bucket_bytes=1048576 .* is smaller than the largest tensor"):
         trainer(*SMALL, "rollout.sync_bucket_bytes=1048576", "model.overrides.vocab_size=8192")
     tr = trainer(*SMALL, "rollout.memory_budget_gb=0.000001")  # auto: the copy does not fit -> sharded
-    assert tr.engine.plan.mode == "sharded" and not tr.engine.needs_sync
+    assert tr.engine.replica.mode == "sharded" and not tr.engine.needs_sync

@@ -33,7 +33,7 @@ from model import actor as actor_module  # noqa: E402
 from model.actor import Actor, Critic, _forward_slots, _prompt_units, _shared_prompt_view, _slot_targets  # noqa: E402
 from model.attention import shared_prompt_attn_kwargs  # noqa: E402
 from model.models import build_model  # noqa: E402
-from model.moe import apply_expert_parallel  # noqa: E402
+from model.moe import shard_experts  # noqa: E402
 from model.parallel_dims import ParallelDims  # noqa: E402
 from packing.collate import make_experience_batch  # noqa: E402
 from packing.experience import Experience  # noqa: E402
@@ -128,7 +128,8 @@ def shared_parity(family: str) -> dict:
     pack, padded = make_experience_batch(records, packed=True), make_experience_batch(records, packed=False)
     lm = build_model(family, seed=0)
     out = {}
-    for name, shared, plain in (("actor", Actor(lm, chunk_size=32, share_prompts=True), Actor(lm, chunk_size=32)),
+    rows_32 = 32 * 4 * lm.config.vocab_size  # 32-row log-prob chunks
+    for name, shared, plain in (("actor", Actor(lm, chunk_bytes=rows_32, share_prompts=True), Actor(lm, chunk_bytes=rows_32)),
                                 ("critic", Critic(lm, share_prompts=True), Critic(lm))):
         with body_tokens(lm) as seen:
             s = run(shared, pack)
@@ -267,7 +268,7 @@ def test_sharing_falls_back_where_it_does_not_apply(case, records, pack):
     `_shared_prompt_view` declines and the forward runs as before. The control: it applies here."""
     model = build_model("qwen3_moe" if case == "moe" else "qwen3", seed=0)
     if case == "moe":
-        apply_expert_parallel(model, None)
+        shard_experts(model, None)
     batch, dims, pad = pack, ParallelDims(), None
     if case == "padded":
         batch = make_experience_batch(records, packed=False)

@@ -1,4 +1,4 @@
-"""Text tasks (rl/tasks/task.py `math`), the answer checker, and `score`'s reward checks.
+"""Text tasks (rl/tasks/task.py `math`), the answer checker, and `assign_rewards`'s reward checks.
 
 The tokenizer is trained here on generated text (the `tokenizers` library) and saved to a
 temp folder: nothing is downloaded.
@@ -26,7 +26,7 @@ from rl.tasks.task import (  # noqa: E402
     build_task,
     extract_answer,
     math_reward,
-    score,
+    assign_rewards,
 )
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -84,7 +84,7 @@ def scored(task, prompt_ids, response_ids, prompt_index=0, meta=None):
     ids = list(prompt_ids) + list(response_ids)
     rec = Experience(sequences=torch.tensor(ids), response_length=torch.tensor(len(response_ids)),
                      prompt_index=torch.tensor(prompt_index))
-    (rec,) = score(task, [rec], [meta if meta is not None else {"answer": "7"}])
+    (rec,) = assign_rewards(task, [rec], [meta if meta is not None else {"answer": "7"}])
     return float(rec.rewards)
 
 

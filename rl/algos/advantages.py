@@ -3,36 +3,36 @@
 `compute_advantages(items, name, ...)` sets `advantages` and `returns` on `items`, laid out
 like their `action_mask`: collated batches (padded `[B, T-1]`, packed `[1, N]` segmented by
 `packed_seq_lens`) or records (`[T-1]`). It is called once per step, on the collated
-batches, after the scoring pass has put `values` and `kl` on them. In three stages:
+batches, after the scoring pass has put `values` and `kl` on them:
 
-1. each sample's scalar, from the step's rewards and prompt groups (`prompt_index`): the
-   registered estimator's function `fn(rewards [n], prompt_index [n], **options) -> [n]`.
-   Every rank holds the whole step's rewards (`samples`: its stand-ins, packing/exchange.py),
-   so group baselines see whole groups while each rank holds only its own batches; `rows`
-   says which sample each batch row is.
-2. per token, on the items' rows (one row per sequence):
-   * `grpo`, `rloo` - the scalar is the advantage, broadcast over the response; a KL reward
-     penalty (`kl_coef`) is folded into the reward first, r_i - kl_coef * sum_t kl_t (as verl).
-   * token-level estimators (`gae`, `reinforce_pp`, `reinforce_pp_baseline`) - the scalar is
-     the reward of the last response slot, `-kl_coef * kl_t` the reward of every response
-     slot, and `gae` (the one GAE) turns them into advantages: against the critic's `values`
-     with `lam` for `gae`; with values 0 and lam 1 (discounted returns) for REINFORCE++.
-     returns = advantages + values.
-3. whitening over every action token of the step (`whiten`; by default on for the
-   token-level estimators): moments summed over the items and, with `group`, over the
+1. it lays the items out as `AdvantageInputs`: one row per sequence over its action slots
+   (`[S, L]`, zero-padded), which sample of the step each row is, and the step's rewards and
+   prompt groups. Every rank holds the whole step's rewards (`samples`: its stand-ins,
+   packing/exchange.py), so group baselines see whole groups while each rank holds only its
+   own batches.
+2. the registered estimator computes `(advantages, returns)` on those rows, itself: each is
+   one function `fn(inputs, **its options)` under `register_advantage_estimator` (like
+   verl's registry; `python -m rl.registry` lists them). Adding one is one function.
+3. whitening over every action token of the step (`whiten`; by default on for the estimators
+   registered `whiten_by_default`): moments summed over the items and, with `group`, over the
    DP ranks; `returns` stay unwhitened (the critic's target).
 
-Estimators (`algo.advantage`), each one function under `register_advantage_estimator`
-(like verl's registry; `python -m rl.registry` lists them):
+Estimators (`algo.advantage`):
 
-* `grpo`   - (r_i - mean_group) / (std_group + eps).
+* `grpo`   - (r_i - mean_group) / (std_group + eps), broadcast over the response.
 * `rloo`   - r_i - mean of the *other* samples of its group (leave-one-out baseline).
-* `gae`    - generalized advantage estimation against the critic's `values`.
-* `reinforce_pp` - REINFORCE++ (Hu 2025): token rewards -kl_coef * kl_t plus the reward on
-             the last response slot, discounted by gamma into token-level returns, whitened
-             over the batch. It is defined with the KL in the reward: with kl_coef > 0 the
-             config requires kl_mode=reward (rl/config.py), so the KL is never also a loss.
+* `gae`    - generalized advantage estimation against the critic's `values`: the reward on
+             the last response slot, -kl_coef * kl_t on every response slot (`kl_mode=reward`);
+             returns = advantages + values.
+* `reinforce_pp` - REINFORCE++ (Hu 2025): the same token rewards discounted by gamma into
+             token-level returns (GAE with values 0 and lam 1), whitened over the batch. It is
+             defined with the KL in the reward: with kl_coef > 0 the config requires
+             kl_mode=reward (rl/config.py), so the KL is never also a loss.
 * `reinforce_pp_baseline` - the same after subtracting the group-mean reward.
+
+An estimator reads the per-token KL reward when it takes a `kl_coef` option; the sequence-level
+ones (grpo, rloo) do not (a rank holds only its own samples' KL, and their baselines need every
+sample's), and giving them a non-zero `kl_coef` is an error.
 """
 
 from __future__ import annotations
@@ -51,22 +51,44 @@ from rl.choice import Registry
 
 
 @dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator reads: the step's samples (`rewards`, `prompt_index`: every rank holds
+    all of them) and this rank's sequences, one row each over their action slots."""
+
+    rewards: torch.Tensor  # [n] fp32: every sample of the step
+    prompt_index: torch.Tensor | None  # [n], the GRPO group of each sample (None: a source had none)
+    rows: torch.Tensor  # [S] int64: the sample each row is
+    mask: torch.Tensor  # [S, L] bool: the action slots of each row
+    values: torch.Tensor | None  # [S, L] fp32: the critic's (scoring pass), None without a critic
+    kl: torch.Tensor | None  # [S, L] fp32: per-token KL to the reference, None if an item has none
+    lacking: dict[str, str]  # "values" / "kl" -> the first item without it ("batch 0", "record 3"): for errors
+
+    def per_row(self, scalars: torch.Tensor) -> torch.Tensor:
+        """`[n]` per-sample values -> `[S]` per row, on the rows' device."""
+        return scalars[self.rows].to(self.mask.device)
+
+
+@dataclass(frozen=True)
 class Estimator:
-    """A registered advantage estimator: `fn(rewards [n], prompt_index [n] or None, **options)`
-    gives each sample's scalar (options: its keyword-only parameters); `compute_advantages`
-    lays it out per token."""
+    """A registered advantage estimator: `fn(inputs: AdvantageInputs, **options) -> (advantages,
+    returns)`, both `[S, L]` (options: its keyword-only parameters)."""
 
     name: str
-    fn: Callable[..., torch.Tensor]
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     whiten_by_default: bool = False  # whiten over every action token of the step unless algo.whiten_advantages says
     uses_critic: bool = False  # GAE against the critic's values (needs the scoring pass's values)
     needs_groups: bool = False  # a baseline from the other samples of a prompt: >= 2 samples per prompt
-    # The scalar is the reward of the last response slot, discounted per token (a KL reward
-    # penalty per token); otherwise it is every response token's advantage (a KL reward
-    # penalty folded into the scalar reward, which needs every sample's KL on every rank).
-    token_level: bool = False
     # Defined with the KL as a per-token reward penalty (REINFORCE++): kl_coef > 0 needs kl_mode=reward.
     kl_in_reward: bool = False
+
+    @property
+    def options(self) -> set[str]:
+        return _options(self.fn)
+
+    @property
+    def reads_kl(self) -> bool:
+        """Takes a per-token KL reward (`kl_coef`): the token-level estimators."""
+        return "kl_coef" in self.options
 
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "algo.advantage",
@@ -74,13 +96,11 @@ ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "algo.advantage",
 
 
 def register_advantage_estimator(name: str, *, whiten_by_default: bool = False, uses_critic: bool = False,
-                                 needs_groups: bool = False, token_level: bool = False,
-                                 kl_in_reward: bool = False) -> Callable:
+                                 needs_groups: bool = False, kl_in_reward: bool = False) -> Callable:
     """Register `fn` as `algo.advantage=<name>` (a decorator); the name must be new."""
 
-    def register(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        ADVANTAGE_ESTIMATORS.add(name, Estimator(name, fn, whiten_by_default, uses_critic, needs_groups, token_level,
-                                                 kl_in_reward))
+    def register(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Callable:
+        ADVANTAGE_ESTIMATORS.add(name, Estimator(name, fn, whiten_by_default, uses_critic, needs_groups, kl_in_reward))
         return fn
 
     return register
@@ -112,62 +132,76 @@ def _groups(prompt_index: torch.Tensor | None, who: str) -> dict[int, list[int]]
     return group_by_prompt(prompt_index)
 
 
+def _broadcast(x: AdvantageInputs, scalars: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's scalar on every action slot of its rows: (advantages, returns) alike."""
+    advantages = x.per_row(scalars).unsqueeze(1) * x.mask.to(torch.float32)
+    return advantages, advantages.clone()
+
+
 @register_advantage_estimator("grpo", needs_groups=True)
-def grpo_advantages(rewards: torch.Tensor, prompt_index: torch.Tensor | None, *, scale_by_std: bool = True,
-                    eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(x: AdvantageInputs, *, scale_by_std: bool = True,
+                    eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """A_i = (r_i - mean_group) / (std_group + eps), broadcast over the response tokens.
 
     `scale_by_std=False` gives the Dr. GRPO variant (mean-centred only). std is the
     unbiased sample std; a group of one is only mean-centred (its advantage is 0).
     """
-    adv = torch.zeros_like(rewards)
-    for members in _groups(prompt_index, "GRPO").values():
-        r = rewards[members]
+    adv = torch.zeros_like(x.rewards)
+    for members in _groups(x.prompt_index, "GRPO").values():
+        r = x.rewards[members]
         a = r - r.mean()
         if scale_by_std and len(members) > 1:
             a = a / (r.std() + eps)
         adv[members] = a
-    return adv
+    return _broadcast(x, adv)
 
 
 @register_advantage_estimator("rloo", needs_groups=True)
-def rloo_advantages(rewards: torch.Tensor, prompt_index: torch.Tensor | None) -> torch.Tensor:
+def rloo_advantages(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """A_i = r_i - mean_{j != i} r_j over the other samples of i's group (REINFORCE
     leave-one-out), broadcast over the response tokens. Needs >= 2 samples per prompt."""
-    adv = torch.zeros_like(rewards)
-    for prompt, members in _groups(prompt_index, "RLOO").items():
+    adv = torch.zeros_like(x.rewards)
+    for prompt, members in _groups(x.prompt_index, "RLOO").items():
         n = len(members)
         if n < 2:
             raise ValueError(f"RLOO: prompt_index {prompt} has {n} sample; a leave-one-out baseline needs "
                              f">= 2 samples per prompt (task.samples_per_prompt)")
-        r = rewards[members]
+        r = x.rewards[members]
         adv[members] = r - (r.sum() - r) / (n - 1)
-    return adv
+    return _broadcast(x, adv)
 
 
-@register_advantage_estimator("gae", token_level=True, uses_critic=True, whiten_by_default=True)
-def gae_advantages(rewards: torch.Tensor, prompt_index: torch.Tensor | None) -> torch.Tensor:
+@register_advantage_estimator("gae", uses_critic=True, whiten_by_default=True)
+def gae_advantages(x: AdvantageInputs, *, gamma: float = 1.0, lam: float = 0.95,
+                   kl_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation against the critic's values: the reward on the last
     response slot (minus kl_coef * kl per token), delta_t = r_t + gamma V_next - V_t,
     A_t = delta_t + gamma lam A_next; returns = A + V (the critic's target)."""
-    return rewards
+    if x.values is None:
+        raise ValueError(f"advantage=gae needs the critic's 'values': {x.lacking['values']} has none")
+    advantages = gae(token_rewards(x, x.rewards, kl_coef), x.values, x.mask, gamma, lam)
+    return advantages, (advantages + x.values) * x.mask
 
 
-@register_advantage_estimator("reinforce_pp", token_level=True, whiten_by_default=True, kl_in_reward=True)
-def reinforce_pp_advantages(rewards: torch.Tensor, prompt_index: torch.Tensor | None) -> torch.Tensor:
+@register_advantage_estimator("reinforce_pp", whiten_by_default=True, kl_in_reward=True)
+def reinforce_pp_advantages(x: AdvantageInputs, *, gamma: float = 1.0,
+                            kl_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025): token rewards -kl_coef * kl_t plus the reward on the last
     response slot, discounted by gamma into token-level returns, whitened over the batch."""
-    return rewards
+    returns = discounted_returns(token_rewards(x, x.rewards, kl_coef), x.mask, gamma)
+    return returns, returns.clone()
 
 
-@register_advantage_estimator("reinforce_pp_baseline", token_level=True, whiten_by_default=True)
-def reinforce_pp_baseline_advantages(rewards: torch.Tensor, prompt_index: torch.Tensor | None) -> torch.Tensor:
+@register_advantage_estimator("reinforce_pp_baseline", whiten_by_default=True)
+def reinforce_pp_baseline_advantages(x: AdvantageInputs, *, gamma: float = 1.0,
+                                     kl_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: each reward minus its group's mean reward, then REINFORCE++'s
     discounted, whitened token-level returns."""
-    shaped = rewards.clone()
-    for members in _groups(prompt_index, "REINFORCE++ with baseline").values():
+    shaped = x.rewards.clone()
+    for members in _groups(x.prompt_index, "REINFORCE++ with baseline").values():
         shaped[members] = shaped[members] - shaped[members].mean()
-    return shaped
+    returns = discounted_returns(token_rewards(x, shaped, kl_coef), x.mask, gamma)
+    return returns, returns.clone()
 
 
 # ------------------------------------------------------------------------ GAE
@@ -195,12 +229,24 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
     return adv
 
 
-def _add_final_reward(token_rewards: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor) -> None:
-    """token_rewards[s, last masked slot of row s] += rewards[s], in place (rows `[S, L]`)."""
-    has = mask.any(-1)
-    last = mask.shape[1] - 1 - mask.flip(-1).to(torch.int8).argmax(-1)
-    rows = torch.arange(mask.shape[0], device=mask.device)[has]
-    token_rewards[rows, last[has]] += rewards[has].to(token_rewards.dtype)
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_next over each row's masked slots (GAE with values 0 and lam 1)."""
+    return gae(token_rewards, torch.zeros(mask.shape, dtype=torch.float32, device=mask.device), mask, gamma, 1.0)
+
+
+def token_rewards(x: AdvantageInputs, rewards: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """`[S, L]`: -kl_coef * kl_t on every action slot (a KL reward penalty, when `kl_coef`),
+    plus each row's sample reward (`rewards [n]`) on its last action slot."""
+    out = torch.zeros(x.mask.shape, dtype=torch.float32, device=x.mask.device)
+    if kl_coef:
+        if x.kl is None:
+            raise ValueError(f"{x.lacking['kl']}: kl_coef={kl_coef} (a KL reward penalty) needs 'kl'")
+        out -= kl_coef * x.kl * x.mask
+    has = x.mask.any(-1)
+    last = x.mask.shape[1] - 1 - x.mask.flip(-1).to(torch.int8).argmax(-1)
+    rows = torch.arange(x.mask.shape[0], device=x.mask.device)[has]
+    out[rows, last[has]] += x.per_row(rewards)[has].to(out.dtype)
+    return out
 
 
 # ----------------------------------------------------------------- row views
@@ -239,26 +285,13 @@ def _what(item: Experience, i: int) -> str:
     return f"record {i}" if item.action_mask.dim() == 1 else f"batch {i}"
 
 
-def _kl_rows(item: Experience, i: int, kl_coef: float, to_rows: Callable) -> torch.Tensor:
-    if item.kl is None:
-        raise ValueError(f"{_what(item, i)}: kl_coef={kl_coef} (a KL reward penalty) needs 'kl'")
-    return to_rows(item.kl.detach().float())
-
-
-def _sample_scalars(sources: Sequence[Experience], kl_coef: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`[n]` fp32 rewards, r_i - kl_coef * (sum of kl over sample i's action slots) when
-    `kl_coef`, and `[n]` prompt indices (None if a source has none), over every row of `sources`."""
+def _sample_scalars(sources: Sequence[Experience]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[n]` fp32 rewards and `[n]` prompt indices (None if a source has none), over every row of `sources`."""
     rewards, prompts = [], []
     for i, src in enumerate(sources):
         if src.rewards is None:
             raise ValueError(f"{_what(src, i)}: advantages need 'rewards'")
-        r = torch.as_tensor(src.rewards, dtype=torch.float32).reshape(-1).cpu()
-        if kl_coef:
-            if src.kl is None or src.action_mask is None:
-                raise ValueError(f"{_what(src, i)}: kl_coef={kl_coef} (a KL reward penalty) needs 'kl'")
-            to_rows, _ = _row_view(src)
-            r = r - kl_coef * (_kl_rows(src, i, kl_coef, to_rows) * to_rows(src.action_mask)).sum(-1).cpu()
-        rewards.append(r)
+        rewards.append(torch.as_tensor(src.rewards, dtype=torch.float32).reshape(-1).cpu())
         prompts.append(None if src.prompt_index is None else torch.as_tensor(src.prompt_index).reshape(-1).cpu())
     prompt_index = None if any(p is None for p in prompts) else torch.cat(prompts) if prompts else None
     return (torch.cat(rewards) if rewards else torch.zeros(0)), prompt_index
@@ -270,34 +303,34 @@ def _options(fn: Callable) -> set[str]:
     return {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
 
 
-TOKEN_OPTIONS = {"gamma", "lam", "kl_coef"}  # the per-token stage's (gae and the KL reward penalty)
-
-
 @torch.no_grad()
 def compute_advantages(
     items: Sequence[Experience], estimator: str, *, samples: Sequence[Experience] | None = None,
     rows: Sequence[Sequence[int]] | None = None, weights: Sequence[float] | None = None,
-    group: dist.ProcessGroup | None = None, whiten: bool | None = None, gamma: float = 1.0, lam: float = 0.95,
-    kl_coef: float = 0.0, **options,
+    group: dist.ProcessGroup | None = None, whiten: bool | None = None, **options,
 ) -> None:
     """Set `advantages` and `returns` on `items` (collated batches or records) with the
     registered `estimator` (see the module docstring).
 
     `samples`: the step's samples (records or stand-ins: `rewards`, `prompt_index`), whose
-    scalars the estimator computes; `rows[i][k]` is the position in `samples` of item i's
+    rewards the estimator reads; `rows[i][k]` is the position in `samples` of item i's
     row k. None: the items' own rows are the step. `weights[i] == 0` marks a repeated item
     (a zero-weight microbatch) left out of the whitening moments; `group`: the process
     group whose ranks hold the rest of the step (the moments are summed over it).
-    `kl_coef`: a KL reward penalty read from the items' `kl` (`kl_mode=reward`).
-    `options`: any estimator's (scale_by_std, eps); each takes its own, one no estimator
-    knows is an error. `whiten`: None = the estimator's default (`whiten_by_default`).
+    `options`: any estimator's (gamma, lam, kl_coef, scale_by_std, eps); each takes its own,
+    one no estimator knows is an error, and so is a non-zero `kl_coef` (a KL reward read from
+    the items' `kl`) for an estimator that reads no KL. `whiten`: None = the estimator's
+    default (`whiten_by_default`).
     """
     est = get_advantage_estimator(estimator, "advantage")
-    known = set().union(*(_options(e.fn) for e in ADVANTAGE_ESTIMATORS.values()))
+    known = set().union(*(e.options for e in ADVANTAGE_ESTIMATORS.values()))
     unknown = sorted(set(options) - known)
     if unknown:
-        raise TypeError(f"compute_advantages: unknown options {unknown}; the estimators take "
-                        f"{sorted(known | TOKEN_OPTIONS)}")
+        raise TypeError(f"compute_advantages: unknown options {unknown}; the estimators take {sorted(known)}")
+    if options.get("kl_coef") and not est.reads_kl:
+        reading = sorted(e.name for e in ADVANTAGE_ESTIMATORS.values() if e.reads_kl)
+        raise ValueError(f"advantage={est.name} reads no per-token KL: kl_coef={options['kl_coef']} would be "
+                         f"ignored (the KL reward is read by {', '.join(reading)})")
     views = [_row_view(it) for it in items]
     masks = [to_rows(it.action_mask.bool()) for it, (to_rows, _) in zip(items, views)]
     if samples is None:  # the items' rows are the step's samples, in order
@@ -310,51 +343,28 @@ def compute_advantages(
         raise ValueError(f"compute_advantages: with samples, rows must name the sample of every sequence of each "
                          f"item: items hold {[m.shape[0] for m in masks]} sequences, rows "
                          f"{None if rows is None else [len(r) for r in rows]}")
-    # 1. each sample's scalar, over the whole step (a sequence-level estimator folds the KL in here)
-    rewards, prompt_index = _sample_scalars(samples, 0.0 if est.token_level else kl_coef)
-    scalars = est.fn(rewards, prompt_index, **{k: v for k, v in options.items() if k in _options(est.fn)})
-    # 2. per token, on every item's rows at once (zero-padded to the longest)
     if items:
         width = max(m.shape[1] for m in masks)
         pad = lambda x: F.pad(x, (0, width - x.shape[1]))  # noqa: E731
-        mask = torch.cat([pad(m) for m in masks])
-        scalar = scalars[torch.tensor([j for r in rows for j in r], dtype=torch.long)].to(mask.device)
-        if est.token_level:
-            advantages, returns = _token_level(est, items, views, pad, mask, scalar, gamma, lam, kl_coef)
-        else:
-            advantages = scalar.unsqueeze(1) * mask.to(torch.float32)
-            returns = advantages.clone()
+        per_token = lambda name: (None if any(getattr(it, name) is None for it in items) else  # noqa: E731
+                                  torch.cat([pad(to_rows(getattr(it, name).detach().float()))
+                                             for it, (to_rows, _) in zip(items, views)]))
+        rewards, prompt_index = _sample_scalars(samples)
+        lacking = {name: next((_what(it, i) for i, it in enumerate(items) if getattr(it, name) is None), "")
+                   for name in ("values", "kl")}
+        inputs = AdvantageInputs(
+            rewards=rewards, prompt_index=prompt_index, rows=torch.tensor([j for r in rows for j in r], dtype=torch.long),
+            mask=torch.cat([pad(m) for m in masks]), values=per_token("values"), kl=per_token("kl"),
+            lacking=lacking)
+        advantages, returns = est.fn(inputs, **{k: v for k, v in options.items() if k in est.options})
         first = 0
         for it, m, (_, from_rows) in zip(items, masks, views):
             n, length = m.shape
             it.advantages = from_rows(advantages[first:first + n, :length])
             it.returns = from_rows(returns[first:first + n, :length])
             first += n
-    # 3. whitening over the step
     if est.whiten_by_default if whiten is None else whiten:
         whiten_advantages(items, weights=weights, group=group)
-
-
-def _token_level(est: Estimator, items: Sequence[Experience], views: list, pad: Callable, mask: torch.Tensor,
-                 scalar: torch.Tensor, gamma: float, lam: float, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns) rows: `scalar` on each row's last masked slot, -kl_coef * kl on
-    every masked slot, through `gae` against the critic's values (or 0 with lam 1)."""
-    if est.uses_critic:
-        missing = [i for i, it in enumerate(items) if it.values is None]
-        if missing:
-            first = missing[0]
-            raise ValueError(f"advantage={est.name} needs the critic's 'values': {_what(items[first], first)} has none")
-        values = torch.cat([pad(to_rows(it.values.detach().float())) for it, (to_rows, _) in zip(items, views)])
-    else:
-        values = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    token_rewards = torch.zeros_like(values)
-    if kl_coef:
-        kl = torch.cat([pad(_kl_rows(it, i, kl_coef, to_rows))
-                        for i, (it, (to_rows, _)) in enumerate(zip(items, views))])
-        token_rewards -= kl_coef * kl * mask
-    _add_final_reward(token_rewards, mask, scalar)
-    advantages = gae(token_rewards, values, mask, gamma, lam if est.uses_critic else 1.0)
-    return advantages, (advantages + values) * mask
 
 
 # ------------------------------------------------------------------ whitening

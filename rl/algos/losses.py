@@ -269,9 +269,9 @@ def policy_loss(
     `experience.action_log_probs` are the old policy's. Diagnostics (detached, not masked):
     `clip_ratio` (1 where the ratio or IS weight was clipped), `ratio` (the ratio each
     token's loss used: GSPO's is its sequence's), `approx_kl` (k3 estimate of
-    KL(pi_old || pi) per token: r - 1 - log r, r = pi / pi_old).
+    KL(pi_old || pi) per token: r - 1 - log r, r = pi / pi_old). The config is checked once,
+    at start-up (`check_policy_loss_config`, from rl/config.py `validate`).
     """
-    check_policy_loss_config(cfg)
     old = experience.action_log_probs
     if old is None or experience.advantages is None:
         raise ValueError("policy_loss needs experience.action_log_probs (old policy) and experience.advantages")

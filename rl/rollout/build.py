@@ -1,4 +1,4 @@
-"""`build_engine`: the rollout engine the config names, built on the plan of rl/rollout/plan.py.
+"""`build_engine`: the rollout engine the config names, built on the replica choice of rl/rollout/replica.py.
 
     replica mode "sharded"       -> PolicyRolloutEngine over the training shards (no copy)
     rollout.engine=hf  (keep)    -> HFRolloutEngine over an unsharded copy of the policy, allocated
@@ -18,7 +18,7 @@ import torch
 
 from model.loading import materialize
 from rl.rollout.engine import HFRolloutEngine, PolicyRolloutEngine, RolloutEngine
-from rl.rollout.plan import RolloutEngineName, plan_rollout
+from rl.rollout.replica import RolloutEngineName, choose_replica
 from rl.rollout.sync import resolve_bucket_bytes, sync_weights
 from rl.rollout.vllm_engine import VLLMRolloutEngine, require_vllm
 
@@ -30,10 +30,10 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
     stop = getattr(task, "stop_token_id", None)
     r = cfg.rollout
     bucket = resolve_bucket_bytes(actor.model, r.sync_bucket_bytes)  # smaller than the largest tensor: an error
-    plan = plan_rollout(cfg, dims, actor)  # rollout.replica: keep a copy, or generate from the sharded policy
+    replica = choose_replica(cfg, dims, actor)  # rollout.replica: keep a copy, or generate from the sharded policy
     if dims.rank == 0:
-        logging.getLogger("train").info("%s", plan.describe())
-    if plan.mode == "sharded":
+        logging.getLogger("train").info("%s", replica.describe())
+    if replica.mode == "sharded":
         engine: RolloutEngine = PolicyRolloutEngine(
             actor, stop_token_id=stop, group=torch.distributed.group.WORLD if dims.distributed else None)
     elif RolloutEngineName(r.engine) is RolloutEngineName.HF:
@@ -56,7 +56,7 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
             tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
             enable_sleep_mode=r.enable_sleep_mode, enforce_eager=r.enforce_eager, kv_cache_gb=r.kv_cache_gb,
             tp_group=tp_group)
-    engine.sync_bucket_bytes, engine.plan = bucket, plan
+    engine.sync_bucket_bytes, engine.replica = bucket, replica
     sync_weights(engine, actor.model)  # bucket by bucket (rl/rollout/sync.py); nothing for the sharded policy
     return engine
 

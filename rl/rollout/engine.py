@@ -5,7 +5,7 @@ The engine only generates; it never sees the task. One RL step reads:
     prompts = task.prompts(n, seed=...)                    # [(prompt_ids [P], meta)]
     records = engine.generate([p for p, _ in prompts], prompt_indices=..., max_new_tokens=...,
                               temperature=..., seed=...)   # one record per sample
-    score(task, records, [m for _, m in prompts])          # rl.tasks.task: sets rec.rewards
+    assign_rewards(task, records, [m for _, m in prompts])          # rl.tasks.task: sets rec.rewards
     ... buffer -> plan -> collate -> train -> optimizer step ...
     sync_weights(engine, policy)                           # rl/rollout/sync.py: bucket by bucket
 
@@ -60,7 +60,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from model.moe import apply_expert_parallel, is_moe, moe_blocks, record_routing
+from model.moe import shard_experts, is_moe, moe_blocks, record_routing
 from packing.experience import Experience
 from packing.layout import padded_positions
 
@@ -76,7 +76,7 @@ class RolloutEngine(abc.ABC):
     def __init__(self, *, stop_token_id: int | None = None) -> None:
         self.stop_token_id = stop_token_id
         self.sync_bucket_bytes: int | None = None  # weight sync bucket (rl/rollout/sync.py); None: the default
-        self.plan = None  # the start-up memory plan that chose this engine (rl/rollout/plan.py), if any
+        self.replica = None  # the start-up memory plan that chose this engine (rl/rollout/replica.py), if any
 
     @abc.abstractmethod
     def generate(
@@ -148,8 +148,6 @@ def make_record(
     if log_probs.shape != (R,):
         raise ValueError(f"make_record: log_probs has shape {tuple(log_probs.shape)}, expected ({R},) like response")
     T = P + R
-    if routed_experts is not None and (routed_experts.dim() != 3 or routed_experts.shape[-1] != T):
-        raise ValueError(f"make_record: routed_experts has shape {tuple(routed_experts.shape)}, expected [L, K, {T}]")
     action_mask = torch.zeros(T - 1, dtype=torch.bool)
     action_mask[P - 1 :] = True  # slot k scores token k+1: slots P-1 .. T-2 score the response
     rollout_log_probs = torch.zeros(T - 1, dtype=torch.float32)
@@ -310,7 +308,7 @@ class HFRolloutEngine(RolloutEngine):
             model.set_attn_implementation(attn_implementation)
         model.eval().requires_grad_(False)
         if is_moe(model) and not moe_blocks(model, strict=False):
-            apply_expert_parallel(model, None)  # the training forward's blocks, every expert local
+            shard_experts(model, None)  # the training forward's blocks, every expert local
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
 
     @property
@@ -360,9 +358,6 @@ class HFRolloutEngine(RolloutEngine):
             raise ValueError(f"prompt_indices has {len(prompt_indices)} entries, expected {len(prompts)} (one per prompt)")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-        if not temperature >= 0:
-            raise ValueError(f"temperature={temperature} must be > 0 (log-probs are of softmax(logits / temperature)), "
-                             f"or 0 for greedy decoding")
         limit = getattr(self.model.config, "max_position_embeddings", None)
         longest = max((p.numel() for p in prompts), default=0) + max_new_tokens
         if limit is not None and longest > limit:

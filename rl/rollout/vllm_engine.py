@@ -70,12 +70,6 @@ def require_vllm():
     return vllm
 
 
-def vllm_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
 # ------------------------------------------------------------------ checks
 def checkpoint_architectures(model_dir: str | os.PathLike) -> tuple[str, list[str]]:
     """`(model_type, architectures)` of a Hugging Face folder's config.json."""
@@ -280,8 +274,6 @@ class VLLMRolloutEngine(RolloutEngine):
                              "(one per prompt)")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-        if not temperature >= 0:
-            raise ValueError(f"temperature={temperature} must be > 0, or 0 for greedy decoding")
         longest = max((p.numel() for p in prompts), default=0) + max_new_tokens
         if self.max_model_len is not None and longest > self.max_model_len:
             raise ValueError(f"prompt + max_new_tokens reaches {longest} tokens, over the engine's "

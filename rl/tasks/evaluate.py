@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from model.parallel_dims import ParallelDims
-from rl.tasks.task import Prompt, Task, score
+from rl.tasks.task import Prompt, Task, assign_rewards
 
 
 def heldout_problems(task: Task, n: int, task_name: str) -> list[Prompt]:
@@ -46,7 +46,7 @@ def evaluate(engine, task: Task, problems: list[Prompt], dims: ParallelDims, *, 
                                   max_new_tokens=max_new_tokens, temperature=0.0, seed=0)
         if not chunk:
             continue
-        score(task, records, [problems[i][1] for i in chunk])
+        assign_rewards(task, records, [problems[i][1] for i in chunk])
         values = torch.stack([r.rewards for r in records]).double()
         correct += float((values >= 1.0).sum())
         reward += float(values.sum())

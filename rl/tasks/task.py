@@ -1,10 +1,10 @@
 """Verifiable tasks: seeded prompts and a reward per (prompt, response).
 
-Flow of one step (the engine never sees the task; `score` is the only bridge):
+Flow of one step (the engine never sees the task; `assign_rewards` is the only bridge):
 
     prompts = task.prompts(n, seed=step_seed)              # [(prompt_ids [P] int64, meta dict)]
     records = engine.generate([p for p, _ in prompts], prompt_indices=..., ...)
-    score(task, records, [m for _, m in prompts])          # sets rec.rewards (0-d fp32)
+    assign_rewards(task, records, [m for _, m in prompts])  # sets rec.rewards (0-d fp32)
 
 A `Task` gives `prompts(n, seed)`, `reward(prompt_ids, response_ids, meta) -> float`,
 `min_vocab_size` (the smallest vocabulary its ids fit in), `stop_token_id` (None: every
@@ -31,7 +31,7 @@ text, `fn(response_text, **meta)`; the default reward is the rule-based answer c
 `build_task(name, **kwargs)` builds any of them by name; None-valued kwargs are dropped,
 so a caller can pass every task option and each task takes the ones it knows.
 
-A reward must be a finite real number: `score` rejects NaN, inf, None, bools and strings
+A reward must be a finite real number: `assign_rewards` rejects NaN, inf, None, bools and strings
 with a ValueError naming the reward function, the record, its prompt index and the value.
 """
 
@@ -64,7 +64,7 @@ class Task(Protocol):
     def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> float: ...
 
 
-def score(task: Task, records: Sequence[Experience], metas: Sequence[dict]) -> list[Experience]:
+def assign_rewards(task: Task, records: Sequence[Experience], metas: Sequence[dict]) -> list[Experience]:
     """Set `rec.rewards` (0-d fp32) on each record from `task.reward`; returns the records.
 
     A reward that is not a finite real number (NaN, inf, None, a bool, a string such as
@@ -72,7 +72,7 @@ def score(task: Task, records: Sequence[Experience], metas: Sequence[dict]) -> l
     the value. A 0-d real tensor is taken as its value.
     """
     if len(records) != len(metas):
-        raise ValueError(f"score: {len(records)} records but {len(metas)} metas (one per record)")
+        raise ValueError(f"assign_rewards: {len(records)} records but {len(metas)} metas (one per record)")
     for i, (rec, meta) in enumerate(zip(records, metas)):
         n_prompt = rec.sequences.numel() - int(rec.response_length)
         value = task.reward(rec.sequences[:n_prompt], rec.sequences[n_prompt:], meta)
@@ -82,7 +82,7 @@ def score(task: Task, records: Sequence[Experience], metas: Sequence[dict]) -> l
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             prompt = "?" if rec.prompt_index is None else int(rec.prompt_index)
             raise ValueError(
-                f"score: reward function {reward_name(task)} returned {value!r} ({type(value).__name__}) for "
+                f"assign_rewards: reward function {reward_name(task)} returned {value!r} ({type(value).__name__}) for "
                 f"record {i} (prompt index {prompt}); a reward must be a finite real number (float or int), "
                 f"not NaN, inf, None, a bool or a string"
             )
@@ -211,7 +211,7 @@ class FileTask:
         return [(torch.tensor(self.items[j][0], dtype=torch.int64), dict(self.items[j][1])) for j in picks]
 
     def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> Any:
-        """The reward function's value as returned (`score` checks it is a finite real number)."""
+        """The reward function's value as returned (`assign_rewards` checks it is a finite real number)."""
         return self.reward_fn(_ids(prompt_ids), _ids(response_ids), **meta)
 
 

@@ -55,7 +55,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import time
 import warnings
 from pathlib import Path
@@ -200,7 +199,6 @@ def save_checkpoint(trainer: Checkpointable, root: Path, step: int, cfg: "Config
     state = {**trainer.state_dict(), "step": step, "rng": {f"rank{dims.rank}": rng_state(dims)}}
     with quiet_single_process():
         dcp.save(state, checkpoint_id=tmp, no_dist=not dims.distributed)  # returns once every rank has written
-    inject_fault("in_save", step, dims.rank)
     if dims.rank == 0:
         (tmp / "config.yaml").write_text(config_yaml(cfg))
         trainer.hf_config.to_json_file(tmp / "hf_config.json")
@@ -387,24 +385,10 @@ class Checkpointer:
             t0 = time.perf_counter()
             path = save_checkpoint(trainer, self.root, step, self.cfg, self.dims)
             log.info("saved %s in %.2f s", path, time.perf_counter() - t0)
-        inject_fault("after_step", step, self.dims.rank)
         return path
 
 
 # --------------------------------------------------------------------- helpers
-def inject_fault(point: str, step: int, rank: int) -> None:
-    """Test hook: `RL_TEST_KILL=<point>:<step>[:<rank>]` SIGKILLs that rank (default 0) at
-    `point` ("in_save": after its shards are written, before the checkpoint is published;
-    "after_step": once `step` steps are done and saved), in a run's first attempt only
-    (torchrun's TORCHELASTIC_RESTART_COUNT is 0 or unset)."""
-    spec = os.environ.get("RL_TEST_KILL")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    where, at, *who = spec.split(":")
-    if where == point and int(at) == step and int(who[0] if who else 0) == rank:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 @contextlib.contextmanager
 def quiet_single_process():
     """DCP warns on every single-process save/load that it assumes a single process: it is one."""

@@ -1,18 +1,19 @@
-"""One RL step, top to bottom:
+"""One RL step, stage by stage (`Trainer.step`); each stage takes and returns named data:
 
-    collect   rollout on this DP rank's prompts, rewards; gather the step's metadata
-    plan      split into `algo.mini_batches`; each planned into microbatches balanced over DP;
-              each sample sent once, from the rank that generated it to the rank that trains it
-    collate   each of this rank's microbatches, once, onto the rank's device
-    score     no grad, in place on the collated batches: old-policy log-probs (when the
-              policy changes within the step), reference log-probs, values, KL
-    advantages once, on the collated batches (rl/algos/advantages.py): each sample's scalar
-              from the step's rewards, then per token (GAE, REINFORCE++'s returns with its
-              KL reward, or the scalar broadcast), whitened over the step's tokens
-    train     for each epoch, for each mini-batch: forward/backward per microbatch,
-              then one optimizer step (global-norm clipping)
-    sync      the rollout copy gets the new weights, bucket by bucket (none with rollout.replica=sharded)
-    log       every metric reduced in one collective
+    rollout    step -> Rollouts: this DP rank's prompts generated and rewarded (the records
+               stay on this rank), every rank's samples gathered as metadata (stand-ins)
+    plan       stand-ins -> StepPlan: `algo.mini_batches` mini-batches, each planned into
+               microbatches balanced over DP, and the ranks each sample goes to
+    collate    Rollouts, StepPlan -> [MiniBatch]: each sample sent once, from the rank that
+               generated it to the ranks that run it; this rank's microbatches collated once
+    score      no grad, in place on the collated batches: old-policy log-probs (when the
+               policy changes within the step), reference log-probs, values, KL
+    advantages in place on the collated batches, by the estimator (rl/algos/advantages.py),
+               whitened over the step's tokens
+    train      [MiniBatch] -> Stats: for each epoch, for each mini-batch, forward/backward per
+               microbatch, then one optimizer step (global-norm clipping)
+    sync       the rollout copy gets the new weights, bucket by bucket (none with rollout.replica=sharded)
+    metrics    Stats -> every metric, reduced in one collective
 
 Data flow across ranks: each DP rank rolls out its slice of the step's prompts (CP peers
 of one DP rank generate the same samples); the records stay there. Only per-sample metadata
@@ -33,7 +34,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 import torch.distributed as dist
@@ -57,13 +58,13 @@ from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups
 from rl.rollout.sync import sync_weights
 from rl.rollout.build import build_engine
 from rl.tasks.evaluate import evaluate, heldout_problems
-from rl.tasks.task import build_task, score
+from rl.tasks.task import assign_rewards, build_task
 
 
 def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
     """Policy, critic, reference (each parallelized: EP, activation checkpointing, FSDP2),
     task and rollout engine (an unsharded copy synced from the policy, or the sharded policy itself:
-    rollout.replica, rl/rollout/plan.py)."""
+    rollout.replica, rl/rollout/replica.py)."""
     m = cfg.model
     dtype = getattr(torch, m.dtype.value)
     param_dtype = getattr(torch, m.param_dtype.value) if m.param_dtype is not None else None
@@ -102,17 +103,46 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
 
 
 @dataclass
-class MiniBatch:
-    """This rank's collated microbatches of one mini-batch, and the global counts its loss
-    shares are divided by. `weights[i]` is 0 for a padding microbatch (a rank with fewer
-    samples than the lockstep count runs a zero-weight forward/backward)."""
+class Rollouts:
+    """The step's samples as `rollout` leaves them: every rank's, as `StandIn`s (metadata, in
+    global order, the same list on every rank); the records this rank generated, by
+    `StandIn.source[1]` (they stay here until `collate` moves each to the ranks that run it);
+    dynamic sampling's counts; and the seconds the rollout took."""
 
-    batches: list[Experience]
+    samples: list[StandIn]
+    records: dict[Hashable, Experience]
+    sampling: dict[str, int]
+    seconds: float
+
+
+@dataclass
+class MiniBatchPlan:
+    """One mini-batch as this rank runs it, decided on every rank alike from the metadata.
+    `rows[i]`: the step's samples (places in `Rollouts.samples`) of this rank's microbatch i;
+    `weights[i]` is 0 for a padding microbatch (a rank with fewer samples than the lockstep
+    count runs a zero-weight forward/backward, on the mini-batch's first sample)."""
+
+    rows: list[list[int]]
     weights: list[float]
-    rows: list[list[int]]  # rows[i][k]: the step's sample (its place in the step's records) of batches[i]'s row k
     tokens: float  # global action tokens of the mini-batch (the denominator of the token metrics)
     normalizer: float  # what its loss shares are divided by (`loss_normalizer` for algo.loss_agg)
     all_tokens: int  # global tokens (prompt + response) of the mini-batch
+
+
+@dataclass
+class StepPlan:
+    """This rank's part of each of the step's `algo.mini_batches` mini-batches, and for each
+    sample of the step the DP ranks that run it (where `collate` sends it)."""
+
+    minibatches: list[MiniBatchPlan]
+    destinations: list[list[int]]
+
+
+@dataclass
+class MiniBatch(MiniBatchPlan):
+    """A planned mini-batch, collated: `batches[i]` holds the samples `rows[i]`, on this rank's device."""
+
+    batches: list[Experience]
 
 
 class Trainer:
@@ -152,66 +182,61 @@ class Trainer:
                         progress=self.cfg.trainer.progress and self.dims.rank == 0)
 
     def step(self, step: int) -> dict[str, float]:
-        """One step; the held-out evaluation of the policy it starts from when one is due
-        (before step 0 and every `eval.every` steps; train.py evaluates after the last)."""
+        """One step, stage by stage (the module docstring); the held-out evaluation of the
+        policy it starts from when one is due (before step 0 and every `eval.every` steps;
+        train.py evaluates after the last)."""
         every = self.cfg.eval.every
         evaluation = self.evaluate() if every and step % every == 0 else {}
         t0 = time.perf_counter()
-        with self.guard.rollout(step):  # non-finite logits: a DivergenceError naming the step
-            records = self.collect(step)
-        t_rollout = time.perf_counter() - t0
+        rollouts = self.rollout(step)
         if hasattr(self.engine, "sleep"):
             self.engine.sleep()  # colocated vLLM (cuda, rollout.enable_sleep_mode): free its memory for training
-        minibatches = self.plan(records)
+        minibatches = self.collate(rollouts, self.plan(rollouts.samples))
         self.score(minibatches)
-        self.advantages(records, minibatches)
-        self.guard.begin(rewards=[r.rewards for r in records],
+        self.advantages(rollouts.samples, minibatches)
+        self.guard.begin(rewards=[r.rewards for r in rollouts.samples],
                          advantages=[b.advantages for mb in minibatches for b in mb.batches])
-        stats = Stats()
-        if moe_blocks(self.actor.model, strict=False):
-            reset_expert_load(self.actor.model)  # the load metric counts the training forwards only
-        for _ in range(self.cfg.algo.epochs):
-            for mb in minibatches:
-                for batch, weight in zip(mb.batches, mb.weights):
-                    self.train_microbatch(batch, weight, mb, stats)
-                stats.add_step(self.optimizer_step())
+        stats = self.train(minibatches)
         t_sync = time.perf_counter()
         sync_weights(self.engine, self.actor.model)  # in buckets; vLLM: wakes, reloads in place, resets its cache
         t_sync = time.perf_counter() - t_sync
-        elapsed = time.perf_counter() - t0
-        stats.add(self.guard.flags())
-        metrics = self.metrics(step, records, minibatches, stats, t_rollout=t_rollout, elapsed=elapsed)
+        metrics = self.metrics(step, rollouts, minibatches, stats, elapsed=time.perf_counter() - t0)
         metrics["weight_sync_s"] = t_sync  # trainer -> rollout engine, after the step's last update
+        kl = metrics.get("kl", 0.0)
+        if self.cfg.algo.kl_coef and math.isfinite(kl):  # a bad step (rl/trainer/guard.py) leaves it as is
+            self.kl_ctl.update(kl, len(rollouts.samples))
         self.guard.end(step, metrics)  # warns; raises after trainer.max_bad_steps bad steps in a row
         return dict(sorted((metrics | evaluation).items()))
 
-    # ----------------------------------------------------------------- collect
-    def collect(self, step: int) -> list[Experience]:
-        """The step's global batch as `StandIn`s (metadata; the records stay on the rank that
-        generated them, in `self._local`, until `plan` delivers them). With dynamic sampling,
-        groups whose rewards are all equal are dropped and more prompts rolled out until
-        the step holds `task.prompts_per_step` groups (at most `algo.max_sampling_rounds`)."""
+    # ----------------------------------------------------------------- rollout
+    def rollout(self, step: int) -> Rollouts:
+        """The step's samples. With dynamic sampling, groups whose rewards are all equal are
+        dropped and more prompts rolled out until the step holds `task.prompts_per_step`
+        groups (at most `algo.max_sampling_rounds`)."""
         algo, want = self.cfg.algo, self.cfg.task.prompts_per_step
-        self._local: dict = {}  # (round, index) -> this rank's record
-        records = self._rollout(step, 0)
-        self.sampling = {}
-        if not algo.dynamic_sampling:
-            return records
-        kept, dropped = filter_uniform_groups(records)
-        rounds = 1
-        while _groups(kept) < want and rounds < algo.max_sampling_rounds:
-            more, lost = filter_uniform_groups(self._rollout(step, rounds))
-            kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
-        first = set(sorted({int(r.prompt_index) for r in kept})[:want])
-        kept = [r for r in kept if int(r.prompt_index) in first]
-        self.sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
-        return kept or records  # every group uniform in every round: train on the last rollout (advantages 0)
+        t0 = time.perf_counter()
+        with self.guard.rollout(step):  # non-finite logits: a DivergenceError naming the step
+            samples, records = self._generate(step, 0)
+            sampling = {}
+            if algo.dynamic_sampling:
+                kept, dropped = filter_uniform_groups(samples)
+                rounds = 1
+                while _groups(kept) < want and rounds < algo.max_sampling_rounds:
+                    more, local = self._generate(step, rounds)
+                    records |= local
+                    more, lost = filter_uniform_groups(more)
+                    kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
+                first = set(sorted({int(r.prompt_index) for r in kept})[:want])
+                sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
+                # every group uniform in every round: train on the first round (advantages 0)
+                samples = [r for r in kept if int(r.prompt_index) in first] or samples
+        return Rollouts(samples, records, sampling, time.perf_counter() - t0)
 
-    def _rollout(self, step: int, round_: int) -> list[Experience]:
-        """One rollout round. Every rank draws the round's global prompt list from the same
-        seed and takes its DP slice, so which prompt a sample comes from (and its seed)
-        never depends on the layout; prompt indices are unique within the step. The records
-        stay in `self._local`; what returns is every rank's samples as stand-ins (metadata)."""
+    def _generate(self, step: int, round_: int) -> tuple[list[StandIn], dict[Hashable, Experience]]:
+        """One rollout round: every rank's samples as stand-ins, and this rank's records by key.
+        Every rank draws the round's global prompt list from the same seed and takes its DP
+        slice, so which prompt a sample comes from (and its seed) never depends on the layout;
+        prompt indices are unique within the step."""
         task, dims, algo = self.cfg.task, self.dims, self.cfg.algo
         per_rank = task.prompts_per_step // dims.dp
         first = dims.dp_rank * per_rank
@@ -224,68 +249,57 @@ class Trainer:
             [p for p, _ in prompts for _ in range(task.samples_per_prompt)], prompt_indices=index,
             max_new_tokens=task.max_new_tokens, temperature=self.cfg.model.temperature, seed=self.cfg.seed * 7919 + step,
         )
-        score(self.task, records, [m for _, m in prompts for _ in range(task.samples_per_prompt)])
+        assign_rewards(self.task, records, [m for _, m in prompts for _ in range(task.samples_per_prompt)])
         if algo.overlong_buffer is not None:
             apply_overlong_penalty(records, task.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
         if not algo.routing_replay:
             for rec in records:
                 rec.routed_experts = None
-        self._local.update(((round_, i), rec) for i, rec in enumerate(records))
         # every rank: the round's samples, DP rank by DP rank, as metadata (CP peers checked alike)
-        return gather_metadata(records, round_, dp_rank=dims.dp_rank, dp=dims.dp, cp=dims.cp, device=dims.device)
+        samples = gather_metadata(records, round_, dp_rank=dims.dp_rank, dp=dims.dp, cp=dims.cp, device=dims.device)
+        return samples, {(round_, i): rec for i, rec in enumerate(records)}
 
     # -------------------------------------------------------------------- plan
-    def plan(self, records: list[Experience]) -> list[MiniBatch]:
-        """Mini-batches (contiguous slices of the global batch, whole prompt groups when
-        `mini_batches` divides the prompt count), each planned over DP ranks (identically on
-        every rank, from the lengths), then each sample delivered to the ranks that run it
-        (`_deliver`) and this rank's microbatches collated. A rank with an empty microbatch
-        runs a zero-weight one on the mini-batch's first sample, so that sample goes there too."""
+    def plan(self, samples: list[StandIn]) -> StepPlan:
+        """Mini-batches (contiguous slices of the step, whole prompt groups when `mini_batches`
+        divides the prompt count), each planned into microbatches over the DP ranks, from the
+        lengths, identically on every rank. A rank with an empty microbatch runs a zero-weight
+        one on the mini-batch's first sample, so that sample goes there too."""
         k, dims, b = self.cfg.algo.mini_batches, self.dims, self.cfg.batch
-        bounds = [round(i * len(records) / k) for i in range(k + 1)]
-        plans, counts, dest = [], [], [set() for _ in records]
+        bounds = [round(i * len(samples) / k) for i in range(k + 1)]
+        minibatches, dest = [], [set() for _ in samples]
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            part = records[lo:hi]
-            counts.append(dict(tokens=loss_normalizer(part, LossAgg.TOKEN_MEAN),
-                               normalizer=loss_normalizer(part, self.cfg.algo.loss_agg),
-                               all_tokens=sum(_length(r) for r in part)))
+            part = samples[lo:hi]
             plan = plan_microbatches([_length(r) for r in part], b.max_tokens, dims.dp,
                                      micro_batch_size=b.micro_batch_size, cost=self.cost)
             for rank, microbatches in enumerate(plan):
                 for items in microbatches:
                     for i in items or [0]:  # [0]: the zero-weight stand-in
                         dest[lo + i].add(rank)
-            plans.append(plan[dims.dp_rank])
-        mine = self._deliver(records, dest)
-        out = []
-        for lo, plan, count in zip(bounds, plans, counts):
-            batches, weights, rows = [], [], []
-            for items in plan:
-                weights.append(1.0 if items else 0.0)
-                rows.append([lo + i for i in items] if items else [lo])  # [lo]: the zero-weight stand-in
-                batches.append(make_experience_batch([mine[j] for j in rows[-1]], packed=b.packed).to(dims.device))
-            out.append(MiniBatch(batches, weights, rows, **count))
-        return out
+            mine = plan[dims.dp_rank]
+            minibatches.append(MiniBatchPlan(rows=[[lo + i for i in items] if items else [lo] for items in mine],
+                                             weights=[1.0 if items else 0.0 for items in mine],
+                                             tokens=loss_normalizer(part, LossAgg.TOKEN_MEAN),
+                                             normalizer=loss_normalizer(part, self.cfg.algo.loss_agg),
+                                             all_tokens=sum(_length(r) for r in part)))
+        return StepPlan(minibatches, [sorted(d) for d in dest])
 
-    def _deliver(self, records: list[Experience], dest: list[set[int]]) -> list[Experience | None]:
-        """The records this rank runs, at their places in `records` (None elsewhere): each
-        sample from the rank that generated it (packing/exchange.py `exchange`), with the
-        fields its stand-in holds and it lacks attached. Then the generated records are let
-        go, and the stand-ins keep only their scalars (the rewards `advantages` reads)."""
-        if not any(isinstance(r, StandIn) for r in records):  # full records (a caller's own list)
-            return list(records)
+    # ----------------------------------------------------------------- collate
+    def collate(self, rollouts: Rollouts, plan: StepPlan) -> list[MiniBatch]:
+        """Each sample moved once, from the rank that generated it to the ranks that run it
+        (packing/exchange.py), then this rank's microbatches collated, once, onto its device.
+        The generated records are let go, and the stand-ins keep only their scalars (the
+        rewards `advantages` reads)."""
         dims = self.dims
-        mine = exchange(self._local, records, [sorted(d) for d in dest], dp_rank=dims.dp_rank, dp=dims.dp,
+        mine = exchange(rollouts.records, rollouts.samples, plan.destinations, dp_rank=dims.dp_rank, dp=dims.dp,
                         group=dims.dp_group, device=dims.device)
-        self._local = {}
-        for rec, standin in zip(mine, records):
-            if rec is not None:
-                for name, value in standin.items():
-                    if getattr(rec, name) is None:
-                        setattr(rec, name, value)
-        for standin in records:
-            standin.action_mask = None
-        return mine
+        rollouts.records.clear()
+        for sample in rollouts.samples:
+            sample.action_mask = None
+        packed = self.cfg.batch.packed
+        return [MiniBatch(**vars(mb), batches=[make_experience_batch([mine[j] for j in rows], packed=packed)
+                                               .to(dims.device) for rows in mb.rows])
+                for mb in plan.minibatches]
 
     # ------------------------------------------------------------------- score
     @torch.no_grad()
@@ -308,15 +322,14 @@ class Trainer:
                     batch.kl = self._kl(batch.action_log_probs, batch.base_action_log_probs)
         self.actor.train()
 
-    def advantages(self, records: list[Experience], minibatches: list[MiniBatch]) -> None:
-        """The step's advantages, once, after the scoring pass (rl/algos/advantages.py), in
-        place on this rank's collated batches: each sample's scalar from the step's rewards
-        and prompt groups (`records`: every rank holds the whole step's, so a group baseline
-        sees whole groups), then per token - GAE against the critic's values, REINFORCE++'s
-        returns with the KL reward (`kl_mode=reward`), or the scalar broadcast - whitened
-        over every action token of the step (the moments summed over the DP ranks)."""
+    def advantages(self, samples: list[StandIn], minibatches: list[MiniBatch]) -> None:
+        """The step's advantages and returns, in place on this rank's collated batches, by
+        `algo.advantage`'s estimator (rl/algos/advantages.py): each sample's scalar from the
+        step's rewards and prompt groups (`samples`: every rank holds the whole step's, so a
+        group baseline sees whole groups), then per token, whitened over every action token
+        of the step (the moments summed over the DP ranks)."""
         algo = self.cfg.algo
-        compute_advantages([b for mb in minibatches for b in mb.batches], algo.advantage, samples=records,
+        compute_advantages([b for mb in minibatches for b in mb.batches], algo.advantage, samples=samples,
                            rows=[r for mb in minibatches for r in mb.rows],
                            weights=[w for mb in minibatches for w in mb.weights], group=self.dims.dp_group,
                            whiten=algo.whiten_advantages, gamma=algo.gamma, lam=algo.lam,
@@ -324,6 +337,20 @@ class Trainer:
                            scale_by_std=algo.grpo_scale_by_std)
 
     # ------------------------------------------------------------------- train
+    def train(self, minibatches: list[MiniBatch]) -> "Stats":
+        """`algo.epochs` passes over the mini-batches: forward/backward per microbatch, one
+        optimizer step per mini-batch. Returns the step's training terms, not yet reduced."""
+        stats = Stats()
+        if moe_blocks(self.actor.model, strict=False):
+            reset_expert_load(self.actor.model)  # the load metric counts the training forwards only
+        for _ in range(self.cfg.algo.epochs):
+            for mb in minibatches:
+                for batch, weight in zip(mb.batches, mb.weights):
+                    self.train_microbatch(batch, weight, mb, stats)
+                stats.add_step(self.optimizer_step())
+        stats.add(self.guard.flags())
+        return stats
+
     def train_microbatch(self, batch: Experience, weight: float, mb: MiniBatch, stats: "Stats") -> None:
         algo = self.cfg.algo
         normalizer = mb.normalizer
@@ -358,8 +385,7 @@ class Trainer:
         m = batch.action_mask
         terms["entropy"] = (entropy.detach() * m).sum() / mb.tokens
         terms["clip_ratio"] = (info["clip_ratio"] * m).sum() / mb.tokens
-        log_ratio = (log_probs.detach() - batch.action_log_probs) * m
-        terms["approx_kl"] = ((log_ratio.exp() - 1) - log_ratio).sum() / mb.tokens  # k3 of old -> new
+        terms["approx_kl"] = (info["approx_kl"] * m).sum() / mb.tokens  # k3 of old -> new
         if batch.base_action_log_probs is not None:
             terms["kl"] = (self._kl(log_probs.detach(), batch.base_action_log_probs, "k3") * m).sum() / mb.tokens
         if batch.rollout_log_probs is not None:  # rollout engine vs training forward (fix: algo.tis_cap)
@@ -394,9 +420,10 @@ class Trainer:
         return out
 
     # --------------------------------------------------------------------- log
-    def metrics(self, step: int, records: list[Experience], minibatches: list[MiniBatch], stats: "Stats", *,
-                t_rollout: float, elapsed: float) -> dict[str, float]:
-        dims = self.dims
+    def metrics(self, step: int, rollouts: Rollouts, minibatches: list[MiniBatch], stats: "Stats", *,
+                elapsed: float) -> dict[str, float]:
+        """The step's metrics, every term reduced over the DP ranks in one collective."""
+        dims, records, t_rollout = self.dims, rollouts.samples, rollouts.seconds
         real = sum(_length(r) for r in records)  # the gathered metadata: no rank holds every record
         local_real = sum(b.sequences.numel() * w if b.is_packed else int(b.attention_mask.sum()) * w
                          for mb in minibatches for b, w in zip(mb.batches, mb.weights))
@@ -424,11 +451,9 @@ class Trainer:
             optimizer_steps=stats.steps,
         )
         metrics.update(expert_load_metrics(self.actor.model, dims))
-        metrics.update(self.sampling)
+        metrics.update(rollouts.sampling)
         if self.cfg.algo.kl_coef:
             metrics["kl_coef"] = self.kl_ctl.value
-            if math.isfinite(metrics.get("kl", 0.0)):  # a bad step (rl/trainer/guard.py) leaves the coefficient as is
-                self.kl_ctl.update(metrics.get("kl", 0.0), len(records))
         return dict(sorted(metrics.items()))
 
     # -------------------------------------------------------------- checkpoint

@@ -16,7 +16,7 @@ the budget: `rollout.memory_budget_gb` when set, else the device's free memory n
 `torch.cuda.mem_get_info`; cpu: psutil's available memory shared by the ranks of this host)
 less a reserve of `RESERVE` of it (activations, the KV cache, the allocator). The copy fits
 when copy + state to come <= budget. The decision and its figures are logged at start-up
-(rank 0) and kept as `engine.plan`.
+(rank 0) and kept as `engine.replica`.
 
 bench/memory_plan.py applies the same rule to the at-scale models.
 """
@@ -44,7 +44,7 @@ class RolloutEngineName(Choice):
 
 
 class ReplicaMode(Choice):
-    """`rollout.replica`: where generation gets its weights (rl/rollout/plan.py)."""
+    """`rollout.replica`: where generation gets its weights (rl/rollout/replica.py)."""
 
     AUTO = "auto"  # keep if the unsharded copy fits (the start-up memory plan), else sharded
     KEEP = "keep"  # an unsharded copy in the HF engine, synced after every update
@@ -52,7 +52,7 @@ class ReplicaMode(Choice):
 
 
 @dataclass(frozen=True)
-class RolloutPlan:
+class ReplicaChoice:
     """The decision and the figures behind it (bytes per rank)."""
 
     setting: str  # rollout.replica as configured
@@ -74,12 +74,12 @@ class RolloutPlan:
 
 
 def choose(setting: ReplicaMode | str, *, engine: str, replica_bytes: int, state_bytes: int, budget_bytes: int,
-           budget_source: str, sharded_unsupported: str | None = None) -> RolloutPlan:
+           budget_source: str, sharded_unsupported: str | None = None) -> ReplicaChoice:
     """The plan for `rollout.replica=setting` with `rollout.engine=engine`; a ValueError
     naming the setting and the sizes when it cannot be followed. `sharded_unsupported`:
     why generation from the sharded policy cannot serve this run (None: it can)."""
     setting = ReplicaMode(setting)
-    plan = RolloutPlan(setting.value, "", int(replica_bytes), int(state_bytes), int(budget_bytes), budget_source)
+    plan = ReplicaChoice(setting.value, "", int(replica_bytes), int(state_bytes), int(budget_bytes), budget_source)
     sizes = (f"it needs {plan.replica_bytes / GIB:.3f} GiB ({plan.replica_bytes} bytes) + the training state to "
              f"come {plan.state_bytes / GIB:.3f} GiB per rank, over the budget of {plan.budget_bytes / GIB:.3f} GiB "
              f"({budget_source})")
@@ -101,7 +101,7 @@ def choose(setting: ReplicaMode | str, *, engine: str, replica_bytes: int, state
                          f"from the sharded policy cannot serve this run: {sharded_unsupported}")
     else:
         mode = "sharded"
-    return RolloutPlan(**{**plan.__dict__, "mode": mode})
+    return ReplicaChoice(**{**plan.__dict__, "mode": mode})
 
 
 def device_budget(device: torch.device, *, budget_gb: float | None, local_ranks: int) -> tuple[int, str]:
@@ -123,7 +123,7 @@ def local_shard_bytes(module: nn.Module) -> int:
     return sum(local_tensor(p).numel() * p.element_size() for p in module.parameters())
 
 
-def plan_rollout(cfg, dims, actor: nn.Module) -> RolloutPlan:
+def choose_replica(cfg, dims, actor: nn.Module) -> ReplicaChoice:
     """`choose` for the run: `actor` is the parallelized policy (its `.model` the causal LM)."""
     from rl.rollout.sync import full_tensor_bytes
 
