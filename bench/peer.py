@@ -1,9 +1,18 @@
 """How does this project compare with TRL's GRPOTrainer on the same job? (`make bench-peer`)
 
-The job is `+experiment=smollm2_arithmetic`: SmolLM2-135M-Instruct learns two-digit addition
-(task=arithmetic), 4 prompts x 8 samples per step, 16 new tokens, temperature 1.0, lr 1e-5,
-GRPO with a token-mean loss, no KL, one update per step, grad clip 1.0, fp32, 2 threads.
-The arms run one after the other, never side by side:
+Two jobs (`--job`, `make bench-peer JOB=long`), both on SmolLM2-135M-Instruct learning two-digit
+addition (task=arithmetic), 4 prompts x 8 samples per step, temperature 1.0, lr 1e-5, GRPO with a
+token-mean loss, no KL, one update per step, grad clip 1.0, fp32, 2 threads:
+
+    short (default)  `+experiment=smollm2_arithmetic`: "What is 38 + 17? Start your reply with the
+                     result." (~47 prompt tokens), 16 new tokens; bench/results/peer.json
+    long             `+experiment=smollm2_arithmetic_steps`: "What is 38 + 17? Solve it step by step,
+                     showing your work, and give the final answer at the end." (~59 prompt tokens),
+                     256 new tokens (answers of ~130-150 tokens, some run to 256; the reward reads the
+                     last number); bench/results/peer-long.json
+
+The job's shape (template, max_new_tokens, prompts and samples per step) is read from its experiment
+config, so both arms get the same one. The arms run one after the other, never side by side:
 
 1. this project, default engine: `.venv/bin/python train.py +experiment=smollm2_arithmetic
    trainer.max_steps=N eval.every=N ...` (held-out evaluation before step 0 and after step N)
@@ -12,16 +21,19 @@ The arms run one after the other, never side by side:
 3. TRL 1.16.0's GRPOTrainer in .venv-trl: bench/peer_trl.py (its docstring lists the
    settings), trained on the same prompts in the same order (the project's step seeds)
 
-Both sides evaluate the same `ArithmeticTask.heldout(n)` problems greedily (16 new tokens,
+Both sides evaluate the same `ArithmeticTask.heldout(n)` problems greedily (the job's max new tokens,
 stop at <|im_end|>, reward 1 = correct) before and after training.
 
 Figures of each arm (medians over the steps; evaluation is never inside a step):
     step_s             wall seconds per training step (generation + scoring + update)
     rollout_s          seconds generating (project: its rollout; TRL: its `transformers.generate` span)
+    train_s            step_s - rollout_s (scoring, log-probs, loss, backward, optimizer)
     generated_tokens_per_s   response tokens / rollout_s
     train_tokens_per_s       prompt + response tokens / (step_s - rollout_s)
+    prompt_tokens, answer_tokens   mean tokens per sample (the job's shape as run)
     accuracy_before/after    held-out greedy accuracy
-and, last line, one JSON object (also bench/results/peer.json):
+    loadavg_start/end        os.getloadavg() (1, 5, 15 min) when the arm starts and ends
+and, last line, one JSON object (also bench/results/peer.json, or peer-long.json):
     speedup_vs_trl            TRL's step_s / the fastest project engine's step_s (steps/s ratio)
     speedup_vs_trl_hf_engine  the same for the default (transformers) engine
     speedup_vs_trl_vllm_engine  the same for the vLLM engine (when it ran)
@@ -29,6 +41,7 @@ and, last line, one JSON object (also bench/results/peer.json):
     trl_accuracy_before/after
 
     .venv/bin/python bench/peer.py --steps 40              # the comparison (`make bench-peer`)
+    .venv/bin/python bench/peer.py --job long              # the long job (`make bench-peer JOB=long`)
     .venv/bin/python bench/peer.py --steps 2 --eval-prompts 16   # a check of the plumbing
 
 Run it on an idle machine: on 2 shared cores a busy neighbour slows each 2-thread arm by a
@@ -52,13 +65,62 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, emit  # noqa: E402
 
 MODEL_DIR = ROOT / ".cache/models/SmolLM2-135M-Instruct"
-SAMPLES_PER_STEP = 4 * 8  # conf/experiment/smollm2_arithmetic.yaml: prompts_per_step x samples_per_prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One job of the bench: its experiment config, where its figures go, and its defaults."""
+
+    experiment: str  # conf/experiment/<experiment>.yaml
+    results: str  # bench/results/<results>.json
+    steps: int  # default training steps of every arm (~45-60 min on an idle 2-core machine)
+    eval_prompts: int  # default held-out problems
+
+
+JOBS = {
+    "short": Job("smollm2_arithmetic", "peer", steps=40, eval_prompts=200),
+    "long": Job("smollm2_arithmetic_steps", "peer-long", steps=12, eval_prompts=64),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What both arms must agree on, read from the job's experiment config."""
+
+    prompts_per_step: int
+    samples_per_prompt: int
+    max_new_tokens: int
+    template: str | None  # task.options.template; None = ArithmeticTask's default
+    options: dict  # every task.options entry (operands, low, high, operators, template)
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+def job_shape(job: Job) -> Shape:
+    """The job's task shape as train.py would see it (Hydra compose of conf/ + the experiment)."""
+    from hydra import compose, initialize_config_dir
+
+    from rl.config import load, register
+
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = load(compose("config", overrides=[f"+experiment={job.experiment}"]))
+    options = dict(cfg.task.options)
+    return Shape(cfg.task.prompts_per_step, cfg.task.samples_per_prompt, cfg.task.max_new_tokens,
+                 options.get("template"), options)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=int(os.environ.get("STEPS", 40)), help="training steps of every arm")
-    p.add_argument("--eval-prompts", type=int, default=200, help="held-out problems (eval.num_prompts)")
+    p.add_argument("--job", choices=sorted(JOBS), default=os.environ.get("JOB") or "short",
+                   help="short: 16-token answers (bench/results/peer.json); long: 256 new tokens, worked steps "
+                        "(bench/results/peer-long.json)")
+    p.add_argument("--steps", type=int, default=int(os.environ["STEPS"]) if os.environ.get("STEPS") else None,
+                   help="training steps of every arm (default: the job's, 40 short, 12 long)")
+    p.add_argument("--eval-prompts", type=int, default=None,
+                   help="held-out problems (eval.num_prompts; default: the job's, 200 short, 64 long)")
     p.add_argument("--eval-every", type=int, default=None,
                    help="the project's arms also evaluate every k steps (a curve; default: before and after only)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of every arm (OMP_NUM_THREADS)")
@@ -67,7 +129,16 @@ def parse_args(argv=None):
     p.add_argument("--skip-trl", action="store_true", help="run only the project's arms (a plumbing check)")
     p.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"), help="the TRL venv's interpreter")
     p.add_argument("--out", default=None, help="folder for the arms' runs and logs (default outputs/bench-peer/<time>)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    job = JOBS[args.job]
+    args.steps = job.steps if args.steps is None else args.steps
+    args.eval_prompts = job.eval_prompts if args.eval_prompts is None else args.eval_prompts
+    return args
+
+
+def loadavg() -> list[float]:
+    """os.getloadavg() (1, 5, 15 min), rounded: how busy the shared machine was."""
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def engine_option_exists() -> bool:
@@ -114,7 +185,8 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def summarize(per_step: list[dict], before: float | None, after: float | None, wall_s: float) -> dict:
+def summarize(per_step: list[dict], before: float | None, after: float | None, wall_s: float,
+              samples_per_step: int) -> dict:
     """The figures of one arm from its per-step rows (step_s, rollout_s, generated_tokens, tokens)."""
     def rate(num: str, den) -> float | None:
         return _median([r[num] / den(r) for r in per_step if r.get(num) is not None and den(r) and den(r) > 0])
@@ -129,15 +201,19 @@ def summarize(per_step: list[dict], before: float | None, after: float | None, w
         "generated_tokens_per_s": rate("generated_tokens", lambda r: r["rollout_s"]),
         "train_tokens_per_s": rate("tokens", lambda r: r["step_s"] - r["rollout_s"]),
         "generated_tokens_per_step": _median([r.get("generated_tokens") for r in per_step]),
+        "prompt_tokens": _median([(r["tokens"] - r["generated_tokens"]) / samples_per_step for r in per_step
+                                  if r.get("tokens") is not None and r.get("generated_tokens") is not None]),
+        "answer_tokens": _median([r["generated_tokens"] / samples_per_step for r in per_step
+                                  if r.get("generated_tokens") is not None]),
         "accuracy_before": before,
         "accuracy_after": after,
         "wall_s": wall_s,
     }
 
 
-def run_project(engine: str, args, out: Path, env: dict, engine_option: bool) -> dict:
+def run_project(engine: str, args, out: Path, env: dict, engine_option: bool, shape: Shape) -> dict:
     run_dir = out / f"project_{engine}"
-    cmd = [str(ROOT / ".venv/bin/python"), "train.py", "+experiment=smollm2_arithmetic",
+    cmd = [str(ROOT / ".venv/bin/python"), "train.py", f"+experiment={JOBS[args.job].experiment}",
            f"trainer.max_steps={args.steps}", f"eval.every={args.eval_every or max(args.steps, 1)}",  # evaluate before and after only
            f"eval.num_prompts={args.eval_prompts}", "checkpoint.final=false", "trainer.plot=false",
            "trainer.progress=false", f"hydra.run.dir={run_dir}"]
@@ -146,32 +222,40 @@ def run_project(engine: str, args, out: Path, env: dict, engine_option: bool) ->
     elif engine != "hf":
         raise SystemExit(f"peer: --engines {engine}: this checkout's config has no rollout.engine")
     run_dir.mkdir(parents=True, exist_ok=True)
+    load_start = loadavg()
     rc, wall = run_logged(cmd, out / f"project_{engine}.log", env)
+    load = {"loadavg_start": load_start, "loadavg_end": loadavg()}
     if rc != 0:
-        return {"error": f"train.py exited {rc}; see {out / f'project_{engine}.log'}", "wall_s": wall}
+        return {"error": f"train.py exited {rc}; see {out / f'project_{engine}.log'}", "wall_s": wall} | load
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [x for x in lines if "step_s" in x]
     evals = [x for x in lines if "eval_accuracy" in x]
     per_step = [{"step": x["step"], "step_s": x["step_s"], "rollout_s": x["rollout_s"],
-                 "generated_tokens": x["response_length"] * SAMPLES_PER_STEP, "tokens": x["tokens"],
+                 "generated_tokens": x["response_length"] * shape.samples_per_step, "tokens": x["tokens"],
                  "reward_mean": x.get("reward_mean")} for x in steps]
     before = next((e["eval_accuracy"] for e in evals if e["step"] == 0), None)
     after = next((e["eval_accuracy"] for e in evals if e["step"] == args.steps and "step_s" not in e), None)
-    return summarize(per_step, before, after, wall) | {"engine": engine, "run_dir": str(run_dir), "per_step": per_step}
+    return summarize(per_step, before, after, wall, shape.samples_per_step) | load | {
+        "engine": engine, "run_dir": str(run_dir), "per_step": per_step}
 
 
-def run_trl(args, out: Path, env: dict) -> dict:
+def run_trl(args, out: Path, env: dict, shape: Shape) -> dict:
     if not os.access(args.trl_python, os.X_OK):
         raise SystemExit(f"peer: {args.trl_python} not found: build .venv-trl first (make bench-peer does)")
     result_path = out / "trl.json"
     cmd = [args.trl_python, "bench/peer_trl.py", "--model", str(MODEL_DIR), "--steps", str(args.steps),
-           "--eval-prompts", str(args.eval_prompts), "--threads", str(args.threads), "--out", str(result_path)]
+           "--eval-prompts", str(args.eval_prompts), "--threads", str(args.threads), "--out", str(result_path),
+           "--prompts-per-step", str(shape.prompts_per_step), "--samples-per-prompt", str(shape.samples_per_prompt),
+           "--max-new-tokens", str(shape.max_new_tokens), "--task-options", json.dumps(shape.options)]
+    load_start = loadavg()
     rc, wall = run_logged(cmd, out / "trl.log", env)
+    load = {"loadavg_start": load_start, "loadavg_end": loadavg()}
     if rc != 0:
         raise SystemExit(f"peer: the TRL arm exited {rc}; see {out / 'trl.log'}")
     res = json.loads(result_path.read_text())
-    return summarize(res["per_step"], res["accuracy_before"], res["accuracy_after"], wall) | {
-        "trl": res["trl"], "config": res["config"], "per_step": res["per_step"]}
+    return summarize(res["per_step"], res["accuracy_before"], res["accuracy_after"], wall,
+                     shape.samples_per_step) | load | {"trl": res["trl"], "config": res["config"],
+                                                       "per_step": res["per_step"]}
 
 
 def ratio(a, b) -> float | None:
@@ -192,21 +276,31 @@ def main(argv=None) -> dict:
 
     engines, why = project_engines(args.engines)
     option = engine_option_exists()
-    print(f"peer: {args.steps} steps, {args.eval_prompts} held-out problems, {args.threads} threads; "
-          f"project engines {engines} ({why}); runs in {out}", flush=True)
+    job = JOBS[args.job]
+    shape = job_shape(job)
+    print(f"peer: job {args.job} (+experiment={job.experiment}: {shape.max_new_tokens} new tokens, "
+          f"{shape.prompts_per_step} prompts x {shape.samples_per_prompt} samples), {args.steps} steps, "
+          f"{args.eval_prompts} held-out problems, {args.threads} threads; project engines {engines} ({why}); "
+          f"runs in {out}", flush=True)
     arms: dict[str, dict] = {}
     for engine in engines:
-        arms[f"project_{engine}"] = run_project(engine, args, out, env, option)
+        arms[f"project_{engine}"] = run_project(engine, args, out, env, option, shape)
         if engine == "hf" and "error" in arms["project_hf"]:
             raise SystemExit(f"peer: {arms['project_hf']['error']}")
     if not args.skip_trl:
-        arms["trl"] = run_trl(args, out, env)
+        arms["trl"] = run_trl(args, out, env, shape)
 
     trl = arms.get("trl", {})
     ok = {k: v for k, v in arms.items() if k.startswith("project_") and v.get("step_s")}
     fastest = min(ok, key=lambda k: ok[k]["step_s"]) if ok else None
     hf, vllm = arms.get("project_hf", {}), arms.get("project_vllm", {})
     summary = {
+        "job": args.job,
+        "experiment": job.experiment,
+        "max_new_tokens": shape.max_new_tokens,
+        "prompt_tokens": hf.get("prompt_tokens"),
+        "answer_tokens": hf.get("answer_tokens"),
+        "trl_answer_tokens": trl.get("answer_tokens"),
         "steps": args.steps,
         "eval_prompts": args.eval_prompts,
         "speedup_vs_trl": ratio(trl.get("step_s"), ok[fastest]["step_s"]) if fastest else None,
@@ -219,6 +313,12 @@ def main(argv=None) -> dict:
         "generated_tokens_per_s": hf.get("generated_tokens_per_s"),
         "vllm_generated_tokens_per_s": vllm.get("generated_tokens_per_s"),
         "trl_generated_tokens_per_s": trl.get("generated_tokens_per_s"),
+        "rollout_s": hf.get("rollout_s"),
+        "vllm_rollout_s": vllm.get("rollout_s"),
+        "trl_rollout_s": trl.get("rollout_s"),
+        "train_s": hf.get("train_s"),
+        "vllm_train_s": vllm.get("train_s"),
+        "trl_train_s": trl.get("train_s"),
         "train_tokens_per_s": hf.get("train_tokens_per_s"),
         "vllm_train_tokens_per_s": vllm.get("train_tokens_per_s"),
         "trl_train_tokens_per_s": trl.get("train_tokens_per_s"),
@@ -231,6 +331,7 @@ def main(argv=None) -> dict:
         "vllm_accuracy_after": vllm.get("accuracy_after"),
         "trl_accuracy_before": trl.get("accuracy_before"),
         "trl_accuracy_after": trl.get("accuracy_after"),
+        "loadavg": {k: [v.get("loadavg_start"), v.get("loadavg_end")] for k, v in arms.items()},
         "wall_s": sum(a.get("wall_s", 0.0) for a in arms.values()),
         "engines": engines,
         "vllm_note": why,
@@ -244,7 +345,7 @@ def main(argv=None) -> dict:
     if args.skip_trl:  # a partial run never replaces the comparison in bench/results
         print(json.dumps(summary), flush=True)
         return summary
-    return emit("peer", summary, {"arms": arms})
+    return emit(job.results, summary, {"arms": arms})
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """The TRL arm of `make bench-peer` (bench/peer.py): TRL's `GRPOTrainer` on this project's job.
 
 Runs inside `.venv-trl` (TRL 1.16.0, torch 2.13.0+cpu, transformers 5.18.0; requirements-trl.txt),
-never in the project's `.venv`. The job is the project's `+experiment=smollm2_arithmetic`:
+never in the project's `.venv`. The job is the project's `+experiment=smollm2_arithmetic` (the
+defaults below), or the one bench/peer.py passes (`--job long`: `--max-new-tokens 256
+--task-options '{..., "template": "... step by step ..."}'`, read from its experiment config):
 
 * model: SmolLM2-135M-Instruct (the folder `make model` writes), fp32, `--threads` threads
 * task: the project's `ArithmeticTask` (rl/tasks/task.py, imported from the repo root; it needs only
-  torch and transformers): step s trains on `task.prompts(4, seed=seed * 1_000_003 + s)`, the
+  torch and transformers) with the job's `task.options` (`--task-options`): step s trains on `task.prompts(4, seed=seed * 1_000_003 + s)`, the
   prompts the project's trainer draws at step s (rl/trainer/trainer.py `Trainer._rollout`), in that
   order (`shuffle_dataset=False`), each as one user message that TRL renders with the
   tokenizer's chat template (checked token for token against the project's prompt ids)
@@ -13,7 +15,8 @@ never in the project's `.venv`. The job is the project's `+experiment=smollm2_ar
 * GRPO as TRL runs it by default: group-normalized advantages (`scale_rewards="group"`),
   `loss_type="dapo"` (token-mean over the global batch), `beta=0` (no reference model),
   `num_iterations=1`, clip epsilon 0.2; 4 prompts x 8 samples per optimizer step
-  (`per_device_train_batch_size=32`, one accumulation step), 16 new tokens, temperature 1.0,
+  (`per_device_train_batch_size=32`, one accumulation step), 16 new tokens (`--max-new-tokens`:
+  `max_completion_length`), temperature 1.0,
   lr 1e-5, grad clip 1.0
 * set because of this machine or this job, not TRL's defaults: `use_cpu=True`, `bf16=False`,
   `gradient_checkpointing=False` (TRL's defaults are GPU ones: bf16 and checkpointing on),
@@ -29,8 +32,8 @@ The generation time is TRL's own `profiling_context(self, "transformers.generate
 read by wrapping `ProfilingContext._log_metrics` (which only records the duration; nothing
 in the trainer changes). Token counts come from the reward function (`completion_ids`).
 
-Evaluation (before and after training): greedy decoding with `model.generate` (max 16 new
-tokens, stop at the tokenizer's EOS `<|im_end|>`) on `task.heldout(n)`, the problems the
+Evaluation (before and after training): greedy decoding with `model.generate` (max
+`--max-new-tokens` new tokens, stop at the tokenizer's EOS `<|im_end|>`) on `task.heldout(n)`, the problems the
 project's `eval_accuracy` uses; a problem is correct when `math_reward` of the decoded
 completion (special tokens skipped) is 1.
 
@@ -52,9 +55,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-PROMPTS_PER_STEP = 4
-SAMPLES_PER_PROMPT = 8
-MAX_NEW_TOKENS = 16
 GENERATE_SPANS = (".transformers.generate", ".transformers.generate_batch", ".vLLM.generate")  # TRL's span names
 
 
@@ -67,17 +67,21 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0, help="the project's cfg.seed: step s trains on prompts(4, seed*1_000_003+s)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompts-per-step", type=int, default=4, help="task.prompts_per_step")
+    p.add_argument("--samples-per-prompt", type=int, default=8, help="task.samples_per_prompt (num_generations)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="task.max_new_tokens (max_completion_length)")
+    p.add_argument("--task-options", default="{}", help="task.options as JSON (ArithmeticTask keywords)")
     p.add_argument("--out", required=True, help="JSON file for the figures")
     return p.parse_args(argv)
 
 
-def build_dataset(task, steps: int, seed: int):
+def build_dataset(task, steps: int, seed: int, prompts_per_step: int):
     """One row per training prompt, step by step: the project's prompts in the project's order."""
     from datasets import Dataset
 
     rows = []
     for step in range(steps):
-        for ids, meta in task.prompts(PROMPTS_PER_STEP, seed=seed * 1_000_003 + step):
+        for ids, meta in task.prompts(prompts_per_step, seed=seed * 1_000_003 + step):
             rows.append({"prompt": [{"role": "user", "content": task.template.format(problem=meta["problem"])}],
                          "answer": str(meta["answer"]), "prompt_ids": ids.tolist()})
     return rows, Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
@@ -94,8 +98,8 @@ def check_prompt_ids(tokenizer, rows) -> None:
                              f"  chat template: {ids}\n  project:       {r['prompt_ids']}")
 
 
-def greedy_accuracy(model, tokenizer, problems, *, batch_size: int) -> dict:
-    """Greedy pass@1 on the held-out problems: `model.generate`, max 16 new tokens, stop at EOS."""
+def greedy_accuracy(model, tokenizer, problems, *, batch_size: int, max_new_tokens: int) -> dict:
+    """Greedy pass@1 on the held-out problems: `model.generate`, max `max_new_tokens`, stop at EOS."""
     import torch
     from transformers import GenerationConfig
 
@@ -103,7 +107,7 @@ def greedy_accuracy(model, tokenizer, problems, *, batch_size: int) -> dict:
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    config = GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos, pad_token_id=pad,
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
                               use_cache=True)  # GRPOTrainer sets model.config.use_cache=False
     was_training = model.training
     model.eval()
@@ -144,14 +148,15 @@ def main(argv=None) -> dict:
     from rl.tasks.task import ArithmeticTask, math_reward
 
     t_start = time.perf_counter()
-    task = ArithmeticTask(args.model)  # the project's task, its tokenizer being the model's
-    rows, dataset = build_dataset(task, args.steps, args.seed)
+    task = ArithmeticTask(args.model, **json.loads(args.task_options))  # the project's task, the model's tokenizer
+    rows, dataset = build_dataset(task, args.steps, args.seed, args.prompts_per_step)
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     check_prompt_ids(tokenizer, rows)
     heldout = task.heldout(args.eval_prompts)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, local_files_only=True)
 
-    before = greedy_accuracy(model, tokenizer, heldout, batch_size=args.eval_batch_size)
+    before = greedy_accuracy(model, tokenizer, heldout, batch_size=args.eval_batch_size,
+                             max_new_tokens=args.max_new_tokens)
     print(f"peer_trl: held-out accuracy before {before['accuracy']:.3f} ({before['problems']} problems, "
           f"{before['eval_s']:.0f} s)", flush=True)
 
@@ -199,10 +204,10 @@ def main(argv=None) -> dict:
         output_dir=work,
         # the job
         max_steps=args.steps,
-        per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES_PER_PROMPT,
+        per_device_train_batch_size=args.prompts_per_step * args.samples_per_prompt,
         gradient_accumulation_steps=1,
-        num_generations=SAMPLES_PER_PROMPT,
-        max_completion_length=MAX_NEW_TOKENS,
+        num_generations=args.samples_per_prompt,
+        max_completion_length=args.max_new_tokens,
         temperature=1.0,
         learning_rate=args.lr,
         lr_scheduler_type="constant",
@@ -229,12 +234,14 @@ def main(argv=None) -> dict:
     train_wall = time.perf_counter() - t_train
     profiling.ProfilingContext._log_metrics = original_log
 
-    after = greedy_accuracy(trainer.model, tokenizer, heldout, batch_size=args.eval_batch_size)
+    after = greedy_accuracy(trainer.model, tokenizer, heldout, batch_size=args.eval_batch_size,
+                            max_new_tokens=args.max_new_tokens)
     print(f"peer_trl: held-out accuracy after {after['accuracy']:.3f} ({after['problems']} problems, "
           f"{after['eval_s']:.0f} s)", flush=True)
 
-    prompt_tokens = [sum(len(r["prompt_ids"]) for r in rows[s * PROMPTS_PER_STEP:(s + 1) * PROMPTS_PER_STEP])
-                     * SAMPLES_PER_PROMPT for s in range(args.steps)]
+    pps = args.prompts_per_step
+    prompt_tokens = [sum(len(r["prompt_ids"]) for r in rows[s * pps:(s + 1) * pps]) * args.samples_per_prompt
+                     for s in range(args.steps)]
     steps = []
     for s, step_s in enumerate(timer.step_s):
         gen = generate_spans[s] if s < len(generate_spans) else float("nan")
@@ -258,7 +265,8 @@ def main(argv=None) -> dict:
             "steps_per_generation", "max_completion_length", "temperature", "top_p", "top_k", "learning_rate",
             "lr_scheduler_type", "max_grad_norm", "beta", "num_iterations", "loss_type", "scale_rewards", "epsilon",
             "epsilon_high", "importance_sampling_level", "optim", "weight_decay", "bf16", "gradient_checkpointing",
-            "shuffle_dataset", "use_vllm")},
+            "shuffle_dataset", "use_vllm", "use_transformers_continuous_batching", "mask_truncated_completions")},
+        "task_options": json.loads(args.task_options),
         "per_step": steps, "trl_logs": timer.logs,
     }
     result["config"] = {k: (v.value if hasattr(v, "value") else v) for k, v in result["config"].items()}
