@@ -9,17 +9,22 @@ The work lives in packing/, model/ and rl/.
 import logging
 import os
 
-import hydra
-import torch
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
-from tqdm import tqdm
+from model.allocator import configure_allocator
 
-from model.parallel_dims import init_distributed
-from rl.trainer.checkpoint import Checkpointer
-from rl.config import Config, load, register, validate
-from rl.trainer.metrics import MetricsWriter
-from rl.trainer.trainer import build_trainer
+# first, before the imports that allocate: memory a rank frees goes back to the OS (model/allocator.py)
+configure_allocator()
+
+import hydra  # noqa: E402
+import torch  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from model.parallel_dims import init_distributed  # noqa: E402
+from rl.trainer.checkpoint import Checkpointer  # noqa: E402
+from rl.config import Config, load, register, validate  # noqa: E402
+from rl.trainer.metrics import MetricsWriter  # noqa: E402
+from rl.trainer.trainer import build_trainer  # noqa: E402
 
 register()
 log = logging.getLogger("train")
