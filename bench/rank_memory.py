@@ -22,8 +22,8 @@ and, on CUDA, the peak device memory (`torch.cuda.max_memory_allocated`, reset b
 
     floor       resident set after the imports, the config and the process group (what any rank pays)
     load        build_trainer: policy (sharded load), rollout engine (the replica) and its first sync
-    rollout     Trainer.collect: generation, rewards, the metadata all-gather
-    training    Trainer.step after the rollout: exchange, collate, score, forward/backward, AdamW
+    rollout     Trainer.rollout: generation, rewards, the metadata all-gather
+    training    Trainer.step after the rollout: plan, exchange, collate, score, forward/backward, AdamW
     sync        the step's weight sync, policy shards -> the rollout engine's replica (rl/rollout/sync.py)
     checkpoint  Checkpointer.after_step: the final DCP save
 
@@ -33,11 +33,11 @@ memory to the OS costs: every fresh mapping is zero-filled on first touch).
 
 The checkpoint (the 178M random Qwen3 of bench/load_memory.py: 16 layers, hidden 768, vocab
 49152, untied head, 705 MB in fp32, read as bf16) is written once to /tmp. A world is
-launched only if the memory it needs fits (MemAvailable against the arm's largest per-rank
-peak so far); one that does not is reported as skipped.
+launched only if the memory it needs fits (MemAvailable against world x the arm's per-rank peak
+at its widest world so far, +10%); one that does not is reported as skipped.
 
-    python bench/rank_memory.py                        # worlds 1 2 4 8: default arm; control at 1 2 4
-    python bench/rank_memory.py --quick                # worlds 1 4, both arms (~15 min on 2 busy cores)
+    python bench/rank_memory.py                        # worlds 1 2 4 8: default arm; control at 1 2 4 (~5 min)
+    python bench/rank_memory.py --quick                # worlds 1 4, both arms (~3 min on 2 cores)
     python bench/rank_memory.py --arms default system env --worlds 1 4 --control-worlds 1 4
 
 Last line: one JSON object (bench/results/rank_memory.json).
@@ -156,7 +156,10 @@ class PhaseMemory:
 
 
 def _wrap(owner, name: str, before=None, after=None) -> None:
-    fn = getattr(owner, name)
+    fn = getattr(owner, name, None)
+    if fn is None:  # the run's stages were renamed: the phases below name what they wrap
+        raise AttributeError(f"{getattr(owner, '__name__', owner)} has no {name!r}: update instrument() "
+                             "in bench/rank_memory.py to the run's stages (train.py, rl/trainer/trainer.py)")
 
     def wrapped(*args, **kwargs):
         if before:
@@ -176,7 +179,7 @@ def instrument(train_module, probe: PhaseMemory) -> None:
     from rl.trainer.trainer import Trainer
 
     _wrap(train_module, "build_trainer", lambda: probe.begin("load"), probe.end)
-    _wrap(Trainer, "collect", lambda: probe.begin("rollout"), lambda: probe.begin("training"))
+    _wrap(Trainer, "rollout", lambda: probe.begin("rollout"), lambda: probe.begin("training"))
     _wrap(trainer_module, "sync_weights", lambda: probe.begin("sync"))  # the step's last part
     _wrap(Trainer, "step", after=probe.end)
     _wrap(Checkpointer, "after_step", lambda: probe.begin("checkpoint"), probe.end)
@@ -241,7 +244,7 @@ def run_world(world: int, arm: str, folder: Path, extra: list[str], timeout: flo
     """One torchrun launch of the probe; per-rank reports and the launch's wall seconds."""
     work = Path(tempfile.mkdtemp(prefix=f"rank_memory_{arm}_w{world}_"))
     try:
-        overrides = [f"model=pretrained", f"model.pretrained_path={folder}", "trainer.max_steps=1",
+        overrides = ["model=pretrained", f"model.pretrained_path={folder}", "trainer.max_steps=1",
                      "trainer.progress=false", f"hydra.run.dir={work / 'run'}", *extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith(ALLOCATOR_ENV)}
         env.update(ARMS[arm])
@@ -308,9 +311,9 @@ def main() -> None:
     load = [os.getloadavg()]
     runs, summary, skipped = {}, {}, []
     for arm in args.arms:
-        worst = None  # the arm's largest per-rank peak so far: what a wider world needs per rank, at least
+        last = None  # the arm's per-rank peak at its widest world so far: per rank, a wider world needs less
         for world in sorted(args.worlds if arm == "default" else args.control_worlds):
-            need, avail = (worst or 2.6e9) * world * 1.15, _meminfo("MemAvailable")
+            need, avail = (last or 3.2e9) * world * 1.1, _meminfo("MemAvailable")
             if need > avail:
                 skipped.append(f"{arm} world {world}: needs ~{need / 1e9:.1f} GB, {avail / 1e9:.1f} GB available")
                 print("skipped:", skipped[-1], flush=True)
@@ -320,12 +323,13 @@ def main() -> None:
             load.append(os.getloadavg())
             runs[f"{arm}_world{world}"] = run
             s = summary[f"{arm}_world{world}"] = summarize(run)
-            worst = max(worst or 0, max(r["peak"] for r in run["ranks"]))
+            last = max(r["peak"] for r in run["ranks"])
             phases = " ".join(f"{ph} {s[f'{ph}_gb']:.2f}" for ph in PHASES if f"{ph}_gb" in s)
             print(f"{arm} world {world}: peak {s['peak_gb']:.3f} GB per rank (floor {s['floor_gb']:.3f}; {phases}), "
                   f"user {s['user_s']:.0f} s sys {s['sys_s']:.0f} s, {s['minor_faults']} minor faults, "
                   f"{s['wall_s']:.0f} s wall; {run['replica']}", flush=True)
-    line = {"checkpoint_bytes": size, "overrides": args.overrides, "removed_env": removed, "skipped": skipped,
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    line = {"checkpoint_bytes": size, "commit": head, "overrides": args.overrides, "removed_env": removed, "skipped": skipped,
             "loadavg_1m_max": round(max(x[0] for x in load), 2),
             "loadavg_1m_mean": round(sum(x[0] for x in load) / len(load), 2),
             "import_floor_gb": summary.get("default_world1", {}).get("floor_gb")}
