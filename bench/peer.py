@@ -90,8 +90,12 @@ class Shape:
     prompts_per_step: int
     samples_per_prompt: int
     max_new_tokens: int
-    template: str | None  # task.options.template; None = ArithmeticTask's default
     options: dict  # every task.options entry (operands, low, high, operators, template)
+
+    @property
+    def template(self) -> str | None:
+        """task.options.template; None = ArithmeticTask's default."""
+        return self.options.get("template")
 
     @property
     def samples_per_step(self) -> int:
@@ -108,8 +112,7 @@ def job_shape(job: Job) -> Shape:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = load(compose("config", overrides=[f"+experiment={job.experiment}"]))
     options = dict(cfg.task.options)
-    return Shape(cfg.task.prompts_per_step, cfg.task.samples_per_prompt, cfg.task.max_new_tokens,
-                 options.get("template"), options)
+    return Shape(cfg.task.prompts_per_step, cfg.task.samples_per_prompt, cfg.task.max_new_tokens, options)
 
 
 def parse_args(argv=None):
@@ -166,9 +169,11 @@ def project_engines(spec: str) -> tuple[list[str], str]:
     return ["hf"], why
 
 
-def run_logged(cmd: list[str], log_path: Path, env: dict) -> tuple[int, float]:
-    """Run `cmd` from the repo root, its output to the console and to `log_path`; (rc, wall s)."""
+def run_logged(cmd: list[str], log_path: Path, env: dict) -> tuple[int, float, dict]:
+    """Run `cmd` from the repo root, its output to the console and to `log_path`; (rc, wall s,
+    the load average when it started and ended: how busy the shared machine was)."""
     print("$ " + " ".join(cmd), flush=True)
+    load_start = loadavg()
     t0 = time.perf_counter()
     with open(log_path, "w") as log, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                                       stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
@@ -177,7 +182,7 @@ def run_logged(cmd: list[str], log_path: Path, env: dict) -> tuple[int, float]:
             if not line.startswith("WARNING: Location 'file:"):
                 sys.stdout.write(line)
         rc = proc.wait()
-    return rc, time.perf_counter() - t0
+    return rc, time.perf_counter() - t0, {"loadavg_start": load_start, "loadavg_end": loadavg()}
 
 
 def _median(xs: list[float]) -> float | None:
@@ -222,9 +227,7 @@ def run_project(engine: str, args, out: Path, env: dict, engine_option: bool, sh
     elif engine != "hf":
         raise SystemExit(f"peer: --engines {engine}: this checkout's config has no rollout.engine")
     run_dir.mkdir(parents=True, exist_ok=True)
-    load_start = loadavg()
-    rc, wall = run_logged(cmd, out / f"project_{engine}.log", env)
-    load = {"loadavg_start": load_start, "loadavg_end": loadavg()}
+    rc, wall, load = run_logged(cmd, out / f"project_{engine}.log", env)
     if rc != 0:
         return {"error": f"train.py exited {rc}; see {out / f'project_{engine}.log'}", "wall_s": wall} | load
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -247,9 +250,7 @@ def run_trl(args, out: Path, env: dict, shape: Shape) -> dict:
            "--eval-prompts", str(args.eval_prompts), "--threads", str(args.threads), "--out", str(result_path),
            "--prompts-per-step", str(shape.prompts_per_step), "--samples-per-prompt", str(shape.samples_per_prompt),
            "--max-new-tokens", str(shape.max_new_tokens), "--task-options", json.dumps(shape.options)]
-    load_start = loadavg()
-    rc, wall = run_logged(cmd, out / "trl.log", env)
-    load = {"loadavg_start": load_start, "loadavg_end": loadavg()}
+    rc, wall, load = run_logged(cmd, out / "trl.log", env)
     if rc != 0:
         raise SystemExit(f"peer: the TRL arm exited {rc}; see {out / 'trl.log'}")
     res = json.loads(result_path.read_text())

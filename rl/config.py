@@ -303,8 +303,8 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
     # the KL to the reference is either a loss term or a reward penalty, never both (rl/algos/advantages.py)
     kl_mode = KLMode(cfg.algo.kl_mode)
     if cfg.algo.kl_in_reward and not advantage.reads_kl:
-        # a sequence-level estimator folds the KL into each sample's scalar reward before its
-        # group baseline, but a rank holds only its own samples' KL (only the rewards are gathered)
+        # a sequence-level estimator's group baseline would need every sample's KL, but a rank
+        # holds only its own samples' KL (only the rewards are gathered): it reads no KL at all
         token_level = sorted(e.name for e in ADVANTAGE_ESTIMATORS.values() if e.reads_kl)
         raise ValueError(f"algo.kl_mode=reward with algo.advantage={advantage.name}: its group baseline would need "
                          f"every sample's KL on every rank; use algo.kl_mode=loss, or a token-level estimator "

@@ -346,9 +346,12 @@ def compute_advantages(
     if items:
         width = max(m.shape[1] for m in masks)
         pad = lambda x: F.pad(x, (0, width - x.shape[1]))  # noqa: E731
-        per_token = lambda name: (None if any(getattr(it, name) is None for it in items) else  # noqa: E731
-                                  torch.cat([pad(to_rows(getattr(it, name).detach().float()))
-                                             for it, (to_rows, _) in zip(items, views)]))
+
+        def per_token(name: str) -> torch.Tensor | None:  # `[S, L]` fp32 rows of a token field, None if one lacks it
+            if any(getattr(it, name) is None for it in items):
+                return None
+            return torch.cat([pad(to_rows(getattr(it, name).detach().float())) for it, (to_rows, _) in zip(items, views)])
+
         rewards, prompt_index = _sample_scalars(samples)
         lacking = {name: next((_what(it, i) for i, it in enumerate(items) if getattr(it, name) is None), "")
                    for name in ("values", "kl")}

@@ -5,7 +5,7 @@ The engine only generates; it never sees the task. One RL step reads:
     prompts = task.prompts(n, seed=...)                    # [(prompt_ids [P], meta)]
     records = engine.generate([p for p, _ in prompts], prompt_indices=..., max_new_tokens=...,
                               temperature=..., seed=...)   # one record per sample
-    assign_rewards(task, records, [m for _, m in prompts])          # rl.tasks.task: sets rec.rewards
+    assign_rewards(task, records, [m for _, m in prompts])  # rl.tasks.task: sets rec.rewards
     ... buffer -> plan -> collate -> train -> optimizer step ...
     sync_weights(engine, policy)                           # rl/rollout/sync.py: bucket by bucket
 
@@ -60,7 +60,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from model.moe import shard_experts, is_moe, moe_blocks, record_routing
+from model.moe import is_moe, moe_blocks, record_routing, shard_experts
 from packing.experience import Experience
 from packing.layout import padded_positions
 

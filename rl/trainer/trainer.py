@@ -222,9 +222,9 @@ class Trainer:
                 kept, dropped = filter_uniform_groups(samples)
                 rounds = 1
                 while _groups(kept) < want and rounds < algo.max_sampling_rounds:
-                    more, local = self._generate(step, rounds)
+                    generated, local = self._generate(step, rounds)
                     records |= local
-                    more, lost = filter_uniform_groups(more)
+                    more, lost = filter_uniform_groups(generated)
                     kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
                 first = set(sorted({int(r.prompt_index) for r in kept})[:want])
                 sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
