@@ -23,24 +23,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Phi3Config,
-    Phi3ForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
+from transformers import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
 
 from model.attention import VARLEN  # importing it registers the "varlen" attention
+from model.families import DENSE, FAMILIES, MOE
 
 # The tiny random-init shape every family shares (tests, benches and `model=dense_tiny`).
 TINY = dict(
@@ -63,17 +49,14 @@ TINY_MOE = dict(
     mlp_only_layers=[],
 )
 
-# model_type -> (config class, model class, tiny defaults)
-DENSE = {
-    "llama": (LlamaConfig, LlamaForCausalLM, TINY),
-    "mistral": (MistralConfig, MistralForCausalLM, TINY),
-    "phi3": (Phi3Config, Phi3ForCausalLM, {**{k: v for k, v in TINY.items() if k != "head_dim"},
-                                           "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {k: v for k, v in TINY.items() if k != "head_dim"}),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, TINY),
-}
-MOE = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, TINY_MOE)}
-MODELS = {**DENSE, **MOE}
+# what a family changes of the shared tiny shape: phi3's and qwen2's configs have no head_dim field
+# (their attention derives hidden / heads), phi3's default special token ids lie outside the tiny vocabulary
+_NO_HEAD_DIM = {k: v for k, v in TINY.items() if k != "head_dim"}
+_TINY = {"phi3": {**_NO_HEAD_DIM, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}, "qwen2": _NO_HEAD_DIM,
+         "qwen3_moe": TINY_MOE}
+# model_type -> (config class, model class, tiny defaults), for every family of model/families.py
+MODELS = {name: (CONFIG_MAPPING[name], MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[name]], _TINY.get(name, TINY))
+          for name in FAMILIES}
 
 # read by the modeling code although the config's __init__ does not name them
 _EXTRA_KEYS = {"head_dim", "rope_theta"}

@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from model.families import FAMILIES
 from model.parallel_dims import ParallelDims, resolve_device
 from rl.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, get_advantage_estimator
 from rl.choice import Choice
@@ -24,15 +25,8 @@ from rl.tasks.task import TaskName
 from rl.algos.schedule import LRSchedule
 
 
-class ModelName(Choice):
-    """The supported families (model/models.py); a checkpoint names its own in config.json."""
-
-    LLAMA = "llama"
-    MISTRAL = "mistral"
-    PHI3 = "phi3"
-    QWEN2 = "qwen2"
-    QWEN3 = "qwen3"
-    QWEN3_MOE = "qwen3_moe"
+# the supported families (model/families.py); a checkpoint names its own in config.json
+ModelName = Choice("ModelName", [(name.upper(), name) for name in FAMILIES], module=__name__)
 
 
 class DType(Choice):

@@ -20,12 +20,13 @@ from scripts.parity_check import assert_control_fails, assert_parity
 from transformers import AutoModelForCausalLM
 
 from model.actor import Actor
-from model.models import DENSE, MODELS, build_model
+from model.families import FAMILIES, MOE
+from model.models import DENSE, MODELS, TINY, build_model
 from packing.collate import make_experience_batch
+from rl.config import ModelName
 
-# (family, tied output head)
-CASES = [("llama", True), ("llama", False), ("mistral", False), ("phi3", False), ("qwen2", True),
-         ("qwen3", False), ("qwen3_moe", False)]
+# (family, tied output head): every family, llama and qwen2 tied, llama untied too
+CASES = [(f, f in ("llama", "qwen2")) for f in FAMILIES] + [("llama", False)]
 LENGTHS = [5, 33, 12, 2, 20]
 # what the run's tiny models change of model/models.py TINY (vocabulary, context): a checkpoint the run's tasks fit
 RUN_SIZE = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "conf/model/dense_tiny.yaml").overrides)
@@ -96,6 +97,25 @@ def test_packed_log_probs_and_grads_match_padded_with_a_control(loaded):
         leaked = torch.cat([leaked, leaked.new_zeros(1)])[None] * pack.action_mask
     assert_control_fails(f"{family} pack without boundaries",
                          per_sample_diff(lp_pad.detach(), padded, leaked, pack, records), scale)
+
+
+# ------------------------------------------------------------------ one list of families
+def test_every_family_of_the_one_list_is_a_config_choice_and_builds_its_tiny_model():
+    """model/families.py is the only list: the config's model.name choice and the model registry
+    are that list, and each name composes as model.name and builds a tiny causal LM of its own
+    model_type and the shared tiny shape, with experts exactly when it is an MoE family."""
+    assert ModelName.values() == list(MODELS) == list(FAMILIES)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 7), generator=torch.Generator().manual_seed(0))
+    for name in FAMILIES:
+        assert compose(f"model.name={name}").model.name is ModelName(name)
+        lm = build_model(name)
+        assert lm.config.model_type == name and type(lm).__name__.endswith("ForCausalLM"), (name, type(lm))
+        shape = {k: getattr(lm.config, k) for k in ("num_hidden_layers", "hidden_size", "vocab_size")}
+        assert shape == {k: TINY[k] for k in shape}, (name, shape)
+        experts = getattr(lm.config, "num_experts", None)
+        assert bool(experts) == (name in MOE), (name, experts)
+        with torch.no_grad():
+            assert lm(ids).logits.shape == (1, 7, TINY["vocab_size"]), name
 
 
 # ------------------------------------------------------------------ bad input

@@ -32,7 +32,7 @@ from scripts.parity_check import (CONTROL_MARGIN, EPS32, PARITY_ULPS, assert_con
 from model import actor as actor_module  # noqa: E402
 from model.actor import Actor, Critic, _forward_slots, _prompt_units, _shared_prompt_view, _slot_targets  # noqa: E402
 from model.attention import shared_prompt_attn_kwargs  # noqa: E402
-from model.models import build_model  # noqa: E402
+from model.models import DENSE, build_model  # noqa: E402
 from model.moe import shard_experts  # noqa: E402
 from model.parallel_dims import ParallelDims  # noqa: E402
 from packing.collate import make_experience_batch  # noqa: E402
@@ -43,7 +43,7 @@ from packing.experience import Experience  # noqa: E402
 # {default, avx2, avx512} x {1, 2} threads and the five families (AVX512 machine, torch 2.13) is
 # 4.3 eps (entropy; grads <= 3.9 eps of the largest gradient), as packed vs padded.
 SHARED_ULPS = PARITY_ULPS
-FAMILIES = ["llama", "mistral", "phi3", "qwen2", "qwen3"]  # every dense family of model/models.py
+FAMILIES = DENSE  # every dense family (model/families.py)
 # (prompt length, response lengths) per GRPO group, plus a sample alone
 GROUPS = [(7, [3, 5, 1, 9]), (12, [4, 4, 2, 6]), (5, [8, 2, 3, 3]), (9, [6])]
 
