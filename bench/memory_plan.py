@@ -92,7 +92,7 @@ LOGPROB_CHUNK = 1024  # ModelConfig.logprob_chunk_size
 
 # The models' config.json on the Hugging Face hub (Qwen/Qwen2.5-7B, Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B,
 # Qwen/Qwen3-235B-A22B; Qwen2.5-7B's published 7.61B is 7,615,616,512 exactly); the same numbers appear in Megatron launch scripts for these models
-# (e.g. THUDM/slime scripts/models/qwen3-*.sh). `published` is the total parameter count
+# (e.g. THUDM/slime/scripts/models/qwen3-*.sh). `published` is the total parameter count
 # (Qwen3-8B: the hub's safetensors total; the MoE models: keras-hub's presets, whose converter
 # asserts equality with transformers' num_parameters()); the meta count must equal it.
 _COMMON = dict(vocab_size=151936, head_dim=128, tie_word_embeddings=False, max_position_embeddings=40960,

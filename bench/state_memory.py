@@ -1,7 +1,8 @@
 """How much training state does one rank hold? Parameters + gradients + AdamW state of the
 default policy (conf/model/moe_tiny.yaml) per rank at world 1, 4 and 8 (gloo, FSDP2, ep=2
 from world 4 on), against the replicated layout (every rank holding everything), and the
-extra memory of the weight sync (`full_parameters`: one full tensor at a time).
+extra memory of the weight sync (`rl.rollout.sync.buckets` at the default bucket size: the
+largest bucket of full tensors).
 
     python bench/state_memory.py        # last line: {"ratio_world4": ..., "ratio_world8": ..., ...}
 """
@@ -27,8 +28,9 @@ def measure(rank: int, world: int) -> dict:
     from model.actor import Actor
     from model.models import build_model
     from model.parallel_dims import init_distributed
-    from model.parallelize import full_parameters, parallelize
+    from model.parallelize import parallelize
     from packing import make_experience_batch
+    from rl.rollout.sync import buckets
     from scripts.records import make_records
 
     overrides = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/model/moe_tiny.yaml"))["overrides"]
@@ -41,7 +43,7 @@ def measure(rank: int, world: int) -> dict:
     params = sum(_bytes(p) for p in actor.parameters())
     grads = sum(_bytes(p.grad) for p in actor.parameters() if p.grad is not None)
     adam = sum(_bytes(t) for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
-    peak_sync = max(t.numel() * t.element_size() for _, t in full_parameters(actor.model))
+    peak_sync = max(sum({t.data_ptr(): t.nbytes for _, t in b}.values()) for b in buckets(actor.model))  # tied once
     return {"params": params, "grads": grads, "adam": adam, "total": params + grads + adam, "sync_peak": peak_sync}
 
 
@@ -56,7 +58,7 @@ def main() -> None:
         rows[w] = {"max_rank_bytes": worst, "ratio_to_replicated": worst / replicated,
                    "sync_peak_bytes": max(r["sync_peak"] for r in ranks), "per_rank": ranks}
         print(f"world {w}: max per-rank params+grads+AdamW {worst / 2**20:.3f} MiB = "
-              f"{worst / replicated:.3f} of replicated; weight-sync peak one tensor {rows[w]['sync_peak_bytes'] / 2**10:.0f} KiB")
+              f"{worst / replicated:.3f} of replicated; weight-sync peak one bucket {rows[w]['sync_peak_bytes'] / 2**10:.0f} KiB")
     emit("state_memory", {f"ratio_world{w}": rows[w]["ratio_to_replicated"] for w in worlds}
          | {"replicated_bytes": replicated, "sync_peak_bytes": rows[worlds[-1]]["sync_peak_bytes"]},
          {str(w): r for w, r in rows.items()})
