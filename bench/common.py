@@ -1,6 +1,7 @@
 """Shared plumbing of the benches: the repo on sys.path, GRPO-like length mixes and
 records, interleaved median timing, and the result writer (bench/results/<name>.json plus
-the one JSON line every bench prints last, which names the kernel set and threads).
+the one JSON line every bench prints last, which names the kernel set and threads; a bench
+whose libraries log on exit calls `json_stdout()` first, so that line stays last).
 
 Timings are medians of process CPU time with one thread by default (`--threads`,
 `--clock wall`): the 2-core machines this runs on are shared, and with two threads a
@@ -103,12 +104,26 @@ def machine() -> dict:
             "torch": torch.__version__, "cpus": os.cpu_count()}
 
 
+_JSON_OUT = None  # the original stdout once `json_stdout()` has sent fd 1 to stderr
+
+
+def json_stdout() -> None:
+    """Keep stdout for `emit`'s line: from here on, what this process and every process it
+    starts write to stdout (vLLM's workers, which log as they exit, after `emit` too) goes
+    to stderr, and `emit` prints on the original stdout, so its line is the last there.
+    Call it before starting anything that logs."""
+    global _JSON_OUT
+    sys.stdout.flush()
+    _JSON_OUT = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+
+
 def emit(name: str, summary: dict, details: dict | None = None, *, clock: str | None = None) -> dict:
     """Write bench/results/<name>.json and print `summary` (+ machine) as the last line."""
     line = {**summary, **({"clock": clock} if clock else {}), **machine()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps({"summary": line, "details": details or {}}, indent=1) + "\n")
-    print(json.dumps(line), flush=True)
+    print(json.dumps(line), file=_JSON_OUT or sys.stdout, flush=True)
     return line
 
 

@@ -14,8 +14,9 @@ The weight sync is `VLLMRolloutEngine.load_weights(state_dict)` of the whole mod
 
     python bench/rollout.py [--quick] [--prompts 16 --samples 8 --new-tokens 32]
 
-Last stdout line: one JSON object with hf_engine_tokens_per_s, generate_tokens_per_s,
-vllm_tokens_per_s, vllm_over_hf, hf_over_generate, sync_s, sync_fraction_of_step.
+Stdout: one JSON object with hf_engine_tokens_per_s, generate_tokens_per_s, vllm_tokens_per_s,
+vllm_over_hf, hf_over_generate, sync_s, sync_fraction_of_step; everything else, vLLM's
+workers' exit logs included, goes to stderr (bench/common.py `json_stdout`).
 """
 
 from __future__ import annotations
@@ -83,13 +84,15 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.prompts, args.samples, args.repeats = 4, 4, 1
+    from common import emit, json_stdout
+
+    json_stdout()  # vLLM's workers log as they exit: everything but the JSON line goes to stderr
 
     import torch
 
     from model.models import build_model
     from rl.rollout.engine import HFRolloutEngine
     from rl.rollout.vllm_engine import VLLMRolloutEngine, cpu_threads_bind
-    from common import emit
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(cores)
