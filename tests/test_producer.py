@@ -158,3 +158,12 @@ def test_a_background_rollout_failure_is_the_divergence_error_of_the_step_that_t
     tr.step(0)
     with pytest.raises(DivergenceError, match="step 1: non-finite logits in the rollout"):
         tr.step(1)
+
+
+def test_one_step_off_refuses_an_engine_that_generates_from_the_training_shards():
+    """rollout.replica=auto resolves to sharded when the copy does not fit the budget: that engine
+    has no weights of its own to generate with while the policy trains (validate cannot know)."""
+    trainer(*SMALL, *OFF, "rollout.memory_budget_gb=100")  # the control: the copy fits, one_step_off builds
+    with pytest.raises(ValueError, match=r"one_step_off needs the rollout engine's own copy.*"
+                                         r"rollout\.replica=auto -> sharded"):
+        trainer(*SMALL, *OFF, "rollout.memory_budget_gb=0.000001")
