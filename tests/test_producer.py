@@ -167,3 +167,31 @@ def test_one_step_off_refuses_an_engine_that_generates_from_the_training_shards(
     with pytest.raises(ValueError, match=r"one_step_off needs the rollout engine's own copy.*"
                                          r"rollout\.replica=auto -> sharded"):
         trainer(*SMALL, *OFF, "rollout.memory_budget_gb=0.000001")
+
+
+def test_a_checkpoint_holds_the_buffered_rollout_and_one_without_it_generates_it_again(tmp_path):
+    """one_step_off, saved after step 0: the loaded trainer holds step 1's buffered records, field
+    by field, with their version. A sync run's checkpoint (no buffered rollout) resumed with
+    one_step_off generates step 1's prompts in the foreground (staleness 0): nothing skipped."""
+    from rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+
+    tr = trainer(*SMALL, *OFF, "trainer.max_steps=3")
+    tr.step(0)
+    save_checkpoint(tr, tmp_path / "off", 1, tr.cfg, tr.dims)
+    saved = tr.producer.buffer
+    again = trainer(*SMALL, *OFF, "trainer.max_steps=3")
+    assert load_checkpoint(again, tmp_path / "off" / "step_00000001", again.dims) == 1
+    got = again.producer.buffer
+    assert (got.step, got.version, len(got.records)) == (saved.step, saved.version, len(saved.records)) == (1, 0, 16)
+    for a, b in zip(got.records, saved.records):
+        assert dict(a.items()).keys() == dict(b.items()).keys()
+        assert all(torch.equal(v, getattr(b, k)) for k, v in a.items())
+
+    sync = trainer(*SMALL, "algo.tis_cap=2.0", "eval.every=0", "trainer.max_steps=3")
+    sync.step(0)
+    save_checkpoint(sync, tmp_path / "sync", 1, sync.cfg, sync.dims)
+    off = trainer(*SMALL, *OFF, "trainer.max_steps=3")
+    load_checkpoint(off, tmp_path / "sync" / "step_00000001", off.dims)
+    assert off.producer.buffer is None
+    step1 = off.step(1)
+    assert step1["rollout_staleness_max"] == 0.0 and step1["rollout_stale_dropped"] == 0.0
