@@ -134,7 +134,7 @@ def test_the_buffered_rollout_round_trips_and_a_background_failure_surfaces_in_t
     p.load_state_dict(state, step=5)
     (rec,) = p.buffer.records
     assert p.buffer.version == 4 and rec.sequences.tolist() == [5, 1, 2] and int(rec.prompt_index) == 5
-    p.load_state_dict({"buffered_step": -1, "version": -1, "records": {"rank0": b""}}, step=5)
+    p.load_state_dict({"buffered_step": -1, "version": -1, "seconds": 0.0, "records": {"rank0": b""}}, step=5)
     assert p.buffer is None  # saved with nothing buffered
 
     stub = _Stub(fail_at=2)

@@ -37,8 +37,8 @@ wall-clock intervals, not of free compute.
 
 Checkpoint (`state_dict`, saved by rl/trainer/checkpoint.py): the buffered rollout, i.e. the
 samples generated and not yet trained: `buffered_step` (the prompt cursor: the step whose
-prompts it holds, -1 for none; the next rollout generated is that step + 1), `version`, and
-this rank's records (`records.rank<r>`, torch.save bytes). A resumed run trains on exactly
+prompts it holds, -1 for none; the next rollout generated is that step + 1), `version`, the
+seconds its generation took, and this rank's records (`records.rank<r>`, torch.save bytes). A resumed run trains on exactly
 those samples, so at one process it continues with the uninterrupted run's metrics.
 
 Metrics (one_step_off only; sync's metrics are unchanged): `rollout_staleness_mean` /
@@ -81,7 +81,7 @@ class Buffered:
     step: int
     version: int
     records: list[Experience]
-    seconds: float = 0.0  # the generation's (0 when restored from a checkpoint)
+    seconds: float = 0.0  # the generation's
 
 
 class SyncProducer:
@@ -212,7 +212,7 @@ class OneStepOffProducer:
             torch.save([dict(rec.items()) for rec in b.records], out)
             blob = out.getvalue()
         return {"buffered_step": b.step if b is not None else -1, "version": b.version if b is not None else -1,
-                "records": {f"rank{self.rank}": blob}}
+                "seconds": b.seconds if b is not None else 0.0, "records": {f"rank{self.rank}": blob}}
 
     def load_state_dict(self, state: dict[str, Any] | None, step: int) -> None:
         """Put back a loaded `state_dict` (None or no records: nothing buffered, `step`'s
@@ -226,7 +226,7 @@ class OneStepOffProducer:
             raise ValueError(f"checkpoint: the buffered rollout is step {state['buffered_step']}'s, the checkpoint "
                              f"has {step} steps done (expected step {step}'s)")
         records = [Experience(**fields) for fields in torch.load(io.BytesIO(blob), weights_only=True)]
-        self.buffer = Buffered(step, int(state["version"]), records)
+        self.buffer = Buffered(step, int(state["version"]), records, seconds=float(state.get("seconds", 0.0)))
 
 
 def make_producer(cfg, dims, engine, *, sample: Callable[[int], Any], generate: Callable[[int], list[Experience]],
