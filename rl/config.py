@@ -19,6 +19,7 @@ from model.families import FAMILIES
 from model.parallel_dims import ParallelDims, resolve_device
 from rl.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, get_advantage_estimator
 from rl.choice import Choice
+from rl.rollout.producer import RolloutMode
 from rl.rollout.replica import ReplicaMode, RolloutEngineName, check_sharded
 from rl.algos.losses import KLConfig, KLMode, PolicyLossConfig, check_policy_loss_config
 from rl.tasks.task import TaskName
@@ -169,6 +170,11 @@ class RolloutConfig:
     enforce_eager: bool = True  # no torch.compile / CUDA graphs (start-up in seconds)
     kv_cache_gb: float = 1.0  # cpu: VLLM_CPU_KVCACHE_SPACE
     max_model_len: Optional[int] = None  # None = the longest prompt of the task + task.max_new_tokens
+    # when a step's rollout is generated (rl/rollout/producer.py): sync = at the step's start, with the policy the
+    # step starts from; one_step_off = during the previous step's training, with the policy before that step's
+    # update (one version old: needs algo.tis_cap or algo.old_log_probs=rollout to correct for it)
+    mode: RolloutMode = RolloutMode.SYNC
+    max_staleness: int = 1  # policy versions a buffered rollout may lag the step that trains on it; older: dropped
 
 
 @dataclass
@@ -391,6 +397,7 @@ def _check_rollout(cfg: Config, world_size: int) -> None:
                          f"world_size={world_size}")
     if r.memory_budget_gb is not None and r.memory_budget_gb <= 0:
         raise ValueError(f"rollout.memory_budget_gb={r.memory_budget_gb}: expected > 0 (or null: the device's)")
+    _check_rollout_mode(cfg)
     if ReplicaMode(r.replica) is ReplicaMode.SHARDED:
         check_sharded(cfg)
     if RolloutEngineName(r.engine) is not RolloutEngineName.VLLM:
@@ -398,6 +405,37 @@ def _check_rollout(cfg: Config, world_size: int) -> None:
     from rl.rollout.vllm_engine import check_vllm_config  # imports vllm: only for rollout.engine=vllm
 
     check_vllm_config(cfg, world_size, model_family(cfg))
+
+
+def _check_rollout_mode(cfg: Config) -> None:
+    """`rollout.mode` and `rollout.max_staleness` (rl/rollout/producer.py); what only the built
+    engine tells (rollout.replica=auto resolving to sharded) is `make_producer`'s check."""
+    r, algo = cfg.rollout, cfg.algo
+    mode = RolloutMode(r.mode)
+    if r.max_staleness < 0:
+        raise ValueError(f"rollout.max_staleness={r.max_staleness}: expected >= 0 (policy versions)")
+    if mode is RolloutMode.SYNC:
+        return
+    if mode is RolloutMode.ASYNC:
+        raise ValueError("rollout.mode=async is not implemented: use rollout.mode=one_step_off (step k+1's rollout "
+                         "generated while step k trains, staleness 1) or sync")
+    if r.max_staleness < 1:
+        raise ValueError(f"rollout.max_staleness={r.max_staleness} with rollout.mode=one_step_off: every buffered "
+                         "rollout is 1 policy version old, so each would be dropped and generated again; expected "
+                         ">= 1 (or rollout.mode=sync)")
+    if ReplicaMode(r.replica) is ReplicaMode.SHARDED:
+        raise ValueError("rollout.mode=one_step_off with rollout.replica=sharded: generation would use the training "
+                         "policy's shards while they train; set rollout.replica=keep (or auto)")
+    if RolloutEngineName(r.engine) is not RolloutEngineName.HF:
+        raise ValueError(f"rollout.mode=one_step_off with rollout.engine={RolloutEngineName(r.engine).value}: only "
+                         "rollout.engine=hf generates in the background thread so far")
+    if algo.dynamic_sampling:
+        raise ValueError("rollout.mode=one_step_off with algo.dynamic_sampling=true: its extra rounds depend on the "
+                         "step's gathered rewards; use rollout.mode=sync with dynamic sampling")
+    if algo.tis_cap is None and OldLogProbs(algo.old_log_probs) is not OldLogProbs.ROLLOUT:
+        raise ValueError("rollout.mode=one_step_off with algo.tis_cap=null and algo.old_log_probs=policy: the samples "
+                         "are one policy version old and nothing would correct for it; set algo.tis_cap (truncated "
+                         "importance sampling against the behaviour log-probs, e.g. 2.0) or algo.old_log_probs=rollout")
 
 
 def _check_device(cfg: Config) -> None:

@@ -1,7 +1,9 @@
 """One RL step, stage by stage (`Trainer.step`); each stage takes and returns named data:
 
     rollout    step -> Rollouts: this DP rank's prompts generated and rewarded (the records
-               stay on this rank), every rank's samples gathered as metadata (stand-ins)
+               stay on this rank), every rank's samples gathered as metadata (stand-ins);
+               `rollout.mode` says where they come from (rl/rollout/producer.py): generated
+               now (sync), or generated during the previous step's training (one_step_off)
     plan       stand-ins -> StepPlan: `algo.mini_batches` mini-batches, each planned into
                microbatches balanced over DP, and the ranks each sample goes to
     collate    Rollouts, StepPlan -> [MiniBatch]: each sample sent once, from the rank that
@@ -12,7 +14,8 @@
                whitened over the step's tokens
     train      [MiniBatch] -> Stats: for each epoch, for each mini-batch, forward/backward per
                microbatch, then one optimizer step (global-norm clipping)
-    sync       the rollout copy gets the new weights, bucket by bucket (none with rollout.replica=sharded)
+    sync       the producer's background generation (one_step_off) is waited for, then the rollout
+               copy gets the new weights, bucket by bucket (none with rollout.replica=sharded)
     metrics    Stats -> every metric, reduced in one collective
 
 Data flow across ranks: each DP rank rolls out its slice of the step's prompts (CP peers
@@ -55,6 +58,7 @@ from rl.trainer.guard import DivergenceGuard, poison
 from rl.algos.losses import LossAgg, aggregate, build_kl_controller, kl_penalty, loss_normalizer, policy_loss, value_loss
 from rl.algos.schedule import make_lr_scheduler
 from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups
+from rl.rollout.producer import make_producer
 from rl.rollout.sync import sync_weights
 from rl.rollout.build import build_engine
 from rl.tasks.evaluate import evaluate, heldout_problems
@@ -107,12 +111,15 @@ class Rollouts:
     """The step's samples as `rollout` leaves them: every rank's, as `StandIn`s (metadata, in
     global order, the same list on every rank); the records this rank generated, by
     `StandIn.source[1]` (they stay here until `collate` moves each to the ranks that run it);
-    dynamic sampling's counts; and the seconds the rollout took."""
+    dynamic sampling's counts; the seconds the rollout stage took; and, when the samples were
+    generated off the step (rollout.mode=one_step_off: during the previous step's training),
+    the seconds their generation took."""
 
     samples: list[StandIn]
     records: dict[Hashable, Experience]
     sampling: dict[str, int]
     seconds: float
+    generated_s: float | None = None  # None: generated within `seconds`
 
 
 @dataclass
@@ -164,6 +171,11 @@ class Trainer:
         self.guard = DivergenceGuard(cfg.trainer.max_bad_steps, cfg.trainer.min_entropy, verbose=dims.rank == 0)
         # batch.balance=flops: the planner evens out a * tokens + b * tokens^2 (linear layers + attention)
         self.cost = flop_cost(self.hf_config) if cfg.batch.balance is Balance.FLOPS else None
+        # where the rollout stage's samples come from (rollout.mode, rl/rollout/producer.py)
+        self.producer = make_producer(cfg, dims, engine, sample=self._sample,
+                                      generate=lambda step: self._records(step, 0),
+                                      share=lambda records, seconds, generated_s: Rollouts(
+                                          *self._share(records, 0), {}, seconds, generated_s))
 
     def _kl(self, log_probs: torch.Tensor, ref: torch.Tensor, estimator=None) -> torch.Tensor:
         algo = self.cfg.algo
@@ -197,11 +209,13 @@ class Trainer:
         self.guard.begin(rewards=[r.rewards for r in rollouts.samples],
                          advantages=[b.advantages for mb in minibatches for b in mb.batches])
         stats = self.train(minibatches)
+        produced = self.producer.settle()  # one_step_off: step+1's generation is done, the engine is free
         t_sync = time.perf_counter()
         sync_weights(self.engine, self.actor.model)  # in buckets; vLLM: wakes, reloads in place, resets its cache
         t_sync = time.perf_counter() - t_sync
         metrics = self.metrics(step, rollouts, minibatches, stats, elapsed=time.perf_counter() - t0)
         metrics["weight_sync_s"] = t_sync  # trainer -> rollout engine, after the step's last update
+        metrics.update(produced)  # staleness and overlap (one_step_off); nothing for sync
         kl = metrics.get("kl", 0.0)
         if self.cfg.algo.kl_coef and math.isfinite(kl):  # a bad step (rl/trainer/guard.py) leaves it as is
             self.kl_ctl.update(kl, len(rollouts.samples))
@@ -210,33 +224,42 @@ class Trainer:
 
     # ----------------------------------------------------------------- rollout
     def rollout(self, step: int) -> Rollouts:
-        """The step's samples. With dynamic sampling, groups whose rewards are all equal are
-        dropped and more prompts rolled out until the step holds `task.prompts_per_step`
+        """The step's samples, from `rollout.mode`'s producer (rl/rollout/producer.py): `_sample`
+        now (sync), or the rollout generated while the previous step trained (one_step_off)."""
+        with self.guard.rollout(step):  # non-finite logits: a DivergenceError naming the step
+            return self.producer.take(step)
+
+    def _sample(self, step: int) -> Rollouts:
+        """The step's samples, generated now. With dynamic sampling, groups whose rewards are all
+        equal are dropped and more prompts rolled out until the step holds `task.prompts_per_step`
         groups (at most `algo.max_sampling_rounds`)."""
         algo, want = self.cfg.algo, self.cfg.task.prompts_per_step
         t0 = time.perf_counter()
-        with self.guard.rollout(step):  # non-finite logits: a DivergenceError naming the step
-            samples, records = self._generate(step, 0)
-            sampling = {}
-            if algo.dynamic_sampling:
-                kept, dropped = filter_uniform_groups(samples)
-                rounds = 1
-                while _groups(kept) < want and rounds < algo.max_sampling_rounds:
-                    generated, local = self._generate(step, rounds)
-                    records |= local
-                    more, lost = filter_uniform_groups(generated)
-                    kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
-                first = set(sorted({int(r.prompt_index) for r in kept})[:want])
-                sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
-                # every group uniform in every round: train on the first round (advantages 0)
-                samples = [r for r in kept if int(r.prompt_index) in first] or samples
+        samples, records = self._generate(step, 0)
+        sampling = {}
+        if algo.dynamic_sampling:
+            kept, dropped = filter_uniform_groups(samples)
+            rounds = 1
+            while _groups(kept) < want and rounds < algo.max_sampling_rounds:
+                generated, local = self._generate(step, rounds)
+                records |= local
+                more, lost = filter_uniform_groups(generated)
+                kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
+            first = set(sorted({int(r.prompt_index) for r in kept})[:want])
+            sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
+            # every group uniform in every round: train on the first round (advantages 0)
+            samples = [r for r in kept if int(r.prompt_index) in first] or samples
         return Rollouts(samples, records, sampling, time.perf_counter() - t0)
 
     def _generate(self, step: int, round_: int) -> tuple[list[StandIn], dict[Hashable, Experience]]:
-        """One rollout round: every rank's samples as stand-ins, and this rank's records by key.
-        Every rank draws the round's global prompt list from the same seed and takes its DP
-        slice, so which prompt a sample comes from (and its seed) never depends on the layout;
-        prompt indices are unique within the step."""
+        """One rollout round: every rank's samples as stand-ins, and this rank's records by key."""
+        return self._share(self._records(step, round_), round_)
+
+    def _records(self, step: int, round_: int) -> list[Experience]:
+        """This rank's records of one rollout round, rewarded; no collective (the one_step_off
+        producer runs it in its thread). Every rank draws the round's global prompt list from
+        the same seed and takes its DP slice, so which prompt a sample comes from (and its
+        seed) never depends on the layout; prompt indices are unique within the step."""
         task, dims, algo = self.cfg.task, self.dims, self.cfg.algo
         per_rank = task.prompts_per_step // dims.dp
         first = dims.dp_rank * per_rank
@@ -255,7 +278,12 @@ class Trainer:
         if not algo.routing_replay:
             for rec in records:
                 rec.routed_experts = None
-        # every rank: the round's samples, DP rank by DP rank, as metadata (CP peers checked alike)
+        return records
+
+    def _share(self, records: list[Experience], round_: int) -> tuple[list[StandIn], dict[Hashable, Experience]]:
+        """Every rank: the round's samples, DP rank by DP rank, as metadata (CP peers checked
+        alike; a collective), and this rank's records by key."""
+        dims = self.dims
         samples = gather_metadata(records, round_, dp_rank=dims.dp_rank, dp=dims.dp, cp=dims.cp, device=dims.device)
         return samples, {(round_, i): rec for i, rec in enumerate(records)}
 
@@ -442,7 +470,7 @@ class Trainer:
             tokens=real,
             action_tokens=int(sum(mb.tokens for mb in minibatches)),
             tokens_per_s=real / elapsed,
-            rollout_tokens_per_s=real / max(t_rollout, 1e-9),
+            rollout_tokens_per_s=real / max(t_rollout if rollouts.generated_s is None else rollouts.generated_s, 1e-9),
             train_tokens_per_s=real * self.cfg.algo.epochs / max(train_s, 1e-9),
             rollout_s=t_rollout,
             step_s=elapsed,
@@ -465,12 +493,16 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint holds of the trainer (rl/trainer/checkpoint.py): the policy and critic,
         each `{"weights", "optimizer"}` as sharded DTensors of their global shapes, the LR
-        schedule, the KL coefficient and the divergence guard's count of bad steps in a row.
-        The reference is frozen (rebuilt from the seed or pretrained path), so it is not part
-        of the state. `dcp.load` fills this dict in place; `load_state_dict` puts it back."""
+        schedule, the KL coefficient, the divergence guard's count of bad steps in a row, and
+        with rollout.mode=one_step_off the producer's buffered rollout (`rollout`: the samples
+        generated and not yet trained, rl/rollout/producer.py). The reference is frozen (rebuilt
+        from the seed or pretrained path), so it is not part of the state. `dcp.load` fills this
+        dict in place; `load_state_dict` puts it back."""
         state = {"actor": sharded_state(self.actor, self.optimizer, self.dims),
                  "scheduler": self.scheduler.state_dict(), "kl_coef": self.kl_ctl.value,
                  "bad_steps": self.guard.bad_steps}
+        if produced := self.producer.state_dict():
+            state["rollout"] = produced
         if self.critic is not None:
             state["critic"] = sharded_state(self.critic, self.critic_optimizer, self.dims)
         return state
@@ -483,6 +515,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_ctl.value = float(state["kl_coef"])
         self.guard.bad_steps = int(state["bad_steps"])  # a streak of skipped updates continues
+        self.producer.load_state_dict(state.get("rollout"), int(state.get("step", 0)))
         if self.engine is not None:
             sync_weights(self.engine, self.actor.model)
 

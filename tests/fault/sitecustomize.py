@@ -5,6 +5,11 @@ SIGKILLs that rank (default 0) at `point`, in a run's first attempt only (torchr
 TORCHELASTIC_RESTART_COUNT is 0 or unset):
   in_save     the checkpoint of `step` steps has its shards written, not yet published
   after_step  `step` steps are done (and saved when due)
+  in_rollout  rollout.mode=one_step_off: the background generation of `step`'s rollout has begun
+              (it runs while step - 1 trains: a rollout in flight)
+`RL_TEST_TRACE=<file>` (every attempt) appends one JSON line per trained step and rank: the
+attempt (torchrun's restart count), the rank, the prompt indices of the samples this rank
+generated for it and a digest of their tokens.
 """
 
 import os
@@ -24,7 +29,9 @@ if SPEC and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         if where == point and step == int(at) and rank == int(who[0] if who else 0):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    save, after_step = dcp.save, checkpoint.Checkpointer.after_step
+    from rl.rollout import producer
+
+    save, after_step, run = dcp.save, checkpoint.Checkpointer.after_step, producer.OneStepOffProducer._run
 
     def _save(state, *args, **kwargs):
         out = save(state, *args, **kwargs)
@@ -36,4 +43,31 @@ if SPEC and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         _maybe_kill("after_step", step)
         return path
 
-    dcp.save, checkpoint.Checkpointer.after_step = _save, _after_step
+    def _run(self, step, *args):
+        _maybe_kill("in_rollout", step)
+        return run(self, step, *args)
+
+    dcp.save, checkpoint.Checkpointer.after_step, producer.OneStepOffProducer._run = _save, _after_step, _run
+
+TRACE = os.environ.get("RL_TEST_TRACE")
+if TRACE:
+    import hashlib
+    import json
+
+    import torch.distributed as dist
+
+    from rl.trainer import trainer as _trainer
+
+    collate = _trainer.Trainer.collate
+
+    def _collate(self, rollouts, plan):
+        records = [rollouts.records[k] for k in sorted(rollouts.records)]
+        digest = hashlib.sha256(b"".join(r.sequences.numpy().tobytes() for r in records)).hexdigest()
+        line = {"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
+                "rank": dist.get_rank() if dist.is_initialized() else 0,
+                "prompts": [int(r.prompt_index) for r in records], "tokens": digest}
+        with open(TRACE, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        return collate(self, rollouts, plan)
+
+    _trainer.Trainer.collate = _collate

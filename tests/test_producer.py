@@ -1,0 +1,197 @@
+"""rollout.mode (rl/rollout/producer.py): sync is the default; one_step_off generates step k+1's
+rollout in a background thread, while step k trains, with the policy before step k's update;
+stale rollouts are dropped and counted; the buffered rollout survives a checkpoint round trip;
+each refused combination names its field."""
+
+import threading
+
+import pytest
+import torch
+from inprocess import SMALL, compose, trainer
+
+from packing.experience import Experience
+from rl.rollout.producer import OneStepOffProducer, RolloutMode
+from rl.trainer.guard import DivergenceError
+
+OFF = ("rollout.mode=one_step_off", "algo.tis_cap=2.0", "eval.every=0")
+
+
+def test_sync_is_the_default_and_refused_combinations_name_their_field():
+    cfg = compose(*SMALL)
+    assert cfg.rollout.mode is RolloutMode.SYNC and cfg.rollout.max_staleness == 1
+    compose(*SMALL, *OFF)  # the control: a valid one_step_off config passes
+    compose(*SMALL, "rollout.mode=one_step_off", "algo.old_log_probs=rollout")  # the other correction
+    for extra, match in [
+        (("rollout.mode=async",), r"rollout\.mode=async is not implemented"),
+        (("rollout.max_staleness=-1",), r"rollout\.max_staleness=-1: expected >= 0"),
+        (("rollout.max_staleness=0",), r"rollout\.max_staleness=0 with rollout\.mode=one_step_off"),
+        (("rollout.replica=sharded",), r"rollout\.mode=one_step_off with rollout\.replica=sharded"),
+        (("algo.dynamic_sampling=true",), r"rollout\.mode=one_step_off with algo\.dynamic_sampling=true"),
+        (("algo.tis_cap=null",), r"rollout\.mode=one_step_off with algo\.tis_cap=null and algo\.old_log_probs"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            compose(*SMALL, *OFF, *extra)
+
+
+def _tokens(records: list[Experience]) -> list[list[int]]:
+    return [r.sequences.tolist() for r in records]
+
+
+def test_one_step_off_generates_the_next_rollout_during_training_with_the_previous_policy():
+    """Step 1's rollout is generated while step 0 trains (the generation waits until the train
+    stage has begun: run in the foreground it would find it not begun), with the policy before
+    step 0's update: exactly the records a fresh trainer (version 0) generates for step 1; the
+    control, a trainer after step 0's update (version 1), generates other samples. Step 1 trains
+    on those records, corrected against their behaviour log-probs (staleness 1 reported)."""
+    tr = trainer(*SMALL, *OFF, "trainer.max_steps=3")
+    training = threading.Event()
+    seen = []
+    generate, train = tr.producer._generate, tr.train
+
+    def generate_when_training(step):
+        if step > 0:
+            seen.append((step, training.wait(timeout=120)))  # True only if the train stage began meanwhile
+        return generate(step)
+
+    def train_and_signal(minibatches):
+        training.set()
+        return train(minibatches)
+
+    tr.producer._generate, tr.train = generate_when_training, train_and_signal
+    first = tr.step(0)
+    assert seen == [(1, True)]
+    buffered = tr.producer.buffer
+    assert (buffered.step, buffered.version) == (1, 0)
+    assert first["rollout_staleness_max"] == 0.0 and 0.0 <= first["rollout_overlap"] <= 1.0
+
+    fresh = trainer(*SMALL, *OFF, "trainer.max_steps=3")  # policy version 0
+    same = fresh._records(1, 0)
+    assert _tokens(same) == _tokens(buffered.records)
+    assert all(torch.equal(a.rollout_log_probs, b.rollout_log_probs) for a, b in zip(same, buffered.records))
+    sync = trainer(*SMALL, "algo.tis_cap=2.0", "eval.every=0", "trainer.max_steps=3")
+    sync.step(0)  # the control: version 1 generates step 1's prompts otherwise
+    newer = sync._records(1, 0)
+    assert [int(r.prompt_index) for r in newer] == [int(r.prompt_index) for r in buffered.records]
+    assert not all(torch.equal(a.rollout_log_probs, b.rollout_log_probs) for a, b in zip(newer, buffered.records))
+
+    second = tr.step(1)
+    assert second["rollout_staleness_mean"] == 1.0 and second["rollout_stale_dropped"] == 0.0
+    assert second["rollout_logprob_abs_diff"] > 0  # version 1 scores version 0's samples: the TIS weight is not 1
+    third = tr.step(2)
+    assert "rollout_overlap" not in third and tr.producer.buffer is None  # nothing generated past max_steps
+
+
+class _Stub:
+    """A producer's generate/share pair that records what it was asked."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.generated, self.fail_at = [], fail_at
+
+    def generate(self, step):
+        if step == self.fail_at:
+            raise FloatingPointError("non-finite logits")
+        self.generated.append(step)
+        return [Experience(sequences=torch.tensor([step, 1, 2]), prompt_index=torch.tensor(step))]
+
+    def share(self, records, seconds, generated_s):
+        return [int(r.sequences[0]) for r in records]
+
+
+def _producer(stub, **kw):
+    return OneStepOffProducer(stub.generate, stub.share, max_steps=kw.get("max_steps", 10),
+                              max_staleness=kw.get("max_staleness", 1), samples_per_step=4, rank=0,
+                              device=torch.device("cpu"))
+
+
+def test_a_stale_rollout_is_dropped_counted_and_its_prompts_generated_again():
+    stub = _Stub()
+    p = _producer(stub, max_staleness=1, max_steps=4)  # the last step: nothing generated in the background
+    p.load_state_dict(_state(step=3, version=2), step=3)  # 1 behind: kept (the control)
+    assert p.take(3) == [3] and stub.generated == [] and p.settle()["rollout_stale_dropped"] == 0
+    p = _producer(stub, max_staleness=1)
+    p.load_state_dict(_state(step=3, version=1), step=3)  # 2 behind: dropped, step 3's prompts generated now
+    assert p.take(3) == [3] and stub.generated[0] == 3
+    out = p.settle()
+    assert out["rollout_stale_dropped"] == 4 and out["rollout_staleness_max"] == 0.0
+    assert p.buffer.step == 4 and p.buffer.version == 3  # the next one, generated meanwhile
+
+
+def _state(step: int, version: int) -> dict:
+    p = _producer(_Stub())
+    p.buffer = None
+    from rl.rollout.producer import Buffered
+
+    p.buffer = Buffered(step, version, [Experience(sequences=torch.tensor([step, 1, 2]),
+                                                   prompt_index=torch.tensor(step))])
+    return p.state_dict()
+
+
+def test_the_buffered_rollout_round_trips_and_a_background_failure_surfaces_in_the_next_take():
+    state = _state(step=5, version=4)
+    p = _producer(_Stub())
+    with pytest.raises(ValueError, match="buffered rollout is step 5's, the checkpoint has 6 steps done"):
+        p.load_state_dict(state, step=6)
+    p.load_state_dict(state, step=5)
+    (rec,) = p.buffer.records
+    assert p.buffer.version == 4 and rec.sequences.tolist() == [5, 1, 2] and int(rec.prompt_index) == 5
+    p.load_state_dict({"buffered_step": -1, "version": -1, "seconds": 0.0, "records": {"rank0": b""}}, step=5)
+    assert p.buffer is None  # saved with nothing buffered
+
+    stub = _Stub(fail_at=2)
+    p = _producer(stub)
+    p.take(1)  # starts step 2's generation, which fails in the thread
+    p.settle()
+    with pytest.raises(FloatingPointError):
+        p.take(2)
+
+
+def test_a_background_rollout_failure_is_the_divergence_error_of_the_step_that_takes_it():
+    tr = trainer(*SMALL, *OFF, "trainer.max_steps=3")
+    generate = tr.producer._generate
+
+    def diverge(step):
+        if step == 1:
+            raise FloatingPointError("non-finite logits at decode step 0")
+        return generate(step)
+
+    tr.producer._generate = diverge
+    tr.step(0)
+    with pytest.raises(DivergenceError, match="step 1: non-finite logits in the rollout"):
+        tr.step(1)
+
+
+def test_one_step_off_refuses_an_engine_that_generates_from_the_training_shards():
+    """rollout.replica=auto resolves to sharded when the copy does not fit the budget: that engine
+    has no weights of its own to generate with while the policy trains (validate cannot know)."""
+    trainer(*SMALL, *OFF, "rollout.memory_budget_gb=100")  # the control: the copy fits, one_step_off builds
+    with pytest.raises(ValueError, match=r"one_step_off needs the rollout engine's own copy.*"
+                                         r"rollout\.replica=auto -> sharded"):
+        trainer(*SMALL, *OFF, "rollout.memory_budget_gb=0.000001")
+
+
+def test_a_checkpoint_holds_the_buffered_rollout_and_one_without_it_generates_it_again(tmp_path):
+    """one_step_off, saved after step 0: the loaded trainer holds step 1's buffered records, field
+    by field, with their version. A sync run's checkpoint (no buffered rollout) resumed with
+    one_step_off generates step 1's prompts in the foreground (staleness 0): nothing skipped."""
+    from rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+
+    tr = trainer(*SMALL, *OFF, "trainer.max_steps=3")
+    tr.step(0)
+    save_checkpoint(tr, tmp_path / "off", 1, tr.cfg, tr.dims)
+    saved = tr.producer.buffer
+    again = trainer(*SMALL, *OFF, "trainer.max_steps=3")
+    assert load_checkpoint(again, tmp_path / "off" / "step_00000001", again.dims) == 1
+    got = again.producer.buffer
+    assert (got.step, got.version, len(got.records)) == (saved.step, saved.version, len(saved.records)) == (1, 0, 16)
+    for a, b in zip(got.records, saved.records):
+        assert dict(a.items()).keys() == dict(b.items()).keys()
+        assert all(torch.equal(v, getattr(b, k)) for k, v in a.items())
+
+    sync = trainer(*SMALL, "algo.tis_cap=2.0", "eval.every=0", "trainer.max_steps=3")
+    sync.step(0)
+    save_checkpoint(sync, tmp_path / "sync", 1, sync.cfg, sync.dims)
+    off = trainer(*SMALL, *OFF, "trainer.max_steps=3")
+    load_checkpoint(off, tmp_path / "sync" / "step_00000001", off.dims)
+    assert off.producer.buffer is None
+    step1 = off.step(1)
+    assert step1["rollout_staleness_max"] == 0.0 and step1["rollout_stale_dropped"] == 0.0
