@@ -23,13 +23,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.attention import VARLEN, packed_attn_kwargs, shared_prompt_attn_kwargs
+from model.attention import VARLEN, packed_attn_kwargs
 from model.context_parallel import ShardedView, shard_forward
 from model.logprobs import LOGPROB_CHUNK_BYTES, token_log_probs
 from model.moe import ep_suffix_length, moe_blocks, moe_padding_mask, routing_replay
 from model.parallel_dims import ParallelDims
 from packing.experience import Experience
-from packing.layout import cu_seqlens, padded_positions
+from packing.layout import padded_positions
 
 SUFFIX_TOKEN_ID = 0  # any valid id: suffix rows are causal-last, excluded from experts and losses
 
@@ -129,92 +129,38 @@ def _shared_prompt_view(model: nn.Module, experience: Experience, targets: torch
     """A pack whose repeated prompts run through the body once, or None (run the whole pack).
 
     A GRPO group's samples share their prompt tokens; the body runs each distinct prompt once,
-    then each member's response (`_prompt_units`): ~700 instead of ~2100 tokens for 4 prompts
-    x 8 samples of 45 + 16 tokens. Responses keep their positions (P, P+1, ...) and attend to
-    their prompt and causally to their own tokens (model/attention.py `SharedPrompts`), so each
-    slot's hidden state is the unshared pack's; `expand [N]` puts them back on the pack's slots.
+    then each member's response (the pack's `shared_prompts`, packing/prompts.py, built once
+    by the collate): ~700 instead of ~2100 tokens for 4 prompts x 8 samples of 45 + 16 tokens.
+    Responses keep their positions (P, P+1, ...) and attend to their prompt and causally to
+    their own tokens (model/attention.py `_shared_prompt_attention`), so each slot's hidden
+    state is the unshared pack's; `expand [N]` puts them back on the pack's slots.
     Returns the view (targets, valid and restore on the pack's `[1, N]` axis as `_local_view`'s;
     inputs on the compressed `[1, N_c]` axis) and `expand`.
 
-    Only where it is exact and needs no collective: a pack, cp = ep = 1 (no EP suffix), no
-    explicit suffix, no `MoEBlock` (model/moe.py: its routing replay records, aux loss and
-    expert-load metric are per token of the whole pack; the trainer installs them on every MoE),
-    the "varlen" attention (the one that reads `shared_prompts`), an `action_mask` (it says
-    where each prompt ends), a repeated prompt.
+    Only where it is exact and needs no collective: a pack with a layout, cp = ep = 1 (no EP
+    suffix), no explicit suffix, no `MoEBlock` (model/moe.py: its routing replay records, aux
+    loss and expert-load metric are per token of the whole pack; the trainer installs them on
+    every MoE), the "varlen" attention (the one that reads `shared_prompts`).
     """
-    if not experience.is_packed or dims.cp != 1 or dims.ep != 1 or pad or experience.action_mask is None:
+    layout = experience.shared_prompts
+    if layout is None or not experience.is_packed or dims.cp != 1 or dims.ep != 1 or pad:
         return None
     if moe_blocks(model, strict=False) or getattr(model.config, "_attn_implementation", None) != VARLEN:
         return None
-    layout = _prompt_units(experience)
-    if layout is None:
-        return None
-    units, keep, expand = (x.to(experience.sequences.device) if torch.is_tensor(x) else x for x in layout)
-    ids = experience.sequences.index_select(1, keep)
+    n = experience.sequences.shape[1]
+    if layout.expand.shape != (n,):
+        raise ValueError(f"shared_prompts.expand has shape {tuple(layout.expand.shape)}, expected [{n}] like "
+                         "sequences [1, N]: a layout of another pack (rebuild it with make_experience_batch)")
+    ids = experience.sequences.index_select(1, layout.keep)
     inputs = {
         "input_ids": ids,
-        "position_ids": experience.position_ids.index_select(1, keep),
+        "position_ids": experience.position_ids.index_select(1, layout.keep),
         "attention_mask": None,
         "use_cache": False,
-        **shared_prompt_attn_kwargs(units, device=ids.device),
+        "shared_prompts": layout,
     }
     synthetic = torch.zeros_like(ids, dtype=torch.bool)
-    return ShardedView(inputs, synthetic, None, targets, valid, lambda out: out), expand
-
-
-def _prompt_units(experience: Experience) -> tuple[list[tuple[int, list[int]]], torch.Tensor, torch.Tensor] | None:
-    """The shared-prompt layout of a pack, or None when no prompt repeats.
-
-    A sample's prompt is its tokens before its first response token: P = (first True slot of
-    its `action_mask`) + 1 (slot k scores token k+1; rl/rollout/engine.py `make_record`).
-    Samples whose first P token ids and positions are equal (compared exactly, not by
-    `prompt_index`) form a group. Returns, in order of each group's first sample:
-    `units` (P, response lengths) of model/attention.py `shared_prompt_attn_kwargs` (a sample
-    alone, or with no response slot, is a unit `(T, [])`), `keep [N_c]` (the pack slot each
-    compressed slot copies: the group's first prompt, then every member's response) and
-    `expand [N]` (the compressed slot each pack slot reads).
-    """
-    lens = experience.packed_seq_lens
-    ids, pos = experience.sequences[0].cpu(), experience.position_ids[0].cpu()
-    first_action = _first_true(experience.action_mask[0].bool().cpu(), lens)
-    groups: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> [(start, length, prompt length)]
-    start = 0
-    for i, (t, k) in enumerate(zip(lens, first_action)):
-        p = k + 1
-        key = (p, ids[start:start + p].numpy().tobytes(), pos[start:start + p].numpy().tobytes()) if p < t else i
-        groups.setdefault(key, []).append((start, t, p))
-        start += t
-    if all(len(members) == 1 for members in groups.values()):
-        return None
-    units, keep, expand = [], [], torch.empty(start, dtype=torch.long)
-    offset = 0
-    for members in groups.values():
-        if len(members) == 1:
-            s, t, _ = members[0]
-            units.append((t, []))
-            keep.append(torch.arange(s, s + t))
-            expand[s:s + t] = torch.arange(offset, offset + t)
-            offset += t
-            continue
-        p = members[0][2]
-        units.append((p, [t - p for _, t, _ in members]))
-        keep.append(torch.arange(members[0][0], members[0][0] + p))
-        prompt = torch.arange(offset, offset + p)
-        offset += p
-        for s, t, _ in members:
-            keep.append(torch.arange(s + p, s + t))
-            expand[s:s + p] = prompt
-            expand[s + p:s + t] = torch.arange(offset, offset + t - p)
-            offset += t - p
-    return units, torch.cat(keep), expand
-
-
-def _first_true(mask: torch.Tensor, lens: list[int]) -> list[int]:
-    """Per packed sequence of `mask [N]`, the offset of its first True slot (its length if none)."""
-    starts = cu_seqlens(lens)[:-1].long()
-    hits = torch.cat([mask.nonzero().squeeze(1), torch.tensor([mask.numel()])])  # a sentinel past the end
-    first = hits[torch.searchsorted(hits, starts)] - starts
-    return torch.minimum(first, torch.tensor(lens)).tolist()
+    return ShardedView(inputs, synthetic, None, targets, valid, lambda out: out), layout.expand
 
 
 def _action_axis(out: torch.Tensor, experience: Experience) -> torch.Tensor:
