@@ -12,8 +12,8 @@ The forward of one batch, in order (each step names the one file it enters):
     view = shard_forward(...) if dims.cp > 1        # model/context_parallel.py: this rank's shard
            else _shared_prompt_view(...)            # here: each repeated prompt once (share_prompts) ...
            or _local_view(...)                      # ... else the whole pack, with the EP suffix
-    hidden = model.model(**view.inputs)             # under model/moe.py's masks and routing replay
-    hidden = hidden[:, expand]                      # shared prompts: back on the pack's slots
+    hidden = model.model(**view.inputs)             # under model/moe.py's token weights and routing replay
+    hidden = hidden[:, view.expand]                 # shared prompts: back on the pack's slots
     out = token_log_probs(hidden, W, view.targets)  # model/logprobs.py
     view.restore(out) -> action axis                # [1, N] / [B, T-1]
 """
@@ -26,7 +26,7 @@ from torch import nn
 from model.attention import VARLEN, packed_attn_kwargs
 from model.context_parallel import ShardedView, shard_forward
 from model.logprobs import LOGPROB_CHUNK_BYTES, token_log_probs
-from model.moe import ep_suffix_length, moe_blocks, moe_padding_mask, routing_replay
+from model.moe import ep_suffix_length, moe_blocks, moe_token_weights, routing_replay
 from model.parallel_dims import ParallelDims
 from packing.experience import Experience
 from packing.layout import padded_positions
@@ -41,21 +41,19 @@ def _forward_slots(model: nn.Module, experience: Experience, dims: ParallelDims,
     per-slot outputs back on the layout of `action_mask`."""
     _check_batch(model, experience)
     targets, valid = _slot_targets(experience)
-    expand = None
     if dims.cp > 1:
         view = shard_forward(experience, targets, valid, dims)
-    elif share_prompts and (shared := _shared_prompt_view(model, experience, targets, valid, dims, pad)):
-        view, expand = shared
     else:
-        view = _local_view(experience, targets, valid, dims.ep_group, pad=pad)
+        view = ((share_prompts and _shared_prompt_view(model, experience, targets, valid, dims, pad))
+                or _local_view(experience, targets, valid, dims.ep_group, pad=pad))
     routed = view.routed if replay else None
     if not moe_blocks(model, strict=False):
         hidden = model.model(**view.inputs).last_hidden_state
     else:
-        with moe_padding_mask(model, view.synthetic), routing_replay(model, routed):
+        with moe_token_weights(model, view.weight, view.expand), routing_replay(model, routed):
             hidden = model.model(**view.inputs).last_hidden_state
     # a member's prompt slots read their group's one copy; the gather's backward sums them
-    return (hidden if expand is None else hidden.index_select(1, expand)), view
+    return (hidden if view.expand is None else hidden.index_select(1, view.expand)), view
 
 
 def _slot_targets(experience: Experience) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +96,7 @@ def _local_view(experience: Experience, targets: torch.Tensor, valid: torch.Tens
         mask = experience.attention_mask
         positions = padded_positions(mask)
         inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": False}
-        return ShardedView(inputs, ~mask.bool(), experience.routed_experts, targets, valid, lambda out: out)
+        return ShardedView(inputs, mask.long(), experience.routed_experts, targets, valid, lambda out: out)
 
     n = ids.shape[1]
     if pad is None:
@@ -120,12 +118,12 @@ def _local_view(experience: Experience, targets: torch.Tensor, valid: torch.Tens
         "use_cache": False,
         **packed_attn_kwargs(experience.packed_seq_lens, device=ids.device, trailing_pad=pad),
     }
-    synthetic = torch.arange(n + pad, device=ids.device).unsqueeze(0) >= n
-    return ShardedView(inputs, synthetic, routed, targets, valid, lambda out: out[:, :n])
+    weight = (torch.arange(n + pad, device=ids.device) < n).long().unsqueeze(0)  # 1 a token, 0 the suffix
+    return ShardedView(inputs, weight, routed, targets, valid, lambda out: out[:, :n])
 
 
 def _shared_prompt_view(model: nn.Module, experience: Experience, targets: torch.Tensor, valid: torch.Tensor,
-                        dims: ParallelDims, pad: int | None) -> tuple[ShardedView, torch.Tensor] | None:
+                        dims: ParallelDims, pad: int | None) -> ShardedView | None:
     """A pack whose repeated prompts run through the body once, or None (run the whole pack).
 
     A GRPO group's samples share their prompt tokens; the body runs each distinct prompt once,
@@ -133,34 +131,52 @@ def _shared_prompt_view(model: nn.Module, experience: Experience, targets: torch
     by the collate): ~700 instead of ~2100 tokens for 4 prompts x 8 samples of 45 + 16 tokens.
     Responses keep their positions (P, P+1, ...) and attend to their prompt and causally to
     their own tokens (model/attention.py `_shared_prompt_attention`), so each slot's hidden
-    state is the unshared pack's; `expand [N]` puts them back on the pack's slots.
-    Returns the view (targets, valid and restore on the pack's `[1, N]` axis as `_local_view`'s;
-    inputs on the compressed `[1, N_c]` axis) and `expand`.
+    state is the unshared pack's; the view's `expand [N + pad]` puts them back on the pack's
+    slots (targets, valid and restore are on that axis, as `_local_view`'s).
 
-    Only where it is exact and needs no collective: a pack with a layout, cp = ep = 1 (no EP
-    suffix), no explicit suffix, no `MoEBlock` (model/moe.py: its routing replay records, aux
-    loss and expert-load metric are per token of the whole pack; the trainer installs them on
-    every MoE), the "varlen" attention (the one that reads `shared_prompts`).
+    MoE (model/moe.py): a shared prompt row weighs its group's size (`multiplicity`), so the
+    aux loss and expert load count it once per sample; `routed_experts` is replayed on the
+    compressed rows (`keep`: a group's prompt replays its first member's record) and recorded
+    routing comes back on the pack's slots (`expand`). EP: the equalized suffix is computed on
+    the compressed rows (`ep_suffix_length(N_c)`, the one collective, on every path alike) and
+    is a causal segment of its own: no real row attends to it, it weighs 0, `restore` cuts it.
+
+    Only a pack with a layout (a repeated prompt), cp = 1, and the "varlen" attention (the one
+    that reads `shared_prompts`); every check comes before the EP collective.
     """
     layout = experience.shared_prompts
-    if layout is None or not experience.is_packed or dims.cp != 1 or dims.ep != 1 or pad:
+    if layout is None or not experience.is_packed or dims.cp != 1:
         return None
-    if moe_blocks(model, strict=False) or getattr(model.config, "_attn_implementation", None) != VARLEN:
+    if getattr(model.config, "_attn_implementation", None) != VARLEN:
         return None
     n = experience.sequences.shape[1]
     if layout.expand.shape != (n,):
         raise ValueError(f"shared_prompts.expand has shape {tuple(layout.expand.shape)}, expected [{n}] like "
                          "sequences [1, N]: a layout of another pack (rebuild it with make_experience_batch)")
-    ids = experience.sequences.index_select(1, layout.keep)
-    inputs = {
-        "input_ids": ids,
-        "position_ids": experience.position_ids.index_select(1, layout.keep),
-        "attention_mask": None,
-        "use_cache": False,
-        "shared_prompts": layout,
-    }
-    synthetic = torch.zeros_like(ids, dtype=torch.bool)
-    return ShardedView(inputs, synthetic, None, targets, valid, lambda out: out), layout.expand
+    rows = layout.keep.numel()
+    if pad is None:
+        pad = ep_suffix_length(rows, dims.ep_group)
+    if pad < 0:
+        raise ValueError(f"pad={pad}: the EP suffix length must be >= 0")
+    layout = layout.with_suffix(pad)
+    keep, expand, routed = layout.keep, layout.expand, experience.routed_experts
+    ids = experience.sequences.index_select(1, keep)
+    positions = experience.position_ids.index_select(1, keep)
+    if routed is not None:
+        routed = routed.index_select(-1, keep)
+    if pad:  # its own segment: any positions; it scores nothing and is cut off by restore
+        suffix = torch.arange(pad, device=ids.device)
+        ids = torch.cat([ids, ids.new_full((1, pad), SUFFIX_TOKEN_ID)], dim=1)
+        positions = torch.cat([positions, suffix.unsqueeze(0)], dim=1)
+        expand = torch.cat([expand, suffix + rows])
+        targets = torch.nn.functional.pad(targets, (0, pad))
+        valid = torch.nn.functional.pad(valid, (0, pad), value=False)
+        if routed is not None:
+            routed = torch.nn.functional.pad(routed, (0, pad), value=-1)
+    inputs = {"input_ids": ids, "position_ids": positions, "attention_mask": None, "use_cache": False,
+              "shared_prompts": layout}
+    return ShardedView(inputs, layout.multiplicity.unsqueeze(0), routed, targets, valid, lambda out: out[:, :n],
+                       expand)
 
 
 def _action_axis(out: torch.Tensor, experience: Experience) -> torch.Tensor:

@@ -79,12 +79,19 @@ CP_VARLEN = "cp_varlen"
 class ShardedView(NamedTuple):
     """What the forward runs on this CP rank, and how its per-token outputs go back."""
 
-    inputs: dict  # kwargs of model.model(...) for the shard
-    synthetic: torch.Tensor  # [B, S_local] bool, True on CP / right padding (kept out of the experts)
-    routed: torch.Tensor | None  # [B, L, K, S_local] routing replay of the shard, -1 on padding
+    inputs: dict  # kwargs of model.model(...) for the shard: its rows [B, S_rows]
+    weight: torch.Tensor  # [B, S_rows] int64 tokens each row stands for: 0 on CP / right padding and the EP
+    #                       suffix (kept out of the experts), k on a prompt row shared by k samples (model/moe.py)
+    routed: torch.Tensor | None  # [B, L, K, S_rows] routing replay of the rows, -1 on padding
     targets: torch.Tensor  # [B, S_local] slot target ids
     valid: torch.Tensor  # [B, S_local] bool, True where the slot scores a real token
     restore: Callable[[torch.Tensor], torch.Tensor]  # [B, S_local] -> the full token axis [B, W]
+    expand: torch.Tensor | None = None  # [S_local] the row each slot reads (shared prompts); None: rows = slots
+
+    @property
+    def synthetic(self) -> torch.Tensor:
+        """`[B, S_rows]` bool, True on rows that stand for no token."""
+        return self.weight == 0
 
 
 def shard_forward(experience: Experience, targets: torch.Tensor, valid: torch.Tensor, dims) -> ShardedView:
@@ -94,7 +101,7 @@ def shard_forward(experience: Experience, targets: torch.Tensor, valid: torch.Te
     group = dims.cp_group
     return ShardedView(
         inputs=cp_model_inputs(local, layout, group),
-        synthetic=~local.attention_mask,
+        weight=local.attention_mask.long(),
         routed=local.routed_experts,
         targets=shard_tokens(targets, layout),
         valid=shard_tokens(valid, layout, fill=False),

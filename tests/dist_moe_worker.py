@@ -21,7 +21,7 @@ from model.moe import (
     ep_suffix_length,
     expert_load,
     is_expert_param,
-    moe_padding_mask,
+    moe_token_weights,
     record_routing,
     reset_expert_load,
 )
@@ -155,7 +155,7 @@ def ep_checks(rank: int, world_size: int) -> dict:
             plain = logits_of(ep_model, ids, pos)
         load_plain = expert_load(ep_model), expert_load(ep_model, group)
         reset_expert_load(ep_model)
-        with moe_padding_mask(ep_model, padding):
+        with moe_token_weights(ep_model, (~padding).long()):
             suffixed = logits_of(ep_model, ids_s, pos_s)
         load_suffix = expert_load(ep_model), expert_load(ep_model, group)
         reset_expert_load(ep_model)
@@ -172,7 +172,7 @@ def ep_checks(rank: int, world_size: int) -> dict:
     # a rank whose rows are all synthetic still joins every exchange, forward and backward
     ep_model.zero_grad(set_to_none=True)
     all_synthetic = torch.full_like(padding, rank == 1)
-    with moe_padding_mask(ep_model, all_synthetic):
+    with moe_token_weights(ep_model, (~all_synthetic).long()):
         lp = token_log_probs(logits_of(ep_model, ids_s, pos_s), ids_s)
         weighted_loss(lp, seed=rank).backward()
     out["all_synthetic_rank_ok"] = all(p.grad is not None for name, p in ep_model.named_parameters()

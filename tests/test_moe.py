@@ -14,7 +14,7 @@ from model.moe import (
     expert_load,
     is_expert_param,
     moe_blocks,
-    moe_padding_mask,
+    moe_token_weights,
     record_routing,
     reset_expert_load,
     routing_replay,
@@ -176,7 +176,7 @@ def test_routed_experts_with_wrong_shape_raise_naming_the_field(model_a, pack):
             logits_of(model_a, ids, pos)
 
 
-def test_padding_mask_keeps_synthetic_rows_out_of_the_experts(model_a, pack):
+def test_zero_token_weights_keep_synthetic_rows_out_of_the_experts(model_a, pack):
     ids, pos = pack
     N, s = ids.shape[1], 6
     ids_s = torch.cat([ids, torch.zeros(1, s, dtype=ids.dtype)], 1)
@@ -187,7 +187,7 @@ def test_padding_mask_keeps_synthetic_rows_out_of_the_experts(model_a, pack):
         plain = logits_of(model_a, ids, pos)
         load_plain = expert_load(model_a)
         reset_expert_load(model_a)
-        with moe_padding_mask(model_a, padding), record_routing(model_a) as rec:
+        with moe_token_weights(model_a, (~padding).long()), record_routing(model_a) as rec:
             suffixed = logits_of(model_a, ids_s, pos_s)
         load_suffix = expert_load(model_a)
         reset_expert_load(model_a)
@@ -200,8 +200,8 @@ def test_padding_mask_keeps_synthetic_rows_out_of_the_experts(model_a, pack):
     assert load_unmasked["per_layer"].sum() == L * K * (N + s)  # the control: unmasked rows are counted
     assert (rec.routed_experts[..., N:] == -1).all() and (rec.routed_experts[..., :N] >= 0).all()
     assert load_plain["per_rank"].tolist() == [L * K * N] and load_plain["imbalance"] == 1.0
-    with pytest.raises(ValueError, match=r"padding_mask has shape \(1, 20\), expected \[1, 26\]"):
-        with torch.no_grad(), moe_padding_mask(model_a, padding[:, :N]):
+    with pytest.raises(ValueError, match=r"moe token weights have shape \(1, 20\), expected \[1, 26\]"):
+        with torch.no_grad(), moe_token_weights(model_a, (~padding[:, :N]).long()):
             logits_of(model_a, ids_s, pos_s)
 
 

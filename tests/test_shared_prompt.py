@@ -183,7 +183,7 @@ def test_a_wrong_mask_or_wrong_positions_miss_by_far(lm, records, pack, wrong, m
     view = actor_module._shared_prompt_view
 
     def wrong_view(*args):
-        shared, expand = view(*args)
+        shared = view(*args)
         layout = shared.inputs["shared_prompts"]
         if wrong == "previous-response-visible":  # the first response joins the "prompt" its siblings attend to
             units = [(p + rs[0], rs[1:]) if len(rs) > 1 else (p, rs) for p, rs in layout.units]
@@ -192,7 +192,7 @@ def test_a_wrong_mask_or_wrong_positions_miss_by_far(lm, records, pack, wrong, m
             pos = torch.cat([torch.arange(p) if not rs else torch.cat([torch.arange(p), *map(torch.arange, rs)])
                              for p, rs in layout.units]).unsqueeze(0)
             shared.inputs["position_ids"] = pos
-        return shared, expand
+        return shared
 
     monkeypatch.setattr(actor_module, "_shared_prompt_view", wrong_view)
     assert_control_fails(f"shared prompts with {wrong}", (hidden(True) - plain).abs().max(), plain.abs().max(),
@@ -284,12 +284,11 @@ def test_a_pack_without_a_repeated_prompt_runs_the_whole_pack(lm):
     assert seen == [pack.sequences.numel()] * 2 and torch.equal(shared, plain)  # today's path, exactly
 
 
-@pytest.mark.parametrize("case", ["padded", "cp2", "ep2", "ep-suffix", "sdpa", "moe", "no-action-mask", "off"])
+@pytest.mark.parametrize("case", ["padded", "cp2", "ep-suffix", "sdpa", "moe", "no-action-mask", "off"])
 def test_sharing_falls_back_where_it_does_not_apply(case, records, pack):
-    """Padded, cp > 1, ep > 1, an explicit EP suffix, an attention that ignores the layout, MoE
-    blocks (model/moe.py: routing records, aux loss and expert load are per token of the whole
-    pack; the trainer always installs them), no action_mask:
-    `_shared_prompt_view` declines and the forward runs as before. The control: it applies here."""
+    """Padded, cp > 1, an attention that ignores the layout, no action_mask (no layout):
+    `_shared_prompt_view` declines and the forward runs as before. It applies to MoE blocks and an EP
+    suffix (tests/test_shared_moe.py; ep2 in tests/test_moe.py's launch), and (the control) to the plain case."""
     model = build_model("qwen3_moe" if case == "moe" else "qwen3", seed=0)
     if case == "moe":
         shard_experts(model, None)
@@ -298,8 +297,6 @@ def test_sharing_falls_back_where_it_does_not_apply(case, records, pack):
         batch = make_experience_batch(records, packed=False)
     elif case == "cp2":
         dims = ParallelDims(cp=2, world_size=2)
-    elif case == "ep2":
-        dims = ParallelDims(dp=2, ep=2, world_size=2)
     elif case == "ep-suffix":
         pad = 3
     elif case == "sdpa":
@@ -309,7 +306,7 @@ def test_sharing_falls_back_where_it_does_not_apply(case, records, pack):
                            packed_seq_lens=pack.packed_seq_lens)
     targets, valid = _slot_targets(batch)
     applies = _shared_prompt_view(model, batch, targets, valid, dims, pad)
-    assert (applies is not None) == (case == "off")
+    assert (applies is not None) == (case in ("off", "moe", "ep-suffix"))
 
 
 # ---------------------------------------------------------- GPU index layout
