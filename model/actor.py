@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from model.attention import VARLEN, packed_attn_kwargs
+from model.checks import check_on_device
 from model.context_parallel import ShardedView, shard_forward
 from model.logprobs import LOGPROB_CHUNK_BYTES, token_log_probs
 from model.moe import ep_suffix_length, moe_blocks, moe_token_weights, routing_replay
@@ -339,14 +340,21 @@ def _check_batch(model: nn.Module, exp: Experience) -> None:
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and longest > limit:
         raise ValueError(f"sequence length {longest} exceeds the model's max_position_embeddings={limit}")
-    vocab = model.get_input_embeddings().num_embeddings
-    lo, hi = int(seqs.min()), int(seqs.max())
-    if lo < 0 or hi >= vocab:
-        raise ValueError(f"sequences hold token ids in [{lo}, {hi}], expected ids in [0, {vocab}) (vocab_size={vocab})")
+    _check_token_ids(seqs, model.get_input_embeddings().num_embeddings)
     if exp.action_mask is not None and layout != _shape(exp.action_mask):
         raise ValueError(
             f"action_mask has shape {_shape(exp.action_mask)}, expected {layout} for sequences {tuple(seqs.shape)}"
         )
+
+
+def _check_token_ids(seqs: torch.Tensor, vocab: int) -> None:
+    """Every id in [0, vocab), without a host sync (model/checks.py)."""
+    def detail() -> str:
+        lo, hi = int(seqs.min()), int(seqs.max())
+        return f"sequences hold token ids in [{lo}, {hi}], expected ids in [0, {vocab}) (vocab_size={vocab})"
+
+    check_on_device(((seqs >= 0) & (seqs < vocab)).all(),
+                    f"sequences hold a token id outside [0, {vocab}) (vocab_size={vocab})", detail)
 
 
 def _shape(t: torch.Tensor) -> str:

@@ -46,6 +46,7 @@ see transformers #39814 for a context-parallel shard with no position 0.
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
@@ -71,9 +72,11 @@ def packed_attn_kwargs(
     """Boundary kwargs of a pack of sequences with lengths `seq_lens`.
 
     Returns `cu_seq_lens_q`, `cu_seq_lens_k` (int32 `[n + 1]`, cumulative lengths starting
-    at 0) and `max_length_q`, `max_length_k` (python ints). `trailing_pad` grows the last
-    sequence: expert parallelism folds its synthetic suffix into the last sequence so the
-    real tokens (which come earlier, and attend causally) never see it.
+    at 0), `max_length_q`, `max_length_k` (python ints) and `packed_seq_lens` (a tuple of
+    python ints: the host copy the CPU kernel splits by, so no layer reads lengths back from
+    the device). `trailing_pad` grows the last sequence: expert parallelism folds its
+    synthetic suffix into the last sequence so the real tokens (which come earlier, and
+    attend causally) never see it.
     """
     lens = [int(n) for n in seq_lens]
     if not lens:
@@ -87,7 +90,8 @@ def packed_attn_kwargs(
     lens[-1] += int(trailing_pad)
     cu = cu_seqlens(lens, device=device)
     longest = max(lens)
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
+            "packed_seq_lens": tuple(lens)}
 
 
 def use_flash(query: torch.Tensor) -> bool:
@@ -110,12 +114,21 @@ def varlen_attention_forward(
     max_length_q: int | None = None,
     max_length_k: int | None = None,
     shared_prompts: SharedPrompts | None = None,
+    packed_seq_lens: Sequence[int] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention interface: q `[B, H, S, D]`, k/v `[B, H_kv, S, D]` -> `[B, S, H, D]`."""
+    """transformers attention interface: q `[B, H, S, D]`, k/v `[B, H_kv, S, D]` -> `[B, S, H, D]`.
+
+    Lengths come from the host (`max_length_k`, `packed_seq_lens`, the layout's): no layer
+    reads them back from the device."""
     if not getattr(module, "is_causal", True):
         raise ValueError(f"varlen attention is causal only; {type(module).__name__}.is_causal is False")
-    longest = shared_prompts.max_length_k if shared_prompts is not None else _longest(key, cu_seq_lens_q)
+    if shared_prompts is not None:
+        longest = shared_prompts.max_length_k
+    elif max_length_k is not None:
+        longest = max_length_k
+    else:
+        longest = _longest(key, cu_seq_lens_q)
     if sliding_window is not None and sliding_window < longest:
         # a window at least as long as every sequence masks nothing (Mistral's 4096 on short samples)
         raise ValueError(
@@ -141,12 +154,19 @@ def varlen_attention_forward(
             cu_seq_lens_q, cu_k, longest_q, longest_k, dropout_p=dropout, softmax_scale=scaling, causal=True,
         )
         return out.unsqueeze(0), None
-    bounds = cu_seq_lens_q.tolist()
-    if bounds != cu_k.tolist() or bounds[0] != 0 or bounds[-1] != query.shape[2]:
-        raise ValueError(
-            f"cu_seq_lens_q {bounds} / cu_seq_lens_k {cu_k.tolist()} must be equal, start at 0 and end at the "
-            f"pack length {query.shape[2]} (query shape {tuple(query.shape)})"
-        )
+    if packed_seq_lens is not None:  # the host copy: no device read per layer
+        bounds = [0, *itertools.accumulate(int(n) for n in packed_seq_lens)]
+        if bounds[-1] != query.shape[2] or len(bounds) != cu_seq_lens_q.shape[0]:
+            raise ValueError(f"packed_seq_lens {list(packed_seq_lens)} (sum {bounds[-1]}, {len(bounds) - 1} sequences) "
+                             f"does not describe the pack: query shape {tuple(query.shape)}, cu_seq_lens_q shape "
+                             f"{tuple(cu_seq_lens_q.shape)}")
+    else:  # a caller that passed device boundaries only (reads them back once per layer)
+        bounds = cu_seq_lens_q.tolist()
+        if bounds != cu_k.tolist() or bounds[0] != 0 or bounds[-1] != query.shape[2]:
+            raise ValueError(
+                f"cu_seq_lens_q {bounds} / cu_seq_lens_k {cu_k.tolist()} must be equal, start at 0 and end at the "
+                f"pack length {query.shape[2]} (query shape {tuple(query.shape)})"
+            )
     return _per_sequence_sdpa(module, query, key, value, bounds, dropout, scaling), None
 
 

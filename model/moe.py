@@ -42,6 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from model.checks import check_on_device
+
 EXPERT_PARAM_NAMES = ("gate_up_proj", "down_proj")
 
 
@@ -276,9 +278,9 @@ class MoEBlock(nn.Module):
         rec = rec.to(ids.device, ids.dtype).transpose(1, 2).reshape(B * T, self.top_k)
         recorded = rec >= 0
         row = recorded.all(-1)
-        if bool((recorded.any(-1) & ~row).any()):
-            raise ValueError(f"routed_experts (layer {self.layer}) has tokens with -1 in some but not all "
-                             f"{self.top_k} top-k slots: a token's record is either complete or -1")
+        partial = (f"routed_experts (layer {self.layer}) has tokens with -1 in some but not all "
+                   f"{self.top_k} top-k slots: a token's record is either complete or -1")
+        check_on_device(~(recorded.any(-1) & ~row).any(), partial, lambda: partial)
         probs = F.softmax(logits, dim=-1, dtype=torch.float)
         w = probs.gather(1, rec.clamp(min=0))
         if self.norm_topk_prob:
@@ -436,10 +438,12 @@ def routing_replay(model: nn.Module, routed_experts: torch.Tensor | None):
     if shape[2] != K:
         raise ValueError(f"routed_experts has top-k {shape[2]} on axis 2 (shape {shape}), "
                          f"expected K={K}: [B, {L}, {K}, T]")
-    if routed_experts.numel():
+    def detail() -> str:
         lo, hi = int(routed_experts.min()), int(routed_experts.max())
-        if lo < -1 or hi >= E:
-            raise ValueError(f"routed_experts holds ids in [{lo}, {hi}], expected -1 (live) or [0, {E})")
+        return f"routed_experts holds ids in [{lo}, {hi}], expected -1 (live) or [0, {E})"
+
+    check_on_device(((routed_experts >= -1) & (routed_experts < E)).all(),
+                    f"routed_experts holds an id outside -1 (live) or [0, {E})", detail)
     with _setting(blocks, "replay", [(shape, routed_experts[:, i]) for i in range(L)]):
         yield
 
