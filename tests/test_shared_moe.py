@@ -211,3 +211,56 @@ def test_an_ep_suffix_on_the_shared_rows_is_its_own_segment_and_counts_nothing(m
     assert_parity("aux loss with a suffix", max_abs(a[0] - b[0] for a, b in zip(aux0, aux5)),
                   max_abs(a[0] for a in aux0))
     assert torch.equal(load0, load5) and torch.equal(rec0, rec5[..., :n]) and (rec5[..., n:] == -1).all()
+
+
+# ------------------------------------------------------------------------ the default run
+def test_the_default_moe_run_trains_on_the_shared_forward(monkeypatch):
+    """`model=moe_tiny` (the default config) with its defaults: every training forward of one GRPO
+    step goes through `_shared_prompt_view` and runs compressed (the control: with
+    `model.share_prompts=false` none does)."""
+    from inprocess import SMALL, trainer
+
+    view = actor_module._shared_prompt_view
+    for share in (True, False):
+        taken: list[bool] = []
+        monkeypatch.setattr(actor_module, "_shared_prompt_view",
+                            lambda *a: taken.append((v := view(*a)) is not None) or v)
+        tr = trainer("model=moe_tiny", *SMALL, f"model.share_prompts={str(share).lower()}")
+        assert tr.actor.share_prompts is share and moe_blocks(tr.actor.model)
+        tr.step(0)
+        if share:
+            assert taken and all(taken), taken
+        else:
+            assert taken == []
+
+
+def test_activation_checkpointing_recomputes_the_shared_rows_with_their_weights_and_replay(moe, records, replayed):
+    """Checkpointed decoder layers recompute inside backward, after the contexts exited: `moe_state`
+    puts back the token weights, `expand` and the replay of the compressed rows, so log-probs,
+    grads, aux loss, load and records equal the plain shared forward's (load counted once)."""
+    from model import parallelize as par
+
+    pack, _ = replayed
+
+    def figures(checkpointed: bool) -> dict:
+        model = copy.deepcopy(moe)
+        actor = par.parallelize(Actor(model, share_prompts=True), ParallelDims(),
+                                activation_checkpointing=checkpointed)
+        model.zero_grad(set_to_none=True)
+        reset_expert_load(model)
+        with router_aux_loss(model) as aux, record_routing(model) as rec:
+            lp = actor(pack)
+        balance = sum(a * n for a, n in aux) / torch.stack([n for _, n in aux]).sum()
+        mask = pack.action_mask.float()
+        (((-pack.advantages * lp) * mask).sum() / mask.sum() + AUX * balance).backward()
+        return {"lp": lp.detach(), "aux": balance.detach(), "load": expert_load(model)["per_layer"],
+                "routed": rec.routed_experts, "grads": {n: p.grad for n, p in model.named_parameters()
+                                                        if p.grad is not None}}
+
+    plain, ckpt = figures(False), figures(True)
+    assert_parity("log-probs, checkpointed shared", (ckpt["lp"] - plain["lp"]).abs().max(), plain["lp"].abs().max())
+    assert_parity("aux loss, checkpointed shared", (ckpt["aux"] - plain["aux"]).abs(), plain["aux"].abs())
+    assert torch.equal(ckpt["load"], plain["load"]) and torch.equal(ckpt["routed"], plain["routed"])
+    assert torch.equal(plain["routed"], pack.routed_experts)
+    assert_parity("grads, checkpointed shared", max_abs(ckpt["grads"][n] - g for n, g in plain["grads"].items()),
+                  max_abs(plain["grads"].values()))
