@@ -15,6 +15,13 @@ P = (first True slot of its `action_mask`) + 1 (slot k scores token k+1; rl/roll
 `make_record`); samples whose first P token ids and positions are equal (compared exactly,
 not by `prompt_index`) form a group. A sample alone, or with no response slot, is a unit of
 its own (an ordinary causal sequence).
+
+What a group shares is its prompt's first P-1 tokens: the last prompt token (slot P-1, the
+first action slot, which scores each member's own first response token) opens every
+member's response segment. So every compressed row scores one target (the token after it
+in every sample it stands for), and per-row outputs (log-probs, values) can be computed on
+the compressed rows and expanded after: what context parallelism needs, since there the rows
+live on other ranks than the slots that read them. A prompt of one token shares nothing.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ class SharedPrompts:
     `lens_q`/`lens_k`/`max_length_*` are host copies, so no kernel asks the device for them.
     """
 
-    units: tuple[Unit, ...]
+    units: tuple[Unit, ...]  # (shared prefix length, response segment lengths) per unit, in row order
     keep: torch.Tensor  # int64 [N_c]: the pack slot each compressed row copies
     expand: torch.Tensor  # int64 [N]: the compressed row each pack slot reads
     multiplicity: torch.Tensor  # int64 [N_c + suffix]: pack slots each row stands for (its group's size
@@ -150,8 +157,9 @@ def shared_prompts(sequences: torch.Tensor, position_ids: torch.Tensor, seq_lens
     groups: dict = {}  # key -> [(start, length, prompt length)]
     start = 0
     for i, (t, k) in enumerate(zip(lens, first_action)):
-        p = k + 1
-        key = (p, ids[start:start + p].numpy().tobytes(), pos[start:start + p].numpy().tobytes()) if p < t else i
+        p = k  # the shared prefix: the prompt (k + 1 tokens, the group's key) but its last token
+        key = (p, ids[start:start + p + 1].numpy().tobytes(), pos[start:start + p + 1].numpy().tobytes()) \
+            if 0 < p < t else i
         groups.setdefault(key, []).append((start, t, p))
         start += t
     if all(len(members) == 1 for members in groups.values()):

@@ -205,8 +205,8 @@ def ep_checks(rank: int, world_size: int) -> dict:
 
 
 # --------------------------------------------------- shared prompts at ep=2 (same launch)
-# per EP rank: GRPO groups (prompt length, response lengths) whose compressed rows differ (68 vs 39), so
-# rank 1 appends a 29-row EP suffix to its shared rows
+# per EP rank: GRPO groups (prompt length, response lengths) whose compressed rows differ (74 vs 43), so
+# rank 1 appends a 31-row EP suffix to its shared rows
 SHARED_GROUPS = ([(7, [3, 5, 1, 9]), (12, [4, 4, 2, 6]), (9, [6])], [(12, [2, 2, 3, 2]), (10, [4, 4])])
 SHARED_AUX = 0.01
 
@@ -219,7 +219,7 @@ def _shared_run(actor, batch) -> dict:
     with moe.router_aux_loss(model) as aux, record_routing(model) as rec:
         lp = actor(batch)
     tokens = torch.stack([n for _, n in aux])
-    balance = sum(a * n for a, n in aux) / tokens.sum()
+    balance = sum(a * n for a, n in aux) / (batch.sequences.numel() * len(aux))  # as the trainer
     mask = batch.action_mask.float()
     (((-batch.advantages * lp) * mask).sum() / mask.sum() + SHARED_AUX * balance).backward()
     out = {"log_probs": lp.detach(), "aux": torch.stack([a.detach() for a, _ in aux]), "tokens": tokens,

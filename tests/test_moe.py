@@ -294,8 +294,8 @@ def test_ep2_suffix_equalizes_tokens_without_touching_real_outputs_or_expert_loa
 @pytest.mark.slow
 def test_ep2_shared_prompts_equal_the_unshared_pack_of_one_process(ep2):
     """Each EP rank runs its GRPO pack with shared prompts (tests/dist_moe_worker.py
-    `shared_prompt_checks`): the EP suffix is computed on the compressed rows (rank 1 pads 39 to
-    68), and log-probs, every gradient kind, the aux loss, its token count, the expert load and
+    `shared_prompt_checks`): the EP suffix is computed on the compressed rows (rank 1 pads 43 to
+    74), and log-probs, every gradient kind, the aux loss, its token count, the expert load and
     the recorded routing equal the one-process unshared pack's. Control: unit token weights."""
     rows = ep2[0]["shared"]["rows"]
     assert rows[0] != rows[1]

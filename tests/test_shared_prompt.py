@@ -224,11 +224,16 @@ def test_the_compressed_pack_holds_each_distinct_prompt_once_and_every_response(
     layout = pack.shared_prompts
     units, keep, expand = layout.units, layout.keep, layout.expand
     distinct = {p: None for p, _ in GROUPS}  # every test prompt length is distinct
-    responses = sum(sum(rs) for _, rs in GROUPS if len(rs) > 1)
+    # a group shares its prompt but the last token, which opens each member's response segment
+    responses = sum(sum(r + 1 for r in rs) for _, rs in GROUPS if len(rs) > 1)
     alone = sum(p + sum(rs) for p, rs in GROUPS if len(rs) == 1)
-    assert keep.numel() == sum(p for p, rs in GROUPS if len(rs) > 1) + responses + alone
+    assert keep.numel() == sum(p - 1 for p, rs in GROUPS if len(rs) > 1) + responses + alone
     assert keep.numel() < pack.sequences.numel() == sum(len(rs) * p + sum(rs) for p, rs in GROUPS)
-    assert sorted(p for p, rs in units if rs) == sorted(p for p, rs in GROUPS if len(rs) > 1) and len(distinct) == 4
+    assert sorted(p + 1 for p, rs in units if rs) == sorted(p for p, rs in GROUPS if len(rs) > 1)
+    assert len(distinct) == 4
+    # every compressed row scores one target: the token after it is the same in every slot that reads it
+    nxt = torch.roll(pack.sequences[0], -1)
+    assert torch.equal(nxt[keep][expand][pack.action_mask[0]], nxt[pack.action_mask[0]])
     assert [(p, rs) for p, rs in units if not rs] == [(9 + 6, ())]  # the sample alone is one causal sequence
     # every pack slot reads a compressed slot holding its token at its position
     assert torch.equal(pack.sequences[0, keep][expand], pack.sequences[0])
@@ -272,7 +277,7 @@ def test_groups_come_from_the_tokens_not_prompt_index():
 
     pack = make_experience_batch([record(prompt, 3, 0), record(other, 2, 0), record(prompt, 4, 7),
                                   record(prompt, 5, 0, acting=False)], packed=True)
-    assert pack.shared_prompts.units == ((6, (3, 4)), (8, ()), (11, ()))
+    assert pack.shared_prompts.units == ((5, (4, 5)), (8, ()), (11, ()))
 
 
 def test_a_pack_without_a_repeated_prompt_runs_the_whole_pack(lm):
