@@ -25,7 +25,7 @@ from torch import nn
 
 from model.attention import VARLEN, packed_attn_kwargs
 from model.checks import check_on_device
-from model.context_parallel import ShardedView, shard_forward
+from model.context_parallel import CP_VARLEN, Segments, ShardedView, shard_forward
 from model.logprobs import LOGPROB_CHUNK_BYTES, token_log_probs
 from model.moe import ep_suffix_length, moe_blocks, moe_token_weights, routing_replay
 from model.parallel_dims import ParallelDims
@@ -42,11 +42,10 @@ def _forward_slots(model: nn.Module, experience: Experience, dims: ParallelDims,
     per-slot outputs back on the layout of `action_mask`."""
     _check_batch(model, experience)
     targets, valid = _slot_targets(experience)
-    if dims.cp > 1:
-        view = shard_forward(experience, targets, valid, dims)
-    else:
-        view = ((share_prompts and _shared_prompt_view(model, experience, targets, valid, dims, pad))
-                or _local_view(experience, targets, valid, dims.ep_group, pad=pad))
+    view = share_prompts and _shared_prompt_view(model, experience, targets, valid, dims, pad)
+    if not view:
+        view = (shard_forward(experience, targets, valid, dims) if dims.cp > 1
+                else _local_view(experience, targets, valid, dims.ep_group, pad=pad))
     routed = view.routed if replay else None
     if not moe_blocks(model, strict=False):
         hidden = model.model(**view.inputs).last_hidden_state
@@ -142,18 +141,21 @@ def _shared_prompt_view(model: nn.Module, experience: Experience, targets: torch
     the compressed rows (`ep_suffix_length(N_c)`, the one collective, on every path alike) and
     is a causal segment of its own: no real row attends to it, it weighs 0, `restore` cuts it.
 
-    Only a pack with a layout (a repeated prompt), cp = 1, and the "varlen" attention (the one
-    that reads `shared_prompts`); every check comes before the EP collective.
+    cp > 1: `_shared_prompt_shard` (the compressed rows sharded with the 2*cp zigzag).
+    Only a pack with a layout (a repeated prompt) and the attention that reads it ("varlen",
+    or "cp_varlen" under cp > 1); every check comes before the EP collective.
     """
     layout = experience.shared_prompts
-    if layout is None or not experience.is_packed or dims.cp != 1:
+    if layout is None or not experience.is_packed:
         return None
-    if getattr(model.config, "_attn_implementation", None) != VARLEN:
+    if getattr(model.config, "_attn_implementation", None) != (VARLEN if dims.cp == 1 else CP_VARLEN):
         return None
     n = experience.sequences.shape[1]
     if layout.expand.shape != (n,):
         raise ValueError(f"shared_prompts.expand has shape {tuple(layout.expand.shape)}, expected [{n}] like "
                          "sequences [1, N]: a layout of another pack (rebuild it with make_experience_batch)")
+    if dims.cp > 1:
+        return _shared_prompt_shard(experience, layout, targets, valid, dims)
     rows = layout.keep.numel()
     if pad is None:
         pad = ep_suffix_length(rows, dims.ep_group)
@@ -178,6 +180,26 @@ def _shared_prompt_view(model: nn.Module, experience: Experience, targets: torch
               "shared_prompts": layout}
     return ShardedView(inputs, layout.multiplicity.unsqueeze(0), routed, targets, valid, lambda out: out[:, :n],
                        expand)
+
+
+def _shared_prompt_shard(experience: Experience, layout, targets: torch.Tensor, valid: torch.Tensor,
+                         dims: ParallelDims) -> ShardedView:
+    """cp > 1: the compressed rows `[1, N_c]` as a pack of units, sharded with the 2*cp zigzag
+    (model/context_parallel.py, with the units' `Segments` in its mask and flash segments).
+    Every compressed row scores one target (packing/prompts.py), so per-row outputs are computed
+    on this rank's rows, put back on the compressed axis by `_restore_full_sequence` (unchanged),
+    then on the pack's slots by `expand` (its backward sums a shared row's members)."""
+    keep = layout.keep
+    compressed = Experience(
+        sequences=experience.sequences.index_select(1, keep),
+        position_ids=experience.position_ids.index_select(1, keep),
+        packed_seq_lens=[prefix + sum(responses) for prefix, responses in layout.units],
+        routed_experts=None if experience.routed_experts is None else experience.routed_experts.index_select(-1, keep),
+    )
+    view = shard_forward(compressed, targets.index_select(1, keep), valid.index_select(1, keep), dims,
+                         weight=layout.multiplicity.unsqueeze(0), segments=Segments.of_units(layout.units))
+    restore = view.restore
+    return view._replace(restore=lambda out: restore(out).index_select(1, layout.expand))
 
 
 def _action_axis(out: torch.Tensor, experience: Experience) -> torch.Tensor:

@@ -291,7 +291,8 @@ def test_a_pack_without_a_repeated_prompt_runs_the_whole_pack(lm):
 
 @pytest.mark.parametrize("case", ["padded", "cp2", "ep-suffix", "sdpa", "moe", "no-action-mask", "off"])
 def test_sharing_falls_back_where_it_does_not_apply(case, records, pack):
-    """Padded, cp > 1, an attention that ignores the layout, no action_mask (no layout):
+    """Padded, an attention that ignores the layout (sdpa; "varlen" under cp > 1, where the shard
+    needs "cp_varlen"), no action_mask (no layout):
     `_shared_prompt_view` declines and the forward runs as before. It applies to MoE blocks and an EP
     suffix (tests/test_shared_moe.py; ep2 in tests/test_moe.py's launch), and (the control) to the plain case."""
     model = build_model("qwen3_moe" if case == "moe" else "qwen3", seed=0)
