@@ -129,8 +129,9 @@ def _shared_prompt_view(model: nn.Module, experience: Experience, targets: torch
     A GRPO group's samples share their prompt tokens; the body runs each distinct prompt once,
     then each member's response (the pack's `shared_prompts`, packing/prompts.py, built once
     by the collate): ~700 instead of ~2100 tokens for 4 prompts x 8 samples of 45 + 16 tokens.
-    Responses keep their positions (P, P+1, ...) and attend to their prompt and causally to
-    their own tokens (model/attention.py `_shared_prompt_attention`), so each slot's hidden
+    A member's segment (its prompt's last token, then its response) keeps its positions (P-1,
+    P, ...) and attends to the shared prefix and causally to its own tokens
+    (model/attention.py `_shared_prompt_attention`), so each slot's hidden
     state is the unshared pack's; the view's `expand [N + pad]` puts them back on the pack's
     slots (targets, valid and restore are on that axis, as `_local_view`'s).
 

@@ -2,13 +2,14 @@
 
 A GRPO group's samples share their prompt tokens. `shared_prompts(pack)` (run once per
 collated pack by packing/collate.py, on the CPU) finds them and describes the *compressed*
-row `[1, N_c]` the model body runs instead of the pack `[1, N]`: each distinct prompt once,
-then every member's response, then the samples nobody shares a prompt with. `keep [N_c]`
-picks the compressed rows out of the pack, `expand [N]` puts per-row outputs back on the
-pack's slots, and the attention boundaries (`cu_seq_lens_q/k`, `kv_index`) say what every
-row attends to: a prompt row its prompt causally, a response row its prompt and its own
-earlier tokens (model/attention.py `_shared_prompt_attention`). Responses keep their
-positions (P, P+1, ...), so every row's hidden state is the unshared pack's.
+row `[1, N_c]` the model body runs instead of the pack `[1, N]`: each distinct prompt once
+(but its last token), then every member's segment (that token and its response), and the
+samples nobody shares a prompt with. `keep [N_c]` picks the compressed rows out of the pack,
+`expand [N]` puts per-row outputs back on the pack's slots, and the attention boundaries
+(`cu_seq_lens_q/k`, `kv_index`) say what every row attends to: a shared prefix row its prefix
+causally, a member's row the prefix and its own segment's earlier tokens (model/attention.py
+`_shared_prompt_attention`). Rows keep their positions, so every row's hidden state is the
+unshared pack's.
 
 The grouping rule: a sample's prompt is its tokens before its first response token,
 P = (first True slot of its `action_mask`) + 1 (slot k scores token k+1; rl/rollout/engine.py
