@@ -7,26 +7,36 @@ once and counted k times, so log-probs, gradients (the router's included), the r
 loss, `expert_load`, recorded routing (put back on the pack's slots by `expand`) and replayed
 routing (the pack's record picked onto the compressed rows by `keep`) equal the unshared
 pack's and the padded batch's: floats within `SHARED_ULPS` eps32 of their magnitude, counts
-and expert ids exactly. Each property has a control that breaks it.
+and expert ids exactly. Each property has a control that breaks it. Run as a program, this
+module prints the figures of one kernel set (the slow test launches it per kernel set):
+
+    ATEN_CPU_CAPABILITY=avx2 python tests/test_shared_moe.py --threads 1,2
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from scripts.parity_check import assert_control_fails, assert_parity, max_abs
-from test_shared_prompt import SHARED_ULPS, body_tokens, grpo_records
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # as a program
 
-from model import actor as actor_module
-from model.actor import Actor, _forward_slots
-from model.models import build_model
-from model.moe import expert_load, moe_blocks, record_routing, reset_expert_load, router_aux_loss, shard_experts
-from model.parallel_dims import ParallelDims
-from packing.collate import make_experience_batch
+from scripts.parity_check import assert_control_fails, assert_parity, max_abs, ulps  # noqa: E402
+from test_shared_prompt import SHARED_ULPS, body_tokens, grpo_records  # noqa: E402
+
+from model import actor as actor_module  # noqa: E402
+from model.actor import Actor, _forward_slots  # noqa: E402
+from model.models import build_model  # noqa: E402
+from model.moe import expert_load, moe_blocks, record_routing, reset_expert_load, router_aux_loss, shard_experts  # noqa: E402
+from model.parallel_dims import ParallelDims  # noqa: E402
+from packing.collate import make_experience_batch  # noqa: E402
 
 AUX = 0.01  # router aux loss coefficient of the test loss
 
@@ -96,6 +106,43 @@ def routing_per_sample(routed, batch, records):
         cu = batch.cu_seqlens.tolist()
         return [routed[0, ..., s:e] for s, e in zip(cu[:-1], cu[1:])]
     return [routed[i, ..., :r.sequences.numel()] for i, r in enumerate(records)]
+
+
+def figures(a, batch_a, b, batch_b, records) -> dict:
+    """eps32 figures (floats) and exact flags of `b` against `a`, as `assert_same` checks them."""
+    out = {}
+    for key in ("log_probs", "entropy"):
+        xs, ys = per_sample(a[key], batch_a, records), per_sample(b[key], batch_b, records)
+        out[key] = ulps(max_abs(x - y for x, y in zip(xs, ys)), max_abs(xs))
+    out["aux"] = ulps(float((a["aux"] - b["aux"]).abs()), float(a["aux"].abs()))
+    out["grads"] = ulps(max_abs(a["grads"][n] - b["grads"][n] for n in a["grads"]), max_abs(a["grads"].values()))
+    ra, rb = routing_per_sample(a["routed"], batch_a, records), routing_per_sample(b["routed"], batch_b, records)
+    out["exact"] = bool(torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["load"], b["load"])
+                        and all(torch.equal(x, y) for x, y in zip(ra, rb)))
+    return out
+
+
+def moe_parity() -> dict:
+    """Every figure of the shared MoE forward vs the unshared pack and padded, live and replayed."""
+    model = shard_experts(build_model("qwen3_moe", seed=0), None)
+    rollout = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for block in moe_blocks(rollout):
+            block.gate.weight.add_(0.2 * torch.randn(block.gate.weight.shape, generator=gen))
+    records = grpo_records()
+    pack, padded = collate(records)
+    with torch.no_grad(), record_routing(rollout) as rec:
+        Actor(rollout)(pack)
+    r_pack, r_padded = collate(records, routed=routing_per_sample(rec.routed_experts, pack, records))
+    out = {}
+    for name, (pk, pd, replay) in {"live": (pack, padded, False), "replayed": (r_pack, r_padded, True)}.items():
+        shared = run(model, pk, share=True, replay=replay)
+        for ref_name, batch in (("pack", pk), ("padded", pd)):
+            for key, value in figures(run(model, batch, share=False, replay=replay), batch, shared, pk,
+                                      records).items():
+                out[f"{name}_{key}_vs_{ref_name}"] = value
+    return out
 
 
 def assert_same(name, a, batch_a, b, batch_b, records):
@@ -266,3 +313,39 @@ def test_activation_checkpointing_recomputes_the_shared_rows_with_their_weights_
     assert torch.equal(plain["routed"], pack.routed_experts)
     assert_parity("grads, checkpointed shared", max_abs(ckpt["grads"][n] - g for n, g in plain["grads"].items()),
                   max_abs(plain["grads"].values()))
+
+
+# ------------------------------------------------------------------ every kernel set
+@pytest.mark.slow
+@pytest.mark.parametrize("cap", ["default", "avx2", "avx512"])
+def test_the_moe_figures_hold_on_every_kernel_set(cap):
+    """This module run as a program under each ATen kernel set, with 1 and 2 threads."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    if cap != "default" and {"avx2": "avx2", "avx512": "avx512f"}[cap] not in flags:
+        pytest.skip(f"this CPU has no {cap}")
+    proc = subprocess.run([sys.executable, __file__, "--threads", "1,2"],
+                          env={**os.environ, "ATEN_CPU_CAPABILITY": cap}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    values = [v for run_ in result["threads"].values() for v in run_.values()]
+    worst = max(v for v in values if not isinstance(v, bool))
+    print(f"{result['capability']}: worst {worst:.2f} eps32 (limit {SHARED_ULPS})")
+    assert worst <= SHARED_ULPS and all(v for v in values if isinstance(v, bool))
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", default=None, help="comma-separated thread counts")
+    args = parser.parse_args()
+    runs = {}
+    for threads in [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]:
+        torch.set_num_threads(threads)
+        runs[str(torch.get_num_threads())] = moe_parity()
+    print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "threads": runs}))
+
+
+if __name__ == "__main__":
+    main()
+
