@@ -349,3 +349,43 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 
+
+
+def shared_forward_rank(rank: int, world_size: int, overrides: tuple[str, ...]) -> dict:
+    """One step of the default MoE run on this rank, counting the training forwards that took the
+    shared path (`_shared_prompt_view` returned a view) and those that did not."""
+    from inprocess import compose
+
+    from model.parallel_dims import init_distributed
+    from rl.trainer.trainer import build_trainer
+
+    cfg = compose(*overrides, world_size=world_size)
+    dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device="cpu")
+    torch.manual_seed(cfg.seed)
+    tr = build_trainer(cfg, dims)
+    view, taken = actor_module._shared_prompt_view, []
+    actor_module._shared_prompt_view = lambda *a: taken.append((v := view(*a)) is not None) or v
+    try:
+        metrics = tr.step(0)
+    finally:
+        actor_module._shared_prompt_view = view
+    return {"taken": taken, "dims": (dims.dp, dims.cp, dims.ep),
+            "metrics": {k: float(metrics[k]) for k in ("loss", "grad_norm", "entropy", "expert_tokens")}}
+
+
+@pytest.mark.slow
+def test_the_default_moe_run_at_dp2_cp2_ep2_trains_on_the_shared_forward():
+    """`parallel=cp2_ep2` on 4 gloo ranks: every training forward of every rank takes the shared
+    path (the compressed rows sharded over CP, experts over EP), and the step's loss, grad norm,
+    entropy and expert tokens equal the one-process run's (the default run)."""
+    from inprocess import SMALL, trainer
+    from scripts.distributed import run_distributed
+
+    one = trainer("model=moe_tiny", *SMALL).step(0)
+    ranks = run_distributed(shared_forward_rank, 4, ("model=moe_tiny", *SMALL, "parallel=cp2_ep2"), timeout=300)
+    for r in ranks:
+        assert r["dims"] == (2, 2, 2) and r["taken"] and all(r["taken"]), r
+        for key, value in r["metrics"].items():  # tests/test_train.py's tolerance for a run's layout
+            ref = float(one[key])
+            assert abs(value - ref) <= 1e-4 * max(1.0, abs(ref)), (key, value, ref)
+        assert r["metrics"]["expert_tokens"] == float(one["expert_tokens"])
