@@ -106,7 +106,8 @@ class SharedPrompts:
             self, cu_seq_lens_q=torch.cat([self.cu_seq_lens_q, self.cu_seq_lens_q[-1:] + pad]),
             cu_seq_lens_k=torch.cat([self.cu_seq_lens_k, self.cu_seq_lens_k[-1:] + pad]),
             kv_index=torch.cat([self.kv_index, rows]),
-            multiplicity=torch.nn.functional.pad(self.multiplicity, (0, pad)), lens_q=(*self.lens_q, pad), lens_k=(*self.lens_k, pad),
+            multiplicity=torch.nn.functional.pad(self.multiplicity, (0, pad)),
+            lens_q=(*self.lens_q, pad), lens_k=(*self.lens_k, pad),
             suffix=pad, _masks={})
 
 

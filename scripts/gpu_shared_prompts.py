@@ -25,7 +25,8 @@ from test_shared_prompt import grpo_records  # noqa: E402
 
 from model.actor import Actor  # noqa: E402
 from model.models import build_model  # noqa: E402
-from model.moe import expert_load, moe_blocks, record_routing, reset_expert_load, router_aux_loss, shard_experts  # noqa: E402
+from model.moe import (expert_load, moe_blocks, record_routing, reset_expert_load, router_aux_loss,  # noqa: E402
+                       shard_experts)
 from packing.collate import make_experience_batch  # noqa: E402
 
 EPS32 = torch.finfo(torch.float32).eps

@@ -246,7 +246,8 @@ def shared_prompt_checks(rank: int, world_size: int) -> dict:
     base = build_model("qwen3_moe", seed=0)
     local = shard_experts(copy.deepcopy(base), None)
     ep_model = shard_experts(copy.deepcopy(base), dims.ep_group)
-    packs = [make_experience_batch(grpo_records(g, seed=r, hole=False), packed=True) for r, g in enumerate(SHARED_GROUPS)]
+    packs = [make_experience_batch(grpo_records(g, seed=r, hole=False), packed=True)
+             for r, g in enumerate(SHARED_GROUPS)]
     pack = packs[rank]
     refs = [_shared_run(Actor(local), p) for p in packs]
     ref = refs[rank]

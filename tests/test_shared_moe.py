@@ -34,7 +34,8 @@ from test_shared_prompt import SHARED_ULPS, body_tokens, grpo_records  # noqa: E
 from model import actor as actor_module  # noqa: E402
 from model.actor import Actor, _forward_slots  # noqa: E402
 from model.models import build_model  # noqa: E402
-from model.moe import expert_load, moe_blocks, record_routing, reset_expert_load, router_aux_loss, shard_experts  # noqa: E402
+from model.moe import (expert_load, moe_blocks, record_routing, reset_expert_load, router_aux_loss,  # noqa: E402
+                       shard_experts)
 from model.parallel_dims import ParallelDims  # noqa: E402
 from packing.collate import make_experience_batch  # noqa: E402
 
