@@ -54,7 +54,7 @@ def packs(quick: bool) -> list:
 def forward(model, pack, *, suffix: int = 0, mask_suffix: bool = True, routed=None):
     """One no-grad forward of `pack` + `suffix` synthetic tokens, as the actor feeds an EP rank."""
     from model.attention import packed_attn_kwargs
-    from model.moe import moe_padding_mask, routing_replay
+    from model.moe import moe_token_weights, routing_replay
 
     ids, pos = pack.sequences, pack.position_ids
     n = ids.shape[1]
@@ -64,7 +64,7 @@ def forward(model, pack, *, suffix: int = 0, mask_suffix: bool = True, routed=No
     synthetic = (torch.arange(n + suffix) >= n).unsqueeze(0)
     if routed is not None and suffix:
         routed = torch.nn.functional.pad(routed, (0, suffix), value=-1)
-    with torch.no_grad(), moe_padding_mask(model, synthetic if mask_suffix else None), routing_replay(model, routed):
+    with torch.no_grad(), moe_token_weights(model, (~synthetic).long() if mask_suffix else None), routing_replay(model, routed):
         model.model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False,
                     **packed_attn_kwargs(pack.packed_seq_lens, trailing_pad=suffix))
 

@@ -12,8 +12,8 @@ The forward of one batch, in order (each step names the one file it enters):
     view = shard_forward(...) if dims.cp > 1        # model/context_parallel.py: this rank's shard
            else _shared_prompt_view(...)            # here: each repeated prompt once (share_prompts) ...
            or _local_view(...)                      # ... else the whole pack, with the EP suffix
-    hidden = model.model(**view.inputs)             # under model/moe.py's masks and routing replay
-    hidden = hidden[:, expand]                      # shared prompts: back on the pack's slots
+    hidden = model.model(**view.inputs)             # under model/moe.py's token weights and routing replay
+    hidden = hidden[:, view.expand]                 # shared prompts: back on the pack's slots
     out = token_log_probs(hidden, W, view.targets)  # model/logprobs.py
     view.restore(out) -> action axis                # [1, N] / [B, T-1]
 """
@@ -23,13 +23,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.attention import VARLEN, packed_attn_kwargs, shared_prompt_attn_kwargs
-from model.context_parallel import ShardedView, shard_forward
+from model.attention import VARLEN, packed_attn_kwargs
+from model.checks import check_on_device
+from model.context_parallel import CP_VARLEN, Segments, ShardedView, shard_forward
 from model.logprobs import LOGPROB_CHUNK_BYTES, token_log_probs
-from model.moe import ep_suffix_length, moe_blocks, moe_padding_mask, routing_replay
+from model.moe import ep_suffix_length, moe_blocks, moe_token_weights, routing_replay
 from model.parallel_dims import ParallelDims
 from packing.experience import Experience
-from packing.layout import cu_seqlens, padded_positions
+from packing.layout import padded_positions
 
 SUFFIX_TOKEN_ID = 0  # any valid id: suffix rows are causal-last, excluded from experts and losses
 
@@ -41,21 +42,18 @@ def _forward_slots(model: nn.Module, experience: Experience, dims: ParallelDims,
     per-slot outputs back on the layout of `action_mask`."""
     _check_batch(model, experience)
     targets, valid = _slot_targets(experience)
-    expand = None
-    if dims.cp > 1:
-        view = shard_forward(experience, targets, valid, dims)
-    elif share_prompts and (shared := _shared_prompt_view(model, experience, targets, valid, dims, pad)):
-        view, expand = shared
-    else:
-        view = _local_view(experience, targets, valid, dims.ep_group, pad=pad)
+    view = share_prompts and _shared_prompt_view(model, experience, targets, valid, dims, pad)
+    if not view:
+        view = (shard_forward(experience, targets, valid, dims) if dims.cp > 1
+                else _local_view(experience, targets, valid, dims.ep_group, pad=pad))
     routed = view.routed if replay else None
     if not moe_blocks(model, strict=False):
         hidden = model.model(**view.inputs).last_hidden_state
     else:
-        with moe_padding_mask(model, view.synthetic), routing_replay(model, routed):
+        with moe_token_weights(model, view.weight, view.expand), routing_replay(model, routed):
             hidden = model.model(**view.inputs).last_hidden_state
     # a member's prompt slots read their group's one copy; the gather's backward sums them
-    return (hidden if expand is None else hidden.index_select(1, expand)), view
+    return (hidden if view.expand is None else hidden.index_select(1, view.expand)), view
 
 
 def _slot_targets(experience: Experience) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +96,7 @@ def _local_view(experience: Experience, targets: torch.Tensor, valid: torch.Tens
         mask = experience.attention_mask
         positions = padded_positions(mask)
         inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": False}
-        return ShardedView(inputs, ~mask.bool(), experience.routed_experts, targets, valid, lambda out: out)
+        return ShardedView(inputs, mask.long(), experience.routed_experts, targets, valid, lambda out: out)
 
     n = ids.shape[1]
     if pad is None:
@@ -120,101 +118,89 @@ def _local_view(experience: Experience, targets: torch.Tensor, valid: torch.Tens
         "use_cache": False,
         **packed_attn_kwargs(experience.packed_seq_lens, device=ids.device, trailing_pad=pad),
     }
-    synthetic = torch.arange(n + pad, device=ids.device).unsqueeze(0) >= n
-    return ShardedView(inputs, synthetic, routed, targets, valid, lambda out: out[:, :n])
+    weight = (torch.arange(n + pad, device=ids.device) < n).long().unsqueeze(0)  # 1 a token, 0 the suffix
+    return ShardedView(inputs, weight, routed, targets, valid, lambda out: out[:, :n])
 
 
 def _shared_prompt_view(model: nn.Module, experience: Experience, targets: torch.Tensor, valid: torch.Tensor,
-                        dims: ParallelDims, pad: int | None) -> tuple[ShardedView, torch.Tensor] | None:
+                        dims: ParallelDims, pad: int | None) -> ShardedView | None:
     """A pack whose repeated prompts run through the body once, or None (run the whole pack).
 
     A GRPO group's samples share their prompt tokens; the body runs each distinct prompt once,
-    then each member's response (`_prompt_units`): ~700 instead of ~2100 tokens for 4 prompts
-    x 8 samples of 45 + 16 tokens. Responses keep their positions (P, P+1, ...) and attend to
-    their prompt and causally to their own tokens (model/attention.py `SharedPrompts`), so each
-    slot's hidden state is the unshared pack's; `expand [N]` puts them back on the pack's slots.
-    Returns the view (targets, valid and restore on the pack's `[1, N]` axis as `_local_view`'s;
-    inputs on the compressed `[1, N_c]` axis) and `expand`.
+    then each member's response (the pack's `shared_prompts`, packing/prompts.py, built once
+    by the collate): ~700 instead of ~2100 tokens for 4 prompts x 8 samples of 45 + 16 tokens.
+    A member's segment (its prompt's last token, then its response) keeps its positions (P-1,
+    P, ...) and attends to the shared prefix and causally to its own tokens
+    (model/attention.py `_shared_prompt_attention`), so each slot's hidden
+    state is the unshared pack's; the view's `expand [N + pad]` puts them back on the pack's
+    slots (targets, valid and restore are on that axis, as `_local_view`'s).
 
-    Only where it is exact and needs no collective: a pack, cp = ep = 1 (no EP suffix), no
-    explicit suffix, no `MoEBlock` (model/moe.py: its routing replay records, aux loss and
-    expert-load metric are per token of the whole pack; the trainer installs them on every MoE),
-    the "varlen" attention (the one that reads `shared_prompts`), an `action_mask` (it says
-    where each prompt ends), a repeated prompt.
+    MoE (model/moe.py): a shared prompt row weighs its group's size (`multiplicity`), so the
+    aux loss and expert load count it once per sample; `routed_experts` is replayed on the
+    compressed rows (`keep`: a group's prompt replays its first member's record) and recorded
+    routing comes back on the pack's slots (`expand`). EP: the equalized suffix is computed on
+    the compressed rows (`ep_suffix_length(N_c)`, the one collective, on every path alike) and
+    is a causal segment of its own: no real row attends to it, it weighs 0, `restore` cuts it.
+
+    cp > 1: `_shared_prompt_shard` (the compressed rows sharded with the 2*cp zigzag).
+    Only a pack with a layout (a repeated prompt) and the attention that reads it ("varlen",
+    or "cp_varlen" under cp > 1); every check comes before the EP collective.
     """
-    if not experience.is_packed or dims.cp != 1 or dims.ep != 1 or pad or experience.action_mask is None:
+    layout = experience.shared_prompts
+    if layout is None or not experience.is_packed:
         return None
-    if moe_blocks(model, strict=False) or getattr(model.config, "_attn_implementation", None) != VARLEN:
+    if getattr(model.config, "_attn_implementation", None) != (VARLEN if dims.cp == 1 else CP_VARLEN):
         return None
-    layout = _prompt_units(experience)
-    if layout is None:
-        return None
-    units, keep, expand = (x.to(experience.sequences.device) if torch.is_tensor(x) else x for x in layout)
+    n = experience.sequences.shape[1]
+    if layout.expand.shape != (n,):
+        raise ValueError(f"shared_prompts.expand has shape {tuple(layout.expand.shape)}, expected [{n}] like "
+                         "sequences [1, N]: a layout of another pack (rebuild it with make_experience_batch)")
+    if dims.cp > 1:
+        return _shared_prompt_shard(experience, layout, targets, valid, dims)
+    rows = layout.keep.numel()
+    if pad is None:
+        pad = ep_suffix_length(rows, dims.ep_group)
+    if pad < 0:
+        raise ValueError(f"pad={pad}: the EP suffix length must be >= 0")
+    layout = layout.with_suffix(pad)
+    keep, expand, routed = layout.keep, layout.expand, experience.routed_experts
     ids = experience.sequences.index_select(1, keep)
-    inputs = {
-        "input_ids": ids,
-        "position_ids": experience.position_ids.index_select(1, keep),
-        "attention_mask": None,
-        "use_cache": False,
-        **shared_prompt_attn_kwargs(units, device=ids.device),
-    }
-    synthetic = torch.zeros_like(ids, dtype=torch.bool)
-    return ShardedView(inputs, synthetic, None, targets, valid, lambda out: out), expand
+    positions = experience.position_ids.index_select(1, keep)
+    if routed is not None:
+        routed = routed.index_select(-1, keep)
+    if pad:  # its own segment: any positions; it scores nothing and is cut off by restore
+        suffix = torch.arange(pad, device=ids.device)
+        ids = torch.cat([ids, ids.new_full((1, pad), SUFFIX_TOKEN_ID)], dim=1)
+        positions = torch.cat([positions, suffix.unsqueeze(0)], dim=1)
+        expand = torch.cat([expand, suffix + rows])
+        targets = torch.nn.functional.pad(targets, (0, pad))
+        valid = torch.nn.functional.pad(valid, (0, pad), value=False)
+        if routed is not None:
+            routed = torch.nn.functional.pad(routed, (0, pad), value=-1)
+    inputs = {"input_ids": ids, "position_ids": positions, "attention_mask": None, "use_cache": False,
+              "shared_prompts": layout}
+    return ShardedView(inputs, layout.multiplicity.unsqueeze(0), routed, targets, valid, lambda out: out[:, :n],
+                       expand)
 
 
-def _prompt_units(experience: Experience) -> tuple[list[tuple[int, list[int]]], torch.Tensor, torch.Tensor] | None:
-    """The shared-prompt layout of a pack, or None when no prompt repeats.
-
-    A sample's prompt is its tokens before its first response token: P = (first True slot of
-    its `action_mask`) + 1 (slot k scores token k+1; rl/rollout/engine.py `make_record`).
-    Samples whose first P token ids and positions are equal (compared exactly, not by
-    `prompt_index`) form a group. Returns, in order of each group's first sample:
-    `units` (P, response lengths) of model/attention.py `shared_prompt_attn_kwargs` (a sample
-    alone, or with no response slot, is a unit `(T, [])`), `keep [N_c]` (the pack slot each
-    compressed slot copies: the group's first prompt, then every member's response) and
-    `expand [N]` (the compressed slot each pack slot reads).
-    """
-    lens = experience.packed_seq_lens
-    ids, pos = experience.sequences[0].cpu(), experience.position_ids[0].cpu()
-    first_action = _first_true(experience.action_mask[0].bool().cpu(), lens)
-    groups: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> [(start, length, prompt length)]
-    start = 0
-    for i, (t, k) in enumerate(zip(lens, first_action)):
-        p = k + 1
-        key = (p, ids[start:start + p].numpy().tobytes(), pos[start:start + p].numpy().tobytes()) if p < t else i
-        groups.setdefault(key, []).append((start, t, p))
-        start += t
-    if all(len(members) == 1 for members in groups.values()):
-        return None
-    units, keep, expand = [], [], torch.empty(start, dtype=torch.long)
-    offset = 0
-    for members in groups.values():
-        if len(members) == 1:
-            s, t, _ = members[0]
-            units.append((t, []))
-            keep.append(torch.arange(s, s + t))
-            expand[s:s + t] = torch.arange(offset, offset + t)
-            offset += t
-            continue
-        p = members[0][2]
-        units.append((p, [t - p for _, t, _ in members]))
-        keep.append(torch.arange(members[0][0], members[0][0] + p))
-        prompt = torch.arange(offset, offset + p)
-        offset += p
-        for s, t, _ in members:
-            keep.append(torch.arange(s + p, s + t))
-            expand[s:s + p] = prompt
-            expand[s + p:s + t] = torch.arange(offset, offset + t - p)
-            offset += t - p
-    return units, torch.cat(keep), expand
-
-
-def _first_true(mask: torch.Tensor, lens: list[int]) -> list[int]:
-    """Per packed sequence of `mask [N]`, the offset of its first True slot (its length if none)."""
-    starts = cu_seqlens(lens)[:-1].long()
-    hits = torch.cat([mask.nonzero().squeeze(1), torch.tensor([mask.numel()])])  # a sentinel past the end
-    first = hits[torch.searchsorted(hits, starts)] - starts
-    return torch.minimum(first, torch.tensor(lens)).tolist()
+def _shared_prompt_shard(experience: Experience, layout, targets: torch.Tensor, valid: torch.Tensor,
+                         dims: ParallelDims) -> ShardedView:
+    """cp > 1: the compressed rows `[1, N_c]` as a pack of units, sharded with the 2*cp zigzag
+    (model/context_parallel.py, with the units' `Segments` in its mask and flash segments).
+    Every compressed row scores one target (packing/prompts.py), so per-row outputs are computed
+    on this rank's rows, put back on the compressed axis by `_restore_full_sequence` (unchanged),
+    then on the pack's slots by `expand` (its backward sums a shared row's members)."""
+    keep = layout.keep
+    compressed = Experience(
+        sequences=experience.sequences.index_select(1, keep),
+        position_ids=experience.position_ids.index_select(1, keep),
+        packed_seq_lens=[prefix + sum(responses) for prefix, responses in layout.units],
+        routed_experts=None if experience.routed_experts is None else experience.routed_experts.index_select(-1, keep),
+    )
+    view = shard_forward(compressed, targets.index_select(1, keep), valid.index_select(1, keep), dims,
+                         weight=layout.multiplicity.unsqueeze(0), segments=Segments.of_units(layout.units))
+    restore = view.restore
+    return view._replace(restore=lambda out: restore(out).index_select(1, layout.expand))
 
 
 def _action_axis(out: torch.Tensor, experience: Experience) -> torch.Tensor:
@@ -377,14 +363,21 @@ def _check_batch(model: nn.Module, exp: Experience) -> None:
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and longest > limit:
         raise ValueError(f"sequence length {longest} exceeds the model's max_position_embeddings={limit}")
-    vocab = model.get_input_embeddings().num_embeddings
-    lo, hi = int(seqs.min()), int(seqs.max())
-    if lo < 0 or hi >= vocab:
-        raise ValueError(f"sequences hold token ids in [{lo}, {hi}], expected ids in [0, {vocab}) (vocab_size={vocab})")
+    _check_token_ids(seqs, model.get_input_embeddings().num_embeddings)
     if exp.action_mask is not None and layout != _shape(exp.action_mask):
         raise ValueError(
             f"action_mask has shape {_shape(exp.action_mask)}, expected {layout} for sequences {tuple(seqs.shape)}"
         )
+
+
+def _check_token_ids(seqs: torch.Tensor, vocab: int) -> None:
+    """Every id in [0, vocab), without a host sync (model/checks.py)."""
+    def detail() -> str:
+        lo, hi = int(seqs.min()), int(seqs.max())
+        return f"sequences hold token ids in [{lo}, {hi}], expected ids in [0, {vocab}) (vocab_size={vocab})"
+
+    check_on_device(((seqs >= 0) & (seqs < vocab)).all(),
+                    f"sequences hold a token id outside [0, {vocab}) (vocab_size={vocab})", detail)
 
 
 def _shape(t: torch.Tensor) -> str:

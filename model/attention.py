@@ -28,12 +28,12 @@ boundaries:
   model built (`_masked_sdpa`: on CPU with `enable_gqa` instead of transformers' per-head
   copy of K/V, which the rollout engine paid for the whole cache at every decode step).
 
-A shared-prompt pack (`shared_prompt_attn_kwargs`, built by model/actor.py when a GRPO
-group's samples share their prompt tokens) holds each shared prompt once, then the responses
-that share it. Its boundary description cuts the pack into segments (a prompt, a response,
-an unshared sequence): segment i's queries are its own slots, its keys are gathered by
-`kv_index` (a response's keys: its prompt's slots, then its own), causal aligned
-bottom-right. That is flash-attn's varlen contract with `cu_seqlens_k != cu_seqlens_q`, so
+A shared-prompt pack (`shared_prompts=`, packing/prompts.py `SharedPrompts`, built by the
+collate when a GRPO group's samples share their prompt tokens) holds each shared prompt once,
+then the responses that share it. Its boundary description cuts the pack into segments (a
+prompt, a response, an unshared sequence, an EP suffix): segment i's queries are its own
+slots, its keys are gathered by `kv_index` (a response's keys: its prompt's slots, then its
+own), causal aligned bottom-right. That is flash-attn's varlen contract with `cu_seqlens_k != cu_seqlens_q`, so
 on GPU it is one `flash_attn_varlen_func` call on the gathered K/V; on CPU one sdpa call
 per segment (measured per layer, SmolLM2's 9/3 heads of dim 64, 4 prompts of 45 tokens x 8
 responses of 16, fwd+bwd, 2 threads: 36.6 ms today's pack, 16.7 ms per segment, 105.8 ms
@@ -46,7 +46,7 @@ see transformers #39814 for a context-parallel shard with no position 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
 from typing import Sequence
 
 import torch
@@ -56,6 +56,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from packing.layout import cu_seqlens
+from packing.prompts import SharedPrompts
 
 VARLEN = "varlen"
 
@@ -71,9 +72,11 @@ def packed_attn_kwargs(
     """Boundary kwargs of a pack of sequences with lengths `seq_lens`.
 
     Returns `cu_seq_lens_q`, `cu_seq_lens_k` (int32 `[n + 1]`, cumulative lengths starting
-    at 0) and `max_length_q`, `max_length_k` (python ints). `trailing_pad` grows the last
-    sequence: expert parallelism folds its synthetic suffix into the last sequence so the
-    real tokens (which come earlier, and attend causally) never see it.
+    at 0), `max_length_q`, `max_length_k` (python ints) and `packed_seq_lens` (a tuple of
+    python ints: the host copy the CPU kernel splits by, so no layer reads lengths back from
+    the device). `trailing_pad` grows the last sequence: expert parallelism folds its
+    synthetic suffix into the last sequence so the real tokens (which come earlier, and
+    attend causally) never see it.
     """
     lens = [int(n) for n in seq_lens]
     if not lens:
@@ -87,69 +90,8 @@ def packed_attn_kwargs(
     lens[-1] += int(trailing_pad)
     cu = cu_seqlens(lens, device=device)
     longest = max(lens)
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
-
-
-@dataclass(frozen=True, eq=False)
-class SharedPrompts:
-    """Boundaries of a shared-prompt pack `[1, N_c]` (see the module docstring).
-
-    Segment i: queries are pack slots `cu_seq_lens_q[i]:cu_seq_lens_q[i+1]` (the segments tile
-    the pack in order); keys/values are pack slots `kv_index[cu_seq_lens_k[i]:cu_seq_lens_k[i+1]]`,
-    causal aligned bottom-right (query j of a segment with `len_q` queries and `len_k` keys
-    sees keys `<= j + len_k - len_q`). `lens_q`/`lens_k` are python copies for the CPU path.
-    """
-
-    cu_seq_lens_q: torch.Tensor  # int32 [S + 1]
-    cu_seq_lens_k: torch.Tensor  # int32 [S + 1]
-    kv_index: torch.Tensor  # int64 [sum(lens_k)]: pack slot of every key of every segment
-    max_length_q: int
-    max_length_k: int
-    lens_q: tuple[int, ...]
-    lens_k: tuple[int, ...]
-    _masks: dict = field(default_factory=dict, repr=False)  # (len_q, len_k, device) -> bool mask
-
-    def mask(self, len_q: int, len_k: int, device) -> torch.Tensor | None:
-        """None where sdpa's top-left `is_causal` is right (`len_q == len_k`), else the
-        bottom-right causal `[len_q, len_k]` bool mask (built once per forward and shape)."""
-        if len_q == len_k:
-            return None
-        key = (len_q, len_k, str(device))
-        if key not in self._masks:
-            self._masks[key] = torch.ones(len_q, len_k, dtype=torch.bool, device=device).tril(len_k - len_q)
-        return self._masks[key]
-
-
-def shared_prompt_attn_kwargs(
-    units: Sequence[tuple[int, Sequence[int]]], *, device: torch.device | str | None = None
-) -> dict:
-    """Boundary kwargs of a shared-prompt pack: `{"shared_prompts": SharedPrompts}`.
-
-    `units` in pack order, each `(prompt length P, response lengths [R_1, ...])`: the pack
-    holds the prompt's P slots, then each response's R_j slots. A unit with no responses is an
-    ordinary causal sequence of length P (a sample nobody shares its prompt with).
-    """
-    lens_q, lens_k, kv, start = [], [], [], 0
-    for prompt, responses in units:
-        responses = [int(r) for r in responses]
-        if int(prompt) < 1 or any(r < 1 for r in responses):
-            raise ValueError(f"shared_prompt_attn_kwargs: unit (prompt {prompt}, responses {responses}) has a "
-                             "length < 1; every prompt and response needs >= 1 token")
-        prompt_slots = torch.arange(start, start + prompt)
-        lens_q.append(int(prompt))
-        lens_k.append(int(prompt))
-        kv.append(prompt_slots)
-        start += prompt
-        for r in responses:
-            lens_q.append(r)
-            lens_k.append(prompt + r)
-            kv += [prompt_slots, torch.arange(start, start + r)]
-            start += r
-    if not lens_q:
-        raise ValueError("shared_prompt_attn_kwargs: units is empty; a pack holds at least one sequence")
-    layout = SharedPrompts(cu_seqlens(lens_q, device=device), cu_seqlens(lens_k, device=device),
-                           torch.cat(kv).to(device), max(lens_q), max(lens_k), tuple(lens_q), tuple(lens_k))
-    return {"shared_prompts": layout}
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
+            "packed_seq_lens": tuple(lens)}
 
 
 def use_flash(query: torch.Tensor) -> bool:
@@ -172,12 +114,21 @@ def varlen_attention_forward(
     max_length_q: int | None = None,
     max_length_k: int | None = None,
     shared_prompts: SharedPrompts | None = None,
+    packed_seq_lens: Sequence[int] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention interface: q `[B, H, S, D]`, k/v `[B, H_kv, S, D]` -> `[B, S, H, D]`."""
+    """transformers attention interface: q `[B, H, S, D]`, k/v `[B, H_kv, S, D]` -> `[B, S, H, D]`.
+
+    Lengths come from the host (`max_length_k`, `packed_seq_lens`, the layout's): no layer
+    reads them back from the device."""
     if not getattr(module, "is_causal", True):
         raise ValueError(f"varlen attention is causal only; {type(module).__name__}.is_causal is False")
-    longest = shared_prompts.max_length_k if shared_prompts is not None else _longest(key, cu_seq_lens_q)
+    if shared_prompts is not None:
+        longest = shared_prompts.max_length_k
+    elif max_length_k is not None:
+        longest = max_length_k
+    else:
+        longest = _longest(key, cu_seq_lens_q)
     if sliding_window is not None and sliding_window < longest:
         # a window at least as long as every sequence masks nothing (Mistral's 4096 on short samples)
         raise ValueError(
@@ -203,12 +154,19 @@ def varlen_attention_forward(
             cu_seq_lens_q, cu_k, longest_q, longest_k, dropout_p=dropout, softmax_scale=scaling, causal=True,
         )
         return out.unsqueeze(0), None
-    bounds = cu_seq_lens_q.tolist()
-    if bounds != cu_k.tolist() or bounds[0] != 0 or bounds[-1] != query.shape[2]:
-        raise ValueError(
-            f"cu_seq_lens_q {bounds} / cu_seq_lens_k {cu_k.tolist()} must be equal, start at 0 and end at the "
-            f"pack length {query.shape[2]} (query shape {tuple(query.shape)})"
-        )
+    if packed_seq_lens is not None:  # the host copy: no device read per layer
+        bounds = [0, *itertools.accumulate(int(n) for n in packed_seq_lens)]
+        if bounds[-1] != query.shape[2] or len(bounds) != cu_seq_lens_q.shape[0]:
+            raise ValueError(f"packed_seq_lens {list(packed_seq_lens)} (sum {bounds[-1]}, {len(bounds) - 1} sequences) "
+                             f"does not describe the pack: query shape {tuple(query.shape)}, cu_seq_lens_q shape "
+                             f"{tuple(cu_seq_lens_q.shape)}")
+    else:  # a caller that passed device boundaries only (reads them back once per layer)
+        bounds = cu_seq_lens_q.tolist()
+        if bounds != cu_k.tolist() or bounds[0] != 0 or bounds[-1] != query.shape[2]:
+            raise ValueError(
+                f"cu_seq_lens_q {bounds} / cu_seq_lens_k {cu_k.tolist()} must be equal, start at 0 and end at the "
+                f"pack length {query.shape[2]} (query shape {tuple(query.shape)})"
+            )
     return _per_sequence_sdpa(module, query, key, value, bounds, dropout, scaling), None
 
 

@@ -79,22 +79,32 @@ CP_VARLEN = "cp_varlen"
 class ShardedView(NamedTuple):
     """What the forward runs on this CP rank, and how its per-token outputs go back."""
 
-    inputs: dict  # kwargs of model.model(...) for the shard
-    synthetic: torch.Tensor  # [B, S_local] bool, True on CP / right padding (kept out of the experts)
-    routed: torch.Tensor | None  # [B, L, K, S_local] routing replay of the shard, -1 on padding
+    inputs: dict  # kwargs of model.model(...) for the shard: its rows [B, S_rows]
+    weight: torch.Tensor  # [B, S_rows] int64 tokens each row stands for: 0 on CP / right padding and the EP
+    #                       suffix (kept out of the experts), k on a prompt row shared by k samples (model/moe.py)
+    routed: torch.Tensor | None  # [B, L, K, S_rows] routing replay of the rows, -1 on padding
     targets: torch.Tensor  # [B, S_local] slot target ids
     valid: torch.Tensor  # [B, S_local] bool, True where the slot scores a real token
     restore: Callable[[torch.Tensor], torch.Tensor]  # [B, S_local] -> the full token axis [B, W]
+    expand: torch.Tensor | None = None  # [S_local] the row each slot reads (shared prompts); None: rows = slots
+
+    @property
+    def synthetic(self) -> torch.Tensor:
+        """`[B, S_rows]` bool, True on rows that stand for no token."""
+        return self.weight == 0
 
 
-def shard_forward(experience: Experience, targets: torch.Tensor, valid: torch.Tensor, dims) -> ShardedView:
+def shard_forward(experience: Experience, targets: torch.Tensor, valid: torch.Tensor, dims, *,
+                  weight: torch.Tensor | None = None, segments: Segments | None = None) -> ShardedView:
     """This CP rank's view of a batch for one forward. `targets`/`valid` are `[B, W]` on the
-    batch's token axis (computed on the full batch); outputs come back on that axis."""
-    local, layout = shard(experience, dims.cp, dims.cp_rank)
+    batch's token axis (computed on the full batch); outputs come back on that axis.
+    `weight [B, W]` (shared prompts: tokens each row stands for; default 1 per real token) and
+    `segments` (shared prompts: which rows a row may attend to, see `Segments`)."""
+    local, layout = shard(experience, dims.cp, dims.cp_rank, segments=segments)
     group = dims.cp_group
     return ShardedView(
         inputs=cp_model_inputs(local, layout, group),
-        synthetic=~local.attention_mask,
+        weight=local.attention_mask.long() if weight is None else shard_tokens(weight, layout),
         routed=local.routed_experts,
         targets=shard_tokens(targets, layout),
         valid=shard_tokens(valid, layout, fill=False),
@@ -129,6 +139,10 @@ class CPLayout:
     source: torch.Tensor  # [W_pad] int64, index on the original token axis, -1 on CP padding
     real: torch.Tensor  # [B, W_pad] bool
     restore_index: torch.Tensor  # [W] int64, gathered-axis position of each original token
+    # shared prompts (`Segments`): a query sees, within its sequence and causally, the keys of its
+    # own segment and of its sequence's shared prefix; None = the whole sequence is one segment
+    segment: torch.Tensor | None = None  # [W_pad] int64, segment of each padded-axis token (CP padding: its last)
+    shared: torch.Tensor | None = None  # [W_pad] bool, True on a sequence's shared prefix
 
     # ------------------------------------------------------------ this rank
     @property
@@ -170,8 +184,29 @@ class CPLayout:
         return dataclasses.replace(self, **moved)
 
 
+class Segments(NamedTuple):
+    """Segments of a shared-prompt row (packing/prompts.py): each "sequence" is a unit, its
+    shared prefix, then one segment per response that sees the prefix and itself only."""
+
+    segment: torch.Tensor  # [W] int64 segment id of each token of the batch's token axis
+    shared: torch.Tensor  # [W] bool, True on a unit's shared prefix
+
+    @classmethod
+    def of_units(cls, units) -> Segments:
+        seg, shared, g = [], [], 0
+        for prefix, responses in units:
+            seg.append(torch.full((prefix,), g))
+            shared.append(torch.full((prefix,), bool(responses)))
+            g += 1
+            for r in responses:
+                seg.append(torch.full((r,), g))
+                shared.append(torch.zeros(r, dtype=torch.bool))
+                g += 1
+        return cls(torch.cat(seg).long(), torch.cat(shared))
+
+
 def cp_layout(experience: Experience, cp: int, rank: int, *, zigzag: bool = True,
-              local_tokens: int | None = None) -> CPLayout:
+              local_tokens: int | None = None, segments: Segments | None = None) -> CPLayout:
     """The CP layout of a pack `[1, N]` or a padded batch `[B, T]` for CP rank `rank` of `cp`.
 
     `zigzag=False` gives contiguous sharding (rank r keeps chunks 2r and 2r+1): correct,
@@ -211,7 +246,17 @@ def cp_layout(experience: Experience, cp: int, rank: int, *, zigzag: bool = True
             raise ValueError(f"cp_layout: local_tokens={local_tokens}, expected an even count >= {natural} "
                              f"(this pack's tokens per rank at cp={cp})")
         padded[-1] += extra
-    return _build(lens, padded, cp, rank, zigzag=zigzag, packed=experience.is_packed, row_real=row_real)
+    layout = _build(lens, padded, cp, rank, zigzag=zigzag, packed=experience.is_packed, row_real=row_real)
+    if segments is None:
+        return layout
+    if not experience.is_packed or segments.segment.shape != (seqs.shape[1],):
+        raise ValueError(f"cp_layout: segments of shape {tuple(segments.segment.shape)} need a pack of as many "
+                         f"tokens; sequences {tuple(seqs.shape)}")
+    # CP padding takes its sequence's last segment (it comes after it: causal, never seen by a real token)
+    last = cu_seqlens(lens)[1:].long() - 1
+    src = torch.where(layout.source >= 0, layout.source, last[layout.seq_id])
+    return dataclasses.replace(layout, segment=segments.segment[src],
+                               shared=segments.shared[src] & (layout.source >= 0))
 
 
 def _chunk_pair(cp: int, rank: int, zigzag: bool) -> tuple[int, int]:
@@ -275,7 +320,7 @@ def unshard(gathered: torch.Tensor, layout: CPLayout, *, dim: int = 1) -> torch.
 
 
 def shard(experience: Experience, cp: int, rank: int, *, zigzag: bool = True,
-          local_tokens: int | None = None) -> tuple[Experience, CPLayout]:
+          local_tokens: int | None = None, segments: Segments | None = None) -> tuple[Experience, CPLayout]:
     """This CP rank's slice of a batch, and its layout.
 
     The local Experience holds `sequences [B, S_local]`, global `position_ids [B, S_local]`,
@@ -284,7 +329,7 @@ def shard(experience: Experience, cp: int, rank: int, *, zigzag: bool = True,
     trailing slot), `routed_experts [B, L, K, S_local]` (-1 on padding) and the episode
     fields unchanged. It has no `packed_seq_lens`: the layout describes its sequences.
     """
-    layout = cp_layout(experience, cp, rank, zigzag=zigzag, local_tokens=local_tokens)
+    layout = cp_layout(experience, cp, rank, zigzag=zigzag, local_tokens=local_tokens, segments=segments)
     return shard_experience(experience, layout), layout
 
 
@@ -385,6 +430,9 @@ def attention_mask(layout: CPLayout) -> torch.Tensor:
     q = layout.local_index
     k = layout.order.flatten()
     same = layout.seq_id[q].unsqueeze(1) == layout.seq_id[k].unsqueeze(0)
+    if layout.segment is not None:  # shared prompts: own segment, or the sequence's shared prefix
+        same = same & ((layout.segment[q].unsqueeze(1) == layout.segment[k].unsqueeze(0))
+                       | layout.shared[k].unsqueeze(0))
     causal = layout.position[k].unsqueeze(0) <= layout.position[q].unsqueeze(1)
     allowed = (same & causal).unsqueeze(0) & layout.real[:, k].unsqueeze(1)
     self_key = torch.zeros_like(same)
@@ -398,20 +446,43 @@ def flash_segments(layout: CPLayout, device=None):
 
     Queries keep their local order (chunk by chunk); the keys of a segment are its
     sequence's prefix up to the chunk's end, picked from the gathered axis by `kv_index`.
+    With shared-prompt segments a chunk is cut where its segment changes: a piece of segment g
+    sees its sequence's shared prefix, then g's tokens up to the piece's end (its queries are
+    the last keys: bottom-right causal).
     """
     if not layout.packed:
         raise ValueError("flash_segments: a padded batch uses the masked sdpa path")
     cp = layout.cp
     gathered_at = torch.empty_like(layout.seq_id)
     gathered_at[layout.order.flatten()] = torch.arange(layout.order.numel())
+    segment = None if layout.segment is None else layout.segment.tolist()
+    shared = None if layout.shared is None else layout.shared.tolist()
     lens_q, lens_k, keys = [], [], []
     start = 0
     for p in layout.padded_lens:
         c = p // (2 * cp)
         for j in layout.chunk_pair():
-            lens_q.append(c)
-            lens_k.append((j + 1) * c)
-            keys.append(gathered_at[start:start + (j + 1) * c])
+            a, end = start + j * c, start + (j + 1) * c
+            if segment is None:
+                lens_q.append(c)
+                lens_k.append(end - start)
+                keys.append(gathered_at[start:end])
+                continue
+            while a < end:  # one piece per segment the chunk crosses
+                g, b = segment[a], a
+                while b < end and segment[b] == g:
+                    b += 1
+                first = a
+                while first > start and segment[first - 1] == g:
+                    first -= 1
+                prefix = 0
+                while start + prefix < first and shared[start + prefix]:
+                    prefix += 1
+                rows = torch.cat([torch.arange(start, start + prefix), torch.arange(first, b)])
+                lens_q.append(b - a)
+                lens_k.append(rows.numel())
+                keys.append(gathered_at[rows])
+                a = b
         start += p
     return (cu_seqlens(lens_q, device=device), cu_seqlens(lens_k, device=device), max(lens_q), max(lens_k),
             torch.cat(keys).to(device))

@@ -13,18 +13,22 @@ how an unsharded copy (the rollout engine's) gets the contexts below.
 
 Per forward, three contexts steer the blocks (all take the model and restore on exit):
 
-    with moe_padding_mask(model, padding_mask):   # [1, N] / [B, T] bool, True = synthetic row
-    with routing_replay(model, routed_experts):   # [1, L, K, N] / [B, L, K, T] int, -1 = live
-    with record_routing(model) as rec:            # rec.routed_experts -> [B, L, K, T]
+    with moe_token_weights(model, weights, expand):  # [1, N] / [B, T] int: tokens each row stands for
+    with routing_replay(model, routed_experts):      # [1, L, K, N] / [B, L, K, T] int, -1 = live
+    with record_routing(model) as rec:               # rec.routed_experts -> [B, L, K, T]
 
 The contexts are read when a block runs. Activation checkpointing recomputes a layer
 inside backward, after the contexts have exited: `moe_state` captures a block's state at
 forward time and puts it back for the recompute (model/parallelize.py), which then counts
 no load and records no routing.
 
-Synthetic rows (the EP-equalizing suffix, CP padding, right padding) are never dispatched:
-they get a zero MoE output and are not counted in `expert_load`, so they cannot pile up on
-one expert (prime-rl #3350). State-dict keys are the stock ones; the expert entries hold
+Token weights say how many of the batch's tokens each row the blocks see stands for. A
+synthetic row (the EP-equalizing suffix, CP padding, right padding) weighs 0: it is never
+dispatched, gets a zero MoE output and is not counted in `expert_load` or the aux loss, so
+it cannot pile up on one expert (prime-rl #3350). A shared-prompt row (model/actor.py: a
+GRPO group's prompt run once for its k samples) weighs k: it is dispatched once and counted
+k times, so the load, the aux loss and the recorded routing (put back on the batch's slots
+by `expand`) are the unshared pack's. State-dict keys are the stock ones; the expert entries hold
 the local shard; `model.parallelize.full_parameters` rebuilds the full tensors.
 """
 
@@ -37,6 +41,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from model.checks import check_on_device
 
 EXPERT_PARAM_NAMES = ("gate_up_proj", "down_proj")
 
@@ -129,21 +135,26 @@ class ExpertParallelExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """`x [S, H]`, `ids`/`weights [S, K]`, `keep [S]` bool (None = all rows) -> `[S, H]`.
 
-        Rows outside `keep` are never sent anywhere and get a zero output."""
+        Rows outside `keep` are never sent anywhere and get a zero output. One host sync: the
+        per-expert counts (the split sizes of the grouped matmuls and of the exchange)."""
         S, K = ids.shape
+        E = self.num_experts
         token = torch.arange(S, device=x.device).repeat_interleave(K)  # token of each (token, slot) pair
         pair_ids, pair_w = ids.reshape(-1), weights.reshape(-1)
-        if keep is not None:
-            pair_keep = keep.repeat_interleave(K)
-            token, pair_ids, pair_w = token[pair_keep], pair_ids[pair_keep], pair_w[pair_keep]
+        if keep is not None:  # a sentinel expert E past the last one: sorted last, never sent (no boolean index)
+            pair_ids = torch.where(keep.repeat_interleave(K), pair_ids, E)
         # group pairs by expert; experts are contiguous per rank, so this also groups by destination
         order = torch.argsort(pair_ids, stable=True)
-        token, pair_ids, pair_w = token[order], pair_ids[order], pair_w[order]
-        send_counts = torch.bincount(pair_ids, minlength=self.num_experts)  # [E]
+        counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device).scatter_add_(
+            0, pair_ids, torch.ones_like(pair_ids))  # [E + 1], the sentinel's last
+        per_expert = counts.tolist()  # the host sync
+        kept = sum(per_expert[:E])
+        token, pair_w = token[order[:kept]], pair_w[order[:kept]]
+        send_counts = counts[:E]
         rows = x[token]  # [P, H]
 
         if self.ep_size == 1:
-            out = self._compute(rows, send_counts.tolist())
+            out = self._compute(rows, per_expert[:E])
         else:
             ep, n_local = self.ep_size, self.num_local_experts
             recv_counts = torch.empty_like(send_counts)  # [ep * E_local]: source-major
@@ -152,7 +163,7 @@ class ExpertParallelExperts(nn.Module):
             out_splits = recv_counts.view(ep, n_local).sum(1).tolist()
             recv = _all_to_all(rows, out_splits, in_splits, self.ep_group)  # [R, H], by source, then expert
             local_expert = torch.repeat_interleave(
-                torch.arange(n_local, device=x.device).repeat(ep), recv_counts
+                torch.arange(n_local, device=x.device).repeat(ep), recv_counts, output_size=sum(out_splits)
             )
             by_expert = torch.argsort(local_expert, stable=True)
             computed = self._compute(recv[by_expert], recv_counts.view(ep, n_local).sum(0).tolist())
@@ -180,10 +191,12 @@ class ExpertParallelExperts(nn.Module):
 class MoEBlock(nn.Module):
     """A sparse MoE block: the stock router (`gate`, untouched) + `ExpertParallelExperts`.
 
-    Per-forward state, set by the context managers of this module: `padding_mask [B, T]`,
-    `replay` ((shape of `routed_experts`, this layer's slice `[B, K, T]`)), `recorder` (a list the
-    used top-k ids `[B, K, T]` are appended to). `load [E]` counts dispatched token-slot
-    pairs per expert since the last `reset_expert_load`.
+    Per-forward state, set by the context managers of this module: `token_weight [B, T]` int
+    (tokens each row stands for, 0 = synthetic) and `expand [W]` (the row each of the batch's W
+    token slots reads, shared prompts; None = the rows are the slots), `replay` ((shape of
+    `routed_experts`, this layer's slice `[B, K, T]`)), `recorder` (a list the used top-k ids
+    `[B, K, W]` are appended to). `load [E]` counts token-slot pairs per expert, each row
+    counted `token_weight` times, since the last `reset_expert_load`.
     """
 
     def __init__(self, gate: nn.Module, experts: ExpertParallelExperts, layer: int) -> None:
@@ -192,11 +205,12 @@ class MoEBlock(nn.Module):
         self.top_k, self.num_experts = int(gate.top_k), int(gate.num_experts)
         self.norm_topk_prob = bool(gate.norm_topk_prob)
         self.register_buffer("load", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)
-        self.padding_mask: torch.Tensor | None = None
+        self.token_weight: torch.Tensor | None = None
+        self.expand: torch.Tensor | None = None
         self.replay: tuple[tuple[int, ...], torch.Tensor] | None = None
         self.recorder: list[torch.Tensor] | None = None
         self.recompute = False  # activation checkpointing's second run: count and record nothing
-        self.aux: list | None = None  # router_aux_loss: (loss, real rows) per forward
+        self.aux: list | None = None  # router_aux_loss: (loss, tokens) per forward
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         B, T, H = hidden_states.shape
@@ -204,41 +218,51 @@ class MoEBlock(nn.Module):
         logits, weights, ids = self.gate(x)  # [B*T, E], [B*T, K], [B*T, K]
         if self.replay is not None:
             ids, weights = self._replayed(logits, weights, ids, B, T)
-        keep = None
-        if self.padding_mask is not None:
-            if tuple(self.padding_mask.shape) != (B, T):
-                raise ValueError(f"moe padding_mask has shape {tuple(self.padding_mask.shape)}, "
+        weight = keep = None
+        if self.token_weight is not None:
+            if tuple(self.token_weight.shape) != (B, T):
+                raise ValueError(f"moe token weights have shape {tuple(self.token_weight.shape)}, "
                                  f"expected [{B}, {T}] like the hidden states (layer {self.layer})")
-            keep = ~self.padding_mask.reshape(-1).to(x.device)
+            weight = self.token_weight.reshape(-1).to(x.device)
+            keep = weight > 0
         if not self.recompute:
-            self._count(ids, keep, B, T)
+            self._count(ids, weight, B, T)
         if self.aux is not None:
-            aux = self._balance_loss(logits, ids, keep)
+            aux = self._balance_loss(logits, ids, weight)
             if not self.recompute:
                 self.aux.append(aux)
         out = self.experts(x, ids, weights, keep)
         return out.reshape(B, T, H)
 
-    def _balance_loss(self, logits: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor | None):
-        """Switch-style load-balancing loss over the real rows: E * sum_e f_e * P_e, with f_e the
-        share of top-k slots routed to expert e and P_e its mean router probability. Returns
-        (loss, real rows): synthetic rows (suffix, CP and right padding) never count."""
-        if keep is not None:
-            logits, ids = logits[keep], ids[keep]
-        n = ids.shape[0]
-        if n == 0:
-            return logits.sum() * 0.0, 0
-        share = torch.bincount(ids.reshape(-1), minlength=self.num_experts).to(torch.float32) / ids.numel()
-        prob = F.softmax(logits, dim=-1, dtype=torch.float32).mean(0)
+    def _per_pair(self, ids: torch.Tensor, weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`ids [S, K]` flat, and each (row, slot) pair's token weight `[S*K]` (1 without weights)."""
+        flat = ids.reshape(-1)
+        if weight is None:
+            return flat, torch.ones_like(flat)
+        return flat, weight.to(flat.dtype).repeat_interleave(ids.shape[1])
+
+    def _balance_loss(self, logits: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor | None):
+        """Switch-style load-balancing loss over the batch's tokens: E * sum_e f_e * P_e, with f_e
+        the share of top-k slots routed to expert e and P_e its mean router probability, each row
+        counted `weight` times (0: synthetic rows never count; k: a shared prompt row for its k
+        samples). Returns (loss, tokens), tokens a 0-d tensor (no host sync)."""
+        flat, pair_w = self._per_pair(ids, weight)
+        w = torch.ones(ids.shape[0], device=ids.device) if weight is None else weight.to(torch.float32)
+        n = w.sum()
+        denom = n.clamp(min=1.0)  # no token: share = prob = 0, the loss 0 with a graph
+        share = torch.zeros(self.num_experts, device=ids.device).scatter_add_(0, flat, pair_w.float())
+        share = share / (denom * ids.shape[1])
+        prob = (F.softmax(logits, dim=-1, dtype=torch.float32) * w[:, None]).sum(0) / denom
         return self.num_experts * (share * prob).sum(), n
 
     @torch.no_grad()
-    def _count(self, ids: torch.Tensor, keep: torch.Tensor | None, B: int, T: int) -> None:
-        used = ids if keep is None else ids[keep]
-        self.load += torch.bincount(used.reshape(-1), minlength=self.num_experts)
+    def _count(self, ids: torch.Tensor, weight: torch.Tensor | None, B: int, T: int) -> None:
+        self.load.scatter_add_(0, *self._per_pair(ids, weight))
         if self.recorder is not None:
-            kept = ids if keep is None else torch.where(keep[:, None], ids, torch.full_like(ids, -1))
-            self.recorder.append(kept.reshape(B, T, -1).transpose(1, 2).clone())
+            kept = ids if weight is None else torch.where(weight[:, None] > 0, ids, torch.full_like(ids, -1))
+            rec = kept.reshape(B, T, -1).transpose(1, 2)  # [B, K, T] on the rows
+            rec = rec if self.expand is None else rec.index_select(2, self.expand.to(rec.device))
+            self.recorder.append(rec.clone())
 
     def _replayed(self, logits, weights, ids, B: int, T: int):
         """Recorded ids where the record has them; gate weights from the live logits at those ids,
@@ -254,9 +278,9 @@ class MoEBlock(nn.Module):
         rec = rec.to(ids.device, ids.dtype).transpose(1, 2).reshape(B * T, self.top_k)
         recorded = rec >= 0
         row = recorded.all(-1)
-        if bool((recorded.any(-1) & ~row).any()):
-            raise ValueError(f"routed_experts (layer {self.layer}) has tokens with -1 in some but not all "
-                             f"{self.top_k} top-k slots: a token's record is either complete or -1")
+        partial = (f"routed_experts (layer {self.layer}) has tokens with -1 in some but not all "
+                   f"{self.top_k} top-k slots: a token's record is either complete or -1")
+        check_on_device(~(recorded.any(-1) & ~row).any(), partial, lambda: partial)
         probs = F.softmax(logits, dim=-1, dtype=torch.float)
         w = probs.gather(1, rec.clamp(min=0))
         if self.norm_topk_prob:
@@ -350,7 +374,7 @@ def _setting(blocks: list[MoEBlock], attr: str, values: list):
             setattr(b, attr, v)
 
 
-_STATE = ("padding_mask", "replay", "recorder", "aux")
+_STATE = ("token_weight", "expand", "replay", "recorder", "aux")
 
 
 def moe_state(blocks: list[MoEBlock], state: list | None = None, *, recompute: bool = False):
@@ -371,17 +395,22 @@ def _restored(blocks: list[MoEBlock], state: list, recompute: bool):
 
 
 @contextlib.contextmanager
-def moe_padding_mask(model: nn.Module, padding_mask: torch.Tensor | None):
-    """Exclude synthetic rows from expert compute for the forwards inside the context.
+def moe_token_weights(model: nn.Module, weights: torch.Tensor | None, expand: torch.Tensor | None = None):
+    """How many of the batch's tokens each row stands for, in the forwards inside the context.
 
-    `padding_mask [1, N]` (pack) or `[B, T]` (padded) bool, True = synthetic row (EP suffix,
-    CP padding, right padding). Those rows are never dispatched and get a zero MoE output.
-    None is a no-op."""
+    `weights [1, N]` (pack) or `[B, T]` (padded) int: 0 = a synthetic row (EP suffix, CP
+    padding, right padding: never dispatched, a zero MoE output, not counted), 1 = a token,
+    k = a shared prompt row standing for its group's k copies (dispatched once; counted k
+    times in `expert_load` and the aux loss). `expand [W]` int64 (shared prompts, B = 1): the
+    row each of the batch's W token slots reads; recorded routing comes back on those slots.
+    None weights: every row is one token."""
     blocks = moe_blocks(model)
-    if padding_mask is not None and (padding_mask.dim() != 2 or padding_mask.dtype != torch.bool):
-        raise ValueError(f"padding_mask has shape {tuple(padding_mask.shape)} dtype {padding_mask.dtype}, "
-                         f"expected a bool [1, N] or [B, T] tensor (True = synthetic row)")
-    with _setting(blocks, "padding_mask", [padding_mask] * len(blocks)):
+    if weights is not None and (weights.dim() != 2 or weights.is_floating_point() or weights.dtype == torch.bool):
+        raise ValueError(f"moe token weights have shape {tuple(weights.shape)} dtype {weights.dtype}, expected an "
+                         f"integer [1, N] or [B, T] tensor (tokens each row stands for, 0 = synthetic)")
+    if expand is not None and (expand.dim() != 1 or weights is None or weights.shape[0] != 1):
+        raise ValueError(f"moe expand has shape {tuple(expand.shape)}, expected [W] with weights of one row [1, N_c]")
+    with _setting(blocks, "token_weight", [weights] * len(blocks)), _setting(blocks, "expand", [expand] * len(blocks)):
         yield
 
 
@@ -409,10 +438,12 @@ def routing_replay(model: nn.Module, routed_experts: torch.Tensor | None):
     if shape[2] != K:
         raise ValueError(f"routed_experts has top-k {shape[2]} on axis 2 (shape {shape}), "
                          f"expected K={K}: [B, {L}, {K}, T]")
-    if routed_experts.numel():
+    def detail() -> str:
         lo, hi = int(routed_experts.min()), int(routed_experts.max())
-        if lo < -1 or hi >= E:
-            raise ValueError(f"routed_experts holds ids in [{lo}, {hi}], expected -1 (live) or [0, {E})")
+        return f"routed_experts holds ids in [{lo}, {hi}], expected -1 (live) or [0, {E})"
+
+    check_on_device(((routed_experts >= -1) & (routed_experts < E)).all(),
+                    f"routed_experts holds an id outside -1 (live) or [0, {E})", detail)
     with _setting(blocks, "replay", [(shape, routed_experts[:, i]) for i in range(L)]):
         yield
 
@@ -443,9 +474,10 @@ def record_routing(model: nn.Module):
 
 @contextlib.contextmanager
 def router_aux_loss(model: nn.Module, enabled: bool = True):
-    """`with router_aux_loss(model) as aux: model(...)`; then `aux` holds one (loss, real rows)
+    """`with router_aux_loss(model) as aux: model(...)`; then `aux` holds one (loss, tokens)
     per MoE layer and forward: the load-balancing loss of `MoEBlock._balance_loss`, with
-    gradients to the routers. Weight each by its real rows to average over tokens."""
+    gradients to the routers, and the batch tokens it covers (a 0-d tensor: synthetic rows
+    excluded, shared prompt rows counted per sample). Weight each by its tokens to average."""
     blocks = moe_blocks(model, strict=False) if enabled else []
     found: list = []
     with _setting(blocks, "aux", [found] * len(blocks)):
@@ -461,7 +493,8 @@ def reset_expert_load(model: nn.Module) -> None:
 
 @torch.no_grad()
 def expert_load(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict:
-    """Tokens dispatched per expert since the last `reset_expert_load` (synthetic rows excluded).
+    """Token-slot pairs per expert since the last `reset_expert_load` (synthetic rows excluded,
+    shared prompt rows counted once per sample they stand for: the unshared batch's figures).
 
     Counts are this rank's tokens; with `group` (e.g. the EP group) they are summed over it,
     which makes `per_rank` what each EP rank received. Returns

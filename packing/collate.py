@@ -8,7 +8,8 @@ byte-identical to AutoModel's output.
 Every action-axis field `[T_i - 1]` gets one trailing masked slot in a pack, so all
 per-token tensors share the `[1, N]` axis: slot j of the pack scores token j+1 of the
 same sequence, and the last slot of each sequence (which would score the next
-sequence's first token) is 0 / False.
+sequence's first token) is 0 / False. A pack also carries its shared-prompt layout
+(`shared_prompts`, packing/prompts.py), computed here once per collated batch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from packing.experience import Experience, Kind, routing_shape
 from packing.layout import packed_positions
+from packing.prompts import shared_prompts
 
 ROUTING_PAD = -1  # "no record: keep live routing"
 
@@ -39,6 +41,9 @@ def make_experience_batch(items: Sequence[Experience], packed: bool = False, *, 
             if values is not None:
                 # [T_i - 1] -> [T_i]: the trailing slot would score the next sequence's first token
                 batch[name] = torch.cat([F.pad(v, (0, 1)) for v in values]).unsqueeze(0)
+        # once per pack, here on the host: the forward only reads it (model/actor.py _shared_prompt_view)
+        batch["shared_prompts"] = shared_prompts(batch["sequences"], batch["position_ids"], lengths,
+                                                 batch.get("action_mask"))
     else:
         max_len = max(lengths)
         batch["sequences"] = _pad_stack([item.sequences for item in items], max_len, pad_token_id)

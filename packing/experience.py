@@ -9,7 +9,10 @@ Three layouts share the class:
             episode fields `[B]`.
 * packed  - THD pack: `sequences [1, N]`, `position_ids [1, N]`, action fields
             `[1, N]` (one trailing masked slot per sequence), `routed_experts
-            [1, L, K, N]`, `packed_seq_lens` (python ints), episode fields `[B]`.
+            [1, L, K, N]`, `packed_seq_lens` (python ints), episode fields `[B]`,
+            and `shared_prompts` (packing/prompts.py: the compressed row `[1, N_c]` of
+            the prompts its GRPO groups repeat, built once by the collate; None when
+            no prompt repeats).
 
 Every field declares its kind once, in its metadata, so the collate, `split` and
 `to(device)` iterate kinds and never list field names a second time.
@@ -25,6 +28,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from packing.layout import cu_seqlens
+from packing.prompts import SharedPrompts
 
 
 class Kind(enum.Enum):
@@ -67,6 +71,10 @@ class Experience:
     # pack description
     position_ids: torch.Tensor | None = _field(Kind.PACK, "[1, N], restarting at 0 per sequence")
     packed_seq_lens: list[int] | None = _field(Kind.PACK, "length of each packed sequence")
+    shared_prompts: SharedPrompts | None = _field(
+        Kind.PACK, "the layout with each repeated prompt once: keep [N_c], expand [N], attention boundaries "
+        "(packing/prompts.py); derived from sequences, position_ids and action_mask by the collate, so a "
+        "pack whose tokens or action_mask are replaced must drop it (None: no prompt repeats)")
 
     # ------------------------------------------------------------------ kinds
     @classmethod
@@ -110,7 +118,7 @@ class Experience:
     # -------------------------------------------------------------- transforms
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Experience:
         def move(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, (torch.Tensor, SharedPrompts)):
                 return value.to(device, non_blocking=non_blocking)
             if isinstance(value, list):
                 return [move(v) for v in value]

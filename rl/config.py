@@ -59,7 +59,7 @@ class ModelConfig:
     # vocabulary reaches the same peak; a microbatch that fits one chunk skips the backward recompute
     logprob_chunk_bytes: int = 512 * 2**20
     # run each prompt a pack repeats (a GRPO group's samples) once through the body (model/actor.py
-    # _shared_prompt_view); padded batches, cp/ep > 1, MoE and packs without a repeat run as before
+    # _shared_prompt_view), dense and MoE, any cp and ep; padded batches and packs without a repeat run as before
     share_prompts: bool = True
     overrides: Dict[str, Any] = field(default_factory=dict)  # Hugging Face config fields
 

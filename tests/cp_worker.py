@@ -144,6 +144,7 @@ def cp_checks(rank: int, world_size: int) -> dict:
     out["dims"] = {"dp": dims.dp, "cp": dims.cp, "cp_rank": dims.cp_rank, "dp_group": dims.dp_group,
                    "cp_group_ranks": dist.get_process_group_ranks(group)}
     out["local_tokens"] = cp_layout(b["packed"], cp, rank).num_local
+    out["shared"] = shared_prompt_checks(dims)
     if world_size == 4:  # the same world as dp=2 x cp=2 with ep=2: every group's ranks
         mixed = ParallelDims(cp=2, ep=2, world_size=4)
         build_mesh(mixed)
@@ -153,3 +154,50 @@ def cp_checks(rank: int, world_size: int) -> dict:
         out["groups_dp2_cp2_ep2"]["expert_fsdp"] = mixed.expert_fsdp_mesh.mesh.tolist()
         out["groups_dp2_cp2_ep2"]["fsdp"] = mixed.fsdp_mesh.mesh.tolist()
     return out
+
+
+# --------------------------------------------------- shared prompts under CP (same launch)
+def shared_prompt_checks(dims) -> dict:
+    """The shared-prompt forward of the tiny Qwen3 under this CP group (the compressed rows
+    sharded with the 2*cp zigzag, model/actor.py `_shared_prompt_shard`) against the unshared
+    pack in one process ("varlen"): log-probs (every rank holds them all) and the parameter
+    gradients summed over the CP group, as (diff, scale); the rows each rank's body ran; and a
+    control (the CP mask without the units' segments: responses see their siblings)."""
+    from model import context_parallel as cpmod
+    from model.actor import Actor
+    from test_shared_prompt import body_tokens, grpo_records
+
+    pack = make_experience_batch(grpo_records(), packed=True)
+
+    def loss_of(lp):
+        mask = pack.action_mask.float()
+        return -(pack.advantages * lp * mask).sum() / mask.sum()
+
+    reference = tiny_qwen3("varlen")
+    ref_lp = Actor(reference)(pack)
+    loss_of(ref_lp).backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+
+    def run(control: bool = False):
+        model = tiny_qwen3(CP_VARLEN)
+        layout = cpmod.cp_layout
+        if control:
+            cpmod.cp_layout = lambda *a, segments=None, **k: layout(*a, **k)
+        try:
+            with body_tokens(model) as seen:
+                lp = Actor(model, dims=dims, share_prompts=True)(pack)
+            loss_of(lp).backward()
+        finally:
+            cpmod.cp_layout = layout
+        grads = _grads(model, dims.cp_group)
+        return {"log_probs": (float((lp - ref_lp).abs().max()), float(ref_lp.abs().max())),
+                "grads": (max(float((grads[n] - g).abs().max()) for n, g in ref_grads.items()),
+                          max(float(g.abs().max()) for g in ref_grads.values())),
+                "seen": seen}
+
+    unit_lens = [prefix + sum(rs) for prefix, rs in pack.shared_prompts.units]
+    unit = 2 * dims.cp
+    return {**run(), "control_no_segments": run(control=True), "n": pack.sequences.shape[1],
+            "rows": pack.shared_prompts.keep.numel(),
+            "local_rows": sum(-(-n // unit) * unit for n in unit_lens) // dims.cp}
+

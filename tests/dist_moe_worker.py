@@ -21,7 +21,7 @@ from model.moe import (
     ep_suffix_length,
     expert_load,
     is_expert_param,
-    moe_padding_mask,
+    moe_token_weights,
     record_routing,
     reset_expert_load,
 )
@@ -155,7 +155,7 @@ def ep_checks(rank: int, world_size: int) -> dict:
             plain = logits_of(ep_model, ids, pos)
         load_plain = expert_load(ep_model), expert_load(ep_model, group)
         reset_expert_load(ep_model)
-        with moe_padding_mask(ep_model, padding):
+        with moe_token_weights(ep_model, (~padding).long()):
             suffixed = logits_of(ep_model, ids_s, pos_s)
         load_suffix = expert_load(ep_model), expert_load(ep_model, group)
         reset_expert_load(ep_model)
@@ -172,7 +172,7 @@ def ep_checks(rank: int, world_size: int) -> dict:
     # a rank whose rows are all synthetic still joins every exchange, forward and backward
     ep_model.zero_grad(set_to_none=True)
     all_synthetic = torch.full_like(padding, rank == 1)
-    with moe_padding_mask(ep_model, all_synthetic):
+    with moe_token_weights(ep_model, (~all_synthetic).long()):
         lp = token_log_probs(logits_of(ep_model, ids_s, pos_s), ids_s)
         weighted_loss(lp, seed=rank).backward()
     out["all_synthetic_rank_ok"] = all(p.grad is not None for name, p in ep_model.named_parameters()
@@ -193,6 +193,8 @@ def ep_checks(rank: int, world_size: int) -> dict:
     out["gathered_keys_match"] = sorted(gathered) == sorted(ref_state)
     out["gathered_equal"] = all(torch.equal(gathered[k], ref_state[k]) for k in ref_state)
 
+    out["shared"] = shared_prompt_checks(rank, world_size)
+
     # ep must divide the expert count
     try:
         shard_experts(tiny_moe(0, num_experts=3), group)
@@ -200,3 +202,84 @@ def ep_checks(rank: int, world_size: int) -> dict:
     except ValueError as e:
         out["indivisible_error"] = str(e)
     return out
+
+
+# --------------------------------------------------- shared prompts at ep=2 (same launch)
+# per EP rank: GRPO groups (prompt length, response lengths) whose compressed rows differ (74 vs 43), so
+# rank 1 appends a 31-row EP suffix to its shared rows
+SHARED_GROUPS = ([(7, [3, 5, 1, 9]), (12, [4, 4, 2, 6]), (9, [6])], [(12, [2, 2, 3, 2]), (10, [4, 4])])
+SHARED_AUX = 0.01
+
+
+def _shared_run(actor, batch) -> dict:
+    """One forward+backward of the policy term + SHARED_AUX x aux loss, and every figure of it."""
+    model = actor.model
+    model.zero_grad(set_to_none=True)
+    reset_expert_load(model)
+    with moe.router_aux_loss(model) as aux, record_routing(model) as rec:
+        lp = actor(batch)
+    tokens = torch.stack([n for _, n in aux])
+    balance = sum(a * n for a, n in aux) / (batch.sequences.numel() * len(aux))  # as the trainer
+    mask = batch.action_mask.float()
+    (((-batch.advantages * lp) * mask).sum() / mask.sum() + SHARED_AUX * balance).backward()
+    out = {"log_probs": lp.detach(), "aux": torch.stack([a.detach() for a, _ in aux]), "tokens": tokens,
+           "load": expert_load(model)["per_layer"], "routed": rec.routed_experts[..., :batch.sequences.shape[1]],
+           "grads": grads(model)}
+    model.zero_grad(set_to_none=True)
+    reset_expert_load(model)
+    return out
+
+
+def shared_prompt_checks(rank: int, world_size: int) -> dict:
+    """The shared-prompt forward of a varlen tiny MoE at ep=2 (each rank its own GRPO pack, the EP
+    suffix on the compressed rows) against the unshared pack in one process: (diff, scale) per
+    figure, exact flags for the counts and records, and a control (unit token weights)."""
+    from model import actor as actor_module
+    from model.actor import Actor
+    from model.models import build_model
+    from model.parallel_dims import ParallelDims, build_mesh
+    from packing.collate import make_experience_batch
+    from test_shared_prompt import body_tokens, grpo_records
+
+    dims = ParallelDims(dp=world_size, ep=world_size, world_size=world_size)
+    build_mesh(dims)
+    base = build_model("qwen3_moe", seed=0)
+    local = shard_experts(copy.deepcopy(base), None)
+    ep_model = shard_experts(copy.deepcopy(base), dims.ep_group)
+    packs = [make_experience_batch(grpo_records(g, seed=r, hole=False), packed=True)
+             for r, g in enumerate(SHARED_GROUPS)]
+    pack = packs[rank]
+    refs = [_shared_run(Actor(local), p) for p in packs]
+    ref = refs[rank]
+    with body_tokens(ep_model) as seen:
+        got = _shared_run(Actor(ep_model, dims=dims, share_prompts=True), pack)
+    rows = [p.shared_prompts.keep.numel() for p in packs]
+    out = {"rows_seen": seen, "rows": rows, "n": pack.sequences.shape[1]}
+
+    def figures(run) -> dict:
+        f = {"log_probs": (float((run["log_probs"] - ref["log_probs"]).abs().max()),
+                           float(ref["log_probs"].abs().max())),
+             "aux": (float((run["aux"] - ref["aux"]).abs().max()), float(ref["aux"].abs().max()))}
+        for name, g in run["grads"].items():
+            kind = param_kind(name)
+            if kind == "experts":  # an expert shard: every rank's tokens reached it
+                n = g.shape[0]
+                r = sum(x["grads"][name] for x in refs)[rank * n:(rank + 1) * n]
+            else:
+                r = ref["grads"][name]
+            d, sc = f.get(kind, (0.0, 0.0))
+            f[kind] = (max(d, float((g - r).abs().max())), max(sc, float(r.abs().max())))
+        f["tokens_equal"] = torch.equal(run["tokens"], ref["tokens"])
+        f["load_equal"] = torch.equal(run["load"], ref["load"])
+        f["routed_equal"] = torch.equal(run["routed"], ref["routed"])
+        return f
+
+    out["figures"] = figures(got)
+    view = actor_module._shared_prompt_view
+    actor_module._shared_prompt_view = lambda *a: (v := view(*a))._replace(weight=(v.weight > 0).long())
+    try:
+        out["control_unit_weights"] = figures(_shared_run(Actor(ep_model, dims=dims, share_prompts=True), pack))
+    finally:
+        actor_module._shared_prompt_view = view
+    return out
+

@@ -94,6 +94,23 @@ def test_cp_log_probs_and_grads_match_one_process(cp_run, reference):
 
 
 @pytest.mark.slow
+def test_shared_prompts_under_cp_equal_the_unshared_pack_of_one_process(cp_run):
+    """The shared-prompt forward at cp 2 and 4 (tests/cp_worker.py `shared_prompt_checks`): each
+    rank's body runs its zigzag shard of the compressed rows; log-probs and the CP-summed grads
+    equal the one-process unshared pack's. Control: the CP mask without the units' segments."""
+    from test_shared_prompt import SHARED_ULPS
+
+    cp, ranks = cp_run
+    for r, out in enumerate(ranks):
+        s = out["shared"]
+        assert s["seen"] == [s["local_rows"]] and s["rows"] < s["n"], s
+        for key in ("log_probs", "grads"):
+            assert_parity(f"cp={cp} rank {r} shared {key} vs one-process unshared", *s[key], k=SHARED_ULPS)
+        assert_control_fails(f"cp={cp} rank {r} shared without segments, log-probs",
+                             *s["control_no_segments"]["log_probs"], k=SHARED_ULPS)
+
+
+@pytest.mark.slow
 def test_sequences_shorter_than_2cp_and_a_one_sequence_pack(cp_run, reference):
     cp, ranks = cp_run
     assert min(LENGTHS) < 2 * cp
@@ -316,3 +333,74 @@ def test_cp_varlen_without_a_cp_context_is_per_sequence_causal_attention():
                   want.abs().max())
     leak = cp_attention_forward(module, q, k, v, None, **packed_attn_kwargs([n]))[0]
     assert_control_fails("the pack as one sequence", (leak - want).abs().max(), want.abs().max())
+
+
+# ------------------------------------------------------------------ shared prompts
+SHARED_UNITS = [(5, (3, 6, 1)), (4, ()), (7, (2, 9)), (1, ())]  # (prefix, responses) per unit; alone: ()
+
+
+def _shared_pack():
+    from packing.collate import make_experience_batch as collate
+    from packing.experience import Experience
+
+    lens = [p + sum(rs) for p, rs in SHARED_UNITS]
+    gen = torch.Generator().manual_seed(3)
+    recs = [Experience(sequences=torch.randint(0, 50, (n,), generator=gen)) for n in lens]
+    return collate(recs, packed=True)
+
+
+def test_shared_prompt_segments_mask_exactly_the_shared_attention():
+    """`cp_layout` with the units' `Segments`: on the gathered axis, a real query sees exactly the
+    keys the shared-prompt attention allows (its unit's prefix causally, its own segment's
+    earlier tokens), for every rank at cp 2 and 3; the dense reference is built from the units."""
+    from model.context_parallel import Segments, attention_mask
+
+    pack = _shared_pack()
+    n = pack.sequences.shape[1]
+    expected = torch.zeros(n, n, dtype=torch.bool)
+    start = 0
+    for p, responses in SHARED_UNITS:
+        expected[start:start + p, start:start + p] = torch.ones(p, p, dtype=torch.bool).tril()
+        r0 = start + p
+        for r in responses:
+            expected[r0:r0 + r, start:start + p] = True
+            expected[r0:r0 + r, r0:r0 + r] = torch.ones(r, r, dtype=torch.bool).tril()
+            r0 += r
+        start = r0
+    segments = Segments.of_units(SHARED_UNITS)
+    for cp in (2, 3):
+        for rank in range(cp):
+            lay = cp_layout(pack, cp, rank, segments=segments)
+            mask = attention_mask(lay)[0, 0]  # [S_local, S_full]
+            q_src = lay.local_source
+            k_src = lay.source[lay.order.flatten()]
+            for i in torch.nonzero(q_src >= 0).squeeze(1).tolist():
+                seen = k_src[mask[i] & (k_src >= 0)]
+                assert sorted(seen.tolist()) == torch.nonzero(expected[q_src[i]]).squeeze(1).tolist(), (cp, rank, i)
+            plain = attention_mask(cp_layout(pack, cp, rank))[0, 0]  # the control: without segments
+            assert (plain & ~mask).any()  # ... a response sees its siblings
+
+
+def test_shared_prompt_flash_segments_select_the_keys_the_mask_allows(monkeypatch):
+    from conftest import reference_flash_varlen
+    from model import attention
+    from model.context_parallel import Segments
+
+    pack = _shared_pack()
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    gen = torch.Generator().manual_seed(0)
+    for cp in (2, 3):
+        for r in range(cp):
+            lay = cp_layout(pack, cp, r, segments=Segments.of_units(SHARED_UNITS))
+            s_local, s_full = lay.num_local, lay.num_local * cp
+            q = torch.randn(1, 4, s_local, 8, generator=gen)
+            k, v = torch.randn(2, 1, 2, s_full, 8, generator=gen)
+            want = _attend(module, q, k, v, CPContext(layout=lay, group=None), 0.0, None)[0]
+            with monkeypatch.context() as mp:
+                mp.setattr(attention, "use_flash", lambda query: True)
+                mp.setattr(attention, "flash_attn_varlen_func", reference_flash_varlen)
+                got = _attend(module, q, k, v, CPContext(layout=lay, group=None), 0.0, None)[0]
+            real = lay.local_real[0]
+            assert_parity(f"shared cp={cp} rank {r} flash segments vs the mask path",
+                          (got[real] - want[real]).abs().max(), want.abs().max())

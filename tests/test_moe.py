@@ -7,14 +7,14 @@ import torch
 
 from dist_moe_worker import RANK_LENGTHS, logits_of, packed_batch, tiny_moe, token_log_probs, weighted_loss
 from scripts.distributed import run_distributed
-from scripts.parity_check import assert_control_fails, assert_parity
+from scripts.parity_check import PARITY_ULPS as SHARED_ULPS, assert_control_fails, assert_parity
 from model.moe import (
     shard_experts,
     ep_suffix_length,
     expert_load,
     is_expert_param,
     moe_blocks,
-    moe_padding_mask,
+    moe_token_weights,
     record_routing,
     reset_expert_load,
     routing_replay,
@@ -176,7 +176,7 @@ def test_routed_experts_with_wrong_shape_raise_naming_the_field(model_a, pack):
             logits_of(model_a, ids, pos)
 
 
-def test_padding_mask_keeps_synthetic_rows_out_of_the_experts(model_a, pack):
+def test_zero_token_weights_keep_synthetic_rows_out_of_the_experts(model_a, pack):
     ids, pos = pack
     N, s = ids.shape[1], 6
     ids_s = torch.cat([ids, torch.zeros(1, s, dtype=ids.dtype)], 1)
@@ -187,7 +187,7 @@ def test_padding_mask_keeps_synthetic_rows_out_of_the_experts(model_a, pack):
         plain = logits_of(model_a, ids, pos)
         load_plain = expert_load(model_a)
         reset_expert_load(model_a)
-        with moe_padding_mask(model_a, padding), record_routing(model_a) as rec:
+        with moe_token_weights(model_a, (~padding).long()), record_routing(model_a) as rec:
             suffixed = logits_of(model_a, ids_s, pos_s)
         load_suffix = expert_load(model_a)
         reset_expert_load(model_a)
@@ -200,8 +200,8 @@ def test_padding_mask_keeps_synthetic_rows_out_of_the_experts(model_a, pack):
     assert load_unmasked["per_layer"].sum() == L * K * (N + s)  # the control: unmasked rows are counted
     assert (rec.routed_experts[..., N:] == -1).all() and (rec.routed_experts[..., :N] >= 0).all()
     assert load_plain["per_rank"].tolist() == [L * K * N] and load_plain["imbalance"] == 1.0
-    with pytest.raises(ValueError, match=r"padding_mask has shape \(1, 20\), expected \[1, 26\]"):
-        with torch.no_grad(), moe_padding_mask(model_a, padding[:, :N]):
+    with pytest.raises(ValueError, match=r"moe token weights have shape \(1, 20\), expected \[1, 26\]"):
+        with torch.no_grad(), moe_token_weights(model_a, (~padding[:, :N]).long()):
             logits_of(model_a, ids_s, pos_s)
 
 
@@ -289,6 +289,26 @@ def test_ep2_suffix_equalizes_tokens_without_touching_real_outputs_or_expert_loa
         assert r["load_plain"]["imbalance"] == float(per_rank.max()) / float(per_rank.mean())
         assert r["all_synthetic_rank_ok"]  # a rank with nothing to send still exchanges, grads defined
     assert_parity("log-probs beside an all-synthetic peer", ep2[0]["all_synthetic_peer_diff"], ep2_scales["log_probs"])
+
+
+@pytest.mark.slow
+def test_ep2_shared_prompts_equal_the_unshared_pack_of_one_process(ep2):
+    """Each EP rank runs its GRPO pack with shared prompts (tests/dist_moe_worker.py
+    `shared_prompt_checks`): the EP suffix is computed on the compressed rows (rank 1 pads 43 to
+    74), and log-probs, every gradient kind, the aux loss, its token count, the expert load and
+    the recorded routing equal the one-process unshared pack's. Control: unit token weights."""
+    rows = ep2[0]["shared"]["rows"]
+    assert rows[0] != rows[1]
+    for rank, r in enumerate(ep2):
+        s = r["shared"]
+        assert s["rows_seen"] == [max(rows)] and rows[rank] < s["n"], s  # compressed + suffix: equal on every rank
+        f = s["figures"]
+        assert f["tokens_equal"] and f["load_equal"] and f["routed_equal"], f
+        for kind in ("log_probs", "aux", "router", "attention", "dense_other", "experts"):
+            assert_parity(f"ep=2 shared vs one-process unshared, rank {rank} {kind}", *f[kind], k=SHARED_ULPS)
+        control = s["control_unit_weights"]
+        assert not control["tokens_equal"] and not control["load_equal"]
+        assert_control_fails(f"ep=2 unit weights, rank {rank} aux", *control["aux"], k=SHARED_ULPS)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ a wrong mask or wrong positions miss by far more. Everything it does not apply t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -30,13 +31,13 @@ from scripts.parity_check import (CONTROL_MARGIN, EPS32, PARITY_ULPS, assert_con
                                   assert_parity, max_abs, ulps)
 
 from model import actor as actor_module  # noqa: E402
-from model.actor import Actor, Critic, _forward_slots, _prompt_units, _shared_prompt_view, _slot_targets  # noqa: E402
-from model.attention import shared_prompt_attn_kwargs  # noqa: E402
+from model.actor import Actor, Critic, _forward_slots, _shared_prompt_view, _slot_targets  # noqa: E402
 from model.models import DENSE, build_model  # noqa: E402
 from model.moe import shard_experts  # noqa: E402
 from model.parallel_dims import ParallelDims  # noqa: E402
 from packing.collate import make_experience_batch  # noqa: E402
 from packing.experience import Experience  # noqa: E402
+from packing.prompts import layout_of_units  # noqa: E402
 
 # The suite's fp32 tolerance (scripts/parity_check.py, 16 eps32 relative): sharing sums a prompt's
 # gradient over its members before the matmuls instead of inside them, yet the worst measured over
@@ -133,7 +134,7 @@ def shared_parity(family: str) -> dict:
                                 ("critic", Critic(lm, share_prompts=True), Critic(lm))):
         with body_tokens(lm) as seen:
             s = run(shared, pack)
-        assert seen == [len(_prompt_units(pack)[1])], "the shared forward did not run"
+        assert seen == [pack.shared_prompts.keep.numel()], "the shared forward did not run"
         u, p = run(plain, pack), run(plain, padded)
         for key, value in figures(u, pack, s, pack, records).items():
             out[f"{name}_{key}_vs_pack"] = value
@@ -179,22 +180,21 @@ def test_a_wrong_mask_or_wrong_positions_miss_by_far(lm, records, pack, wrong, m
     plain = hidden(False)
     assert_parity("hidden states, shared vs unshared", (hidden(True) - plain).abs().max(), plain.abs().max(),
                   k=SHARED_ULPS)
-    if wrong == "previous-response-visible":  # the first response joins the "prompt" its siblings attend to
-        right = actor_module.shared_prompt_attn_kwargs
-        monkeypatch.setattr(actor_module, "shared_prompt_attn_kwargs", lambda units, device=None: right(
-            [(p + rs[0], rs[1:]) if len(rs) > 1 else (p, rs) for p, rs in units], device=device))
-    else:
-        view = actor_module._shared_prompt_view
+    view = actor_module._shared_prompt_view
 
-        def restarted(*args):
-            shared, expand = view(*args)
-            units = _prompt_units(args[1])[0]
+    def wrong_view(*args):
+        shared = view(*args)
+        layout = shared.inputs["shared_prompts"]
+        if wrong == "previous-response-visible":  # the first response joins the "prompt" its siblings attend to
+            units = [(p + rs[0], rs[1:]) if len(rs) > 1 else (p, rs) for p, rs in layout.units]
+            shared.inputs["shared_prompts"] = layout_of_units(units, layout.keep, layout.expand)
+        else:
             pos = torch.cat([torch.arange(p) if not rs else torch.cat([torch.arange(p), *map(torch.arange, rs)])
-                             for p, rs in units]).unsqueeze(0)
+                             for p, rs in layout.units]).unsqueeze(0)
             shared.inputs["position_ids"] = pos
-            return shared, expand
+        return shared
 
-        monkeypatch.setattr(actor_module, "_shared_prompt_view", restarted)
+    monkeypatch.setattr(actor_module, "_shared_prompt_view", wrong_view)
     assert_control_fails(f"shared prompts with {wrong}", (hidden(True) - plain).abs().max(), plain.abs().max(),
                          k=SHARED_ULPS)
 
@@ -204,7 +204,7 @@ def test_the_flash_branch_builds_the_same_attention(lm, records, pack, flash_on_
     causal bottom-right) run on CPU with conftest's reference kernel: the CPU path's numbers."""
     with torch.no_grad():
         flash = Actor(lm, share_prompts=True)(pack)
-    segments = sum(1 + len(rs) for rs in (u[1] for u in _prompt_units(pack)[0]))
+    segments = sum(1 + len(rs) for _, rs in pack.shared_prompts.units)
     assert flash_on_cpu == [segments] * lm.config.num_hidden_layers
     flash_on_cpu.clear()
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
@@ -221,18 +221,47 @@ def test_the_flash_branch_builds_the_same_attention(lm, records, pack, flash_on_
 
 # ------------------------------------------------------------------- layout
 def test_the_compressed_pack_holds_each_distinct_prompt_once_and_every_response(records, pack):
-    units, keep, expand = _prompt_units(pack)
+    layout = pack.shared_prompts
+    units, keep, expand = layout.units, layout.keep, layout.expand
     distinct = {p: None for p, _ in GROUPS}  # every test prompt length is distinct
-    responses = sum(sum(rs) for _, rs in GROUPS if len(rs) > 1)
+    # a group shares its prompt but the last token, which opens each member's response segment
+    responses = sum(sum(r + 1 for r in rs) for _, rs in GROUPS if len(rs) > 1)
     alone = sum(p + sum(rs) for p, rs in GROUPS if len(rs) == 1)
-    assert keep.numel() == sum(p for p, rs in GROUPS if len(rs) > 1) + responses + alone
+    assert keep.numel() == sum(p - 1 for p, rs in GROUPS if len(rs) > 1) + responses + alone
     assert keep.numel() < pack.sequences.numel() == sum(len(rs) * p + sum(rs) for p, rs in GROUPS)
-    assert sorted(p for p, rs in units if rs) == sorted(p for p, rs in GROUPS if len(rs) > 1) and len(distinct) == 4
-    assert [(p, rs) for p, rs in units if not rs] == [(9 + 6, [])]  # the sample alone is one causal sequence
+    assert sorted(p + 1 for p, rs in units if rs) == sorted(p for p, rs in GROUPS if len(rs) > 1)
+    assert len(distinct) == 4
+    # every compressed row scores one target: the token after it is the same in every slot that reads it
+    nxt = torch.roll(pack.sequences[0], -1)
+    assert torch.equal(nxt[keep][expand][pack.action_mask[0]], nxt[pack.action_mask[0]])
+    assert [(p, rs) for p, rs in units if not rs] == [(9 + 6, ())]  # the sample alone is one causal sequence
     # every pack slot reads a compressed slot holding its token at its position
     assert torch.equal(pack.sequences[0, keep][expand], pack.sequences[0])
     assert torch.equal(pack.position_ids[0, keep][expand], pack.position_ids[0])
     assert expand.numel() == pack.sequences.numel() and int(expand.max()) == keep.numel() - 1
+
+
+def test_the_layout_is_built_once_by_the_collate_and_travels_with_the_batch(records, pack, monkeypatch):
+    """The pack carries its layout (None for a padded batch); `.to` moves every index tensor; the
+    forward reads it and never rebuilds it (the builder, patched to raise, is not called)."""
+    from packing import prompts
+
+    assert make_experience_batch(records, packed=False).shared_prompts is None
+    moved = pack.to("meta")
+    layout = moved.shared_prompts
+    assert all(t.device.type == "meta" for t in (layout.keep, layout.expand, layout.multiplicity,
+                                                 layout.cu_seq_lens_q, layout.cu_seq_lens_k, layout.kv_index))
+    assert layout.units == pack.shared_prompts.units and pack.shared_prompts.keep.device.type == "cpu"
+    monkeypatch.setattr(prompts, "shared_prompts", lambda *a: pytest.fail("the forward rebuilt the layout"))
+    lm = build_model("qwen3", seed=0)
+    with torch.no_grad(), body_tokens(lm) as seen:
+        Actor(lm, share_prompts=True)(pack)
+    assert seen == [pack.shared_prompts.keep.numel()]
+    # a layout of another pack is refused by name and shape
+    other = make_experience_batch(records[:-1], packed=True)
+    stale = dataclasses.replace(pack, shared_prompts=other.shared_prompts)
+    with pytest.raises(ValueError, match=r"shared_prompts.expand has shape \(\d+,\), expected \[\d+\]"):
+        Actor(lm, share_prompts=True)(stale)
 
 
 def test_groups_come_from_the_tokens_not_prompt_index():
@@ -248,24 +277,24 @@ def test_groups_come_from_the_tokens_not_prompt_index():
 
     pack = make_experience_batch([record(prompt, 3, 0), record(other, 2, 0), record(prompt, 4, 7),
                                   record(prompt, 5, 0, acting=False)], packed=True)
-    assert _prompt_units(pack)[0] == [(6, [3, 4]), (8, []), (11, [])]
+    assert pack.shared_prompts.units == ((5, (4, 5)), (8, ()), (11, ()))
 
 
 def test_a_pack_without_a_repeated_prompt_runs_the_whole_pack(lm):
     records = grpo_records([(5, [4]), (4, [3]), (6, [2])], seed=5, hole=False)
     pack = make_experience_batch(records, packed=True)
-    assert _prompt_units(pack) is None
+    assert pack.shared_prompts is None
     with torch.no_grad(), body_tokens(lm) as seen:
         shared, plain = Actor(lm, share_prompts=True)(pack), Actor(lm)(pack)
     assert seen == [pack.sequences.numel()] * 2 and torch.equal(shared, plain)  # today's path, exactly
 
 
-@pytest.mark.parametrize("case", ["padded", "cp2", "ep2", "ep-suffix", "sdpa", "moe", "no-action-mask", "off"])
+@pytest.mark.parametrize("case", ["padded", "cp2", "ep-suffix", "sdpa", "moe", "no-action-mask", "off"])
 def test_sharing_falls_back_where_it_does_not_apply(case, records, pack):
-    """Padded, cp > 1, ep > 1, an explicit EP suffix, an attention that ignores the layout, MoE
-    blocks (model/moe.py: routing records, aux loss and expert load are per token of the whole
-    pack; the trainer always installs them), no action_mask:
-    `_shared_prompt_view` declines and the forward runs as before. The control: it applies here."""
+    """Padded, an attention that ignores the layout (sdpa; "varlen" under cp > 1, where the shard
+    needs "cp_varlen"), no action_mask (no layout):
+    `_shared_prompt_view` declines and the forward runs as before. It applies to MoE blocks and an EP
+    suffix (tests/test_shared_moe.py; ep2 in tests/test_moe.py's launch), and (the control) to the plain case."""
     model = build_model("qwen3_moe" if case == "moe" else "qwen3", seed=0)
     if case == "moe":
         shard_experts(model, None)
@@ -274,8 +303,6 @@ def test_sharing_falls_back_where_it_does_not_apply(case, records, pack):
         batch = make_experience_batch(records, packed=False)
     elif case == "cp2":
         dims = ParallelDims(cp=2, world_size=2)
-    elif case == "ep2":
-        dims = ParallelDims(dp=2, ep=2, world_size=2)
     elif case == "ep-suffix":
         pad = 3
     elif case == "sdpa":
@@ -285,16 +312,16 @@ def test_sharing_falls_back_where_it_does_not_apply(case, records, pack):
                            packed_seq_lens=pack.packed_seq_lens)
     targets, valid = _slot_targets(batch)
     applies = _shared_prompt_view(model, batch, targets, valid, dims, pad)
-    assert (applies is not None) == (case == "off")
+    assert (applies is not None) == (case in ("off", "moe", "ep-suffix"))
 
 
 # ---------------------------------------------------------- GPU index layout
 def test_segments_keys_and_cu_seqlens_equal_the_dense_mask():
-    """`shared_prompt_attn_kwargs` on CPU: the (query segment, gathered keys, bottom-right causal)
+    """`layout_of_units` on CPU: the (query segment, gathered keys, bottom-right causal)
     description of flash-attn's varlen call allows exactly the dense reference mask: a prompt
     token sees its prompt causally; a response token its prompt and its own earlier tokens."""
     units = [(4, [2, 3, 1]), (5, []), (3, [2])]
-    layout = shared_prompt_attn_kwargs(units)["shared_prompts"]
+    layout = layout_of_units(units)
     assert layout.cu_seq_lens_q.tolist() == [0, 4, 6, 9, 10, 15, 18, 20]
     assert layout.cu_seq_lens_k.tolist() == [0, 4, 10, 17, 22, 27, 30, 35]
     assert layout.cu_seq_lens_q.dtype == layout.cu_seq_lens_k.dtype == torch.int32

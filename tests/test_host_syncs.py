@@ -1,0 +1,179 @@
+"""Host syncs in one actor forward, counted on the CPU (issue 25.3, the forward part).
+
+A device-to-host read (`.item()`, `bool()`/`int()` of a tensor, `.tolist()`, `.cpu()`,
+`.numpy()`, and ops whose output shape depends on the data: `nonzero`, boolean indexing,
+`masked_select`, `unique`) stalls a GPU's queue. `SyncCounter` counts them in a forward, by
+where in the code they happen (a TorchDispatchMode for the ops, patched Tensor methods for
+the reads that do not dispatch), and the tests assert the exact list. What remains, and why:
+
+* transformers' `create_causal_mask` (masking_utils.py, once per forward): it looks for
+  packed sequences in `position_ids` whenever `attention_mask` is None (transformers 5.18;
+  Qwen3-MoE and Llama accept no precomputed mask mapping that would skip it).
+* `actions_only` (the trainer's setting): one `nonzero` of the action slots, the lm head's
+  row count (a data-dependent shape).
+* MoE: one `tolist` per MoE layer, the per-expert counts: the split sizes of the grouped
+  expert matmuls (and of the EP exchange).
+
+Everything the host already knows is not read back: attention lengths (`max_length_k`,
+`packed_seq_lens`, the shared-prompt layout's), the shared-prompt layout itself (built by the
+collate), the token-id and routing-record checks (device-side assertions, model/checks.py),
+and the EP count all-reduce, which runs only when ep > 1.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from test_shared_prompt import grpo_records
+
+from model import attention
+from model.actor import Actor, Critic
+from model.models import build_model
+from model.moe import moe_blocks, record_routing, shard_experts
+from packing.collate import make_experience_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
+            "aten::unique_consecutive", "aten::unique_dim"}
+READS = ("tolist", "cpu", "numpy")
+
+
+def _where() -> str:
+    """The innermost frame of this repo or of transformers (not torch's own): `file.py`."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = frame.filename
+        if "/torch/" in path:
+            continue
+        if path.startswith(str(ROOT)) or "/transformers/" in path:
+            return Path(path).name
+    return "?"
+
+
+class SyncCounter(TorchDispatchMode):
+    """`with SyncCounter() as c: ...`; then `c.hits` counts (what, file) of every host sync."""
+
+    def __init__(self):
+        super().__init__()
+        self.hits: collections.Counter = collections.Counter()
+        self._saved = {}
+
+    def __enter__(self):
+        for name in READS:
+            original = self._saved[name] = getattr(torch.Tensor, name)
+
+            def read(t, *args, _original=original, _name=name, **kwargs):
+                self.hits[(_name, _where())] += 1
+                return _original(t, *args, **kwargs)
+
+            setattr(torch.Tensor, name, read)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name in SYNC_OPS:
+            self.hits[(name.split("::")[1], _where())] += 1
+        return func(*args, **(kwargs or {}))
+
+
+MASK = ("_local_scalar_dense", "masking_utils.py")  # transformers' packed-sequence detection
+ACTIONS = ("nonzero", "actor.py")  # actions_only: the lm head's rows
+EXPERTS = ("tolist", "moe.py")  # per MoE layer: the per-expert counts
+
+
+@pytest.fixture(scope="module")
+def pack():
+    return make_experience_batch(grpo_records(), packed=True)
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return build_model("qwen3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return shard_experts(build_model("qwen3_moe", seed=0), None)
+
+
+def syncs(module, batch, **kw) -> collections.Counter:
+    with torch.no_grad(), SyncCounter() as counter:
+        module(batch, **kw)
+    return counter.hits
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_a_dense_forward_reads_back_only_what_transformers_asks(dense, pack, share):
+    assert syncs(Actor(dense, share_prompts=share), pack, return_entropy=True) == {MASK: 1}
+    assert syncs(Actor(dense, share_prompts=share, actions_only=True), pack) == {MASK: 1, ACTIONS: 1}
+    assert syncs(Critic(dense, share_prompts=share), pack) == {MASK: 1}
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_a_moe_forward_adds_one_read_per_layer_for_the_expert_split_sizes(moe, pack, share):
+    layers = len(moe_blocks(moe))
+    actor = Actor(moe, share_prompts=share, actions_only=True)
+    assert syncs(actor, pack) == {MASK: 1, ACTIONS: 1, EXPERTS: layers}
+    with torch.no_grad(), record_routing(moe) as rec:  # routing replay's checks are device-side too
+        Actor(moe)(pack)
+    replayed = dataclasses.replace(pack, routed_experts=rec.routed_experts)
+    assert syncs(actor, replayed) == {MASK: 1, ACTIONS: 1, EXPERTS: layers}
+
+
+def test_the_ep_count_all_reduce_runs_only_when_ep_is_above_one(moe, pack, monkeypatch):
+    """At ep = 1 (no group) the suffix is 0 without a collective: a forward with every
+    collective patched to fail runs."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective ran at ep=1")
+
+    monkeypatch.setattr(dist, "all_reduce", refuse)
+    monkeypatch.setattr(dist, "all_to_all_single", refuse)
+    for share in (False, True):
+        assert syncs(Actor(moe, share_prompts=share), pack)[MASK] == 1
+
+
+def test_control_the_counter_catches_an_injected_item_and_cpu(dense, pack, monkeypatch):
+    """The same forward with one `.item()` and one `.cpu()` per attention layer: counted, at
+    the file that made them."""
+    layers = dense.config.num_hidden_layers
+    right = attention._per_sequence_sdpa
+
+    def reading(module, query, *args):
+        query.sum().item()
+        query[0, 0, :1].cpu()
+        return right(module, query, *args)
+
+    monkeypatch.setattr(attention, "_per_sequence_sdpa", reading)
+    hits = syncs(Actor(dense), pack)
+    assert hits == {MASK: 1, ("_local_scalar_dense", "test_host_syncs.py"): layers,
+                    ("cpu", "test_host_syncs.py"): layers}, hits
+
+
+def test_control_device_lengths_alone_are_read_back_per_layer(dense, pack, monkeypatch):
+    """A caller that gives the boundaries as device tensors only (no `packed_seq_lens`, no
+    `max_length_k`): the kernel must read them back, and the counter sees it in every layer."""
+    right = attention.packed_attn_kwargs
+
+    def device_only(*args, **kwargs):
+        out = right(*args, **kwargs)
+        return {k: v for k, v in out.items() if k not in ("packed_seq_lens", "max_length_q", "max_length_k")}
+
+    from model import actor as actor_module
+
+    monkeypatch.setattr(actor_module, "packed_attn_kwargs", device_only)
+    hits = syncs(Actor(dense), pack)
+    layers = dense.config.num_hidden_layers
+    assert hits[("_local_scalar_dense", "attention.py")] == layers  # the longest sequence, per layer
+    assert hits[("tolist", "attention.py")] == 2 * layers  # cu_seq_lens_q/k, per layer
