@@ -13,10 +13,12 @@
 
 Why auto keeps a copy whenever it fits: generation from the shards all-gathers every layer
 for every forward (the prompt's and each new token's), so its communication grows with the
-answer's length, while a copy costs one gather per update (the sync). On 4 CPU ranks (178M
-Qwen3, bf16, one step of task=target_token, bench/rank_memory.py side by side) the rollout
-took TODO_KEEP s with the copy and TODO_SHARDED s sharded; the copy's 0.33 GiB per rank lasts
-from the sync to the end of the rollout only.
+answer's length, while a copy costs one gather per update (the sync). Measured side by side
+(bench/rank_memory.py --arms default sharded: a 178M Qwen3 in bf16, one step of
+task=target_token, 16 new tokens, 2 shared CPU cores at load ~7): the rollout took 7.4 s with
+the copy and 37.5 s sharded on 4 ranks (10.1 s and 29.5 s on 2), for a per-rank peak of
+1.282 GB against 1.273 GB (1.692 / 1.691 on 2): the copy lives from the sync to the end of
+the rollout, and the step's peak is the training, where it is released.
 
 The plan counts, per rank: the copy (every full tensor of the policy, `full_tensor_bytes`),
 the training state still to come at start-up (gradients and the two AdamW moments: 3 x
