@@ -10,9 +10,14 @@ its own buffer (`_gather_dim0`: no flat receive buffer to copy out of; the same 
 collective on NCCL and gloo, so the path a GPU runs is the one the CPU tests run). What a
 rank holds beyond its shards is one bucket's full tensors plus the tensor the engine is
 still copying from the previous bucket, never the full model: peak
-about `bucket_bytes` + one tensor (+ the padding of uneven splits). Measured on 2 gloo ranks,
-a 485 MiB model whose largest tensor is 62.5 MiB (bench/sync_memory.py): 125 MiB with 64 MiB
-buckets, 293 MiB with 256 MiB buckets, 125 MiB for `full_parameters` (one tensor at a time).
+about `bucket_bytes` + one tensor (+ the padding of uneven splits). Measured (bench/sync_memory.py,
+a 485 MiB fp32 model whose largest tensor is 62.5 MiB; peak extra and seconds, side by side): on 2
+gloo ranks 125 MiB / 0.92 s one tensor at a time (`full_parameters`), 136 MiB / 0.88 s with 64 MiB
+buckets, 434 MiB / 0.86 s with the default (242.5 MiB), 548 MiB / 0.83 s with 256 MiB; on 4 ranks
+127 / 2.42, 136 / 2.67, 243 / 2.76 (default 121 MiB), 548 MiB / 2.41 s. On gloo the peak is about
+twice the bucket: its all-gather holds an output-sized buffer of its own per tensor (one 62.5 MiB
+tensor gathered alone peaks at 125 MiB) until after the bucket's last gather; sampled between the
+yielded tensors the resident set is one bucket above the start. NCCL gathers in place.
 Bucket boundaries depend only on global shapes, so every rank cuts the same buckets; it is
 a collective: every rank iterates to the end.
 
@@ -30,7 +35,7 @@ least the largest tensor. The sync then holds no more full tensors at once than 
 own parameter shard, so its peak falls with world size as the training state does. A larger
 bucket buys no time: every tensor is one all-gather whatever the bucket (`_gather_dim0`), the
 bucket only decides how many are gathered before the engine copies them (bench/sync_memory.py:
-the same seconds from one tensor at a time to 256 MiB). The figure is the same on every rank
+the same seconds, within noise, from one tensor at a time to 256 MiB). The figure is the same on every rank
 (global sizes, the world size), so every rank cuts the same buckets.
 
 `check_bucket_bytes` is the start-up check: a bucket smaller than the largest tensor is
