@@ -13,6 +13,9 @@ rank checks that before train.py runs, and the allocator is whatever train.py se
     env       glibc's thresholds from the environment at exec (MALLOC_MMAP_THRESHOLD_ /
               MALLOC_TRIM_THRESHOLD_ = 131072, the benches' old workaround), RL_ALLOCATOR=system:
               does train.py's mallopt, which comes after Python's start, match it? (--arms env)
+    sharded   the default allocator with rollout.replica=sharded: no rollout copy, generation
+              from the FSDP2 shards; its rollout seconds against the default's are what the
+              copy buys (--arms default sharded; rl/rollout/replica.py)
 
 Each rank runs train.py's `main` through a small probe (`--rank`, below) that marks the
 phases of the run by wrapping the functions train.py calls; at each boundary it reads the
@@ -39,6 +42,7 @@ at its widest world so far, +10%); one that does not is reported as skipped.
     python bench/rank_memory.py                        # worlds 1 2 4 8: default arm; control at 1 2 4 (~5 min)
     python bench/rank_memory.py --quick                # worlds 1 4, both arms (~3 min on 2 cores)
     python bench/rank_memory.py --arms default system env --worlds 1 4 --control-worlds 1 4
+    python bench/rank_memory.py --arms default sharded --worlds 4 --control-worlds 4   # what the copy buys
 
 Last line: one JSON object (bench/results/rank_memory.json).
 """
@@ -65,7 +69,9 @@ ARMS = {
     "default": {},
     "system": {"RL_ALLOCATOR": "system"},
     "env": {"RL_ALLOCATOR": "system", "MALLOC_MMAP_THRESHOLD_": THRESHOLD, "MALLOC_TRIM_THRESHOLD_": THRESHOLD},
+    "sharded": {},
 }
+ARM_OVERRIDES = {"sharded": ["rollout.replica=sharded"]}  # an arm's Hydra overrides beyond the run's
 
 
 def allocator_env(env) -> dict[str, str]:
@@ -231,7 +237,7 @@ def check_env(arm: str, ranks: list[dict]) -> None:
         if rep["env_at_start"] != want:
             raise AssertionError(f"arm {arm} rank {r}: allocator variables at start {rep['env_at_start']}, "
                                  f"expected {want}")
-        if arm == "default":
+        if not want:  # train.py's own allocator (default, sharded)
             ok = rep["env_after_import"] == {"MALLOC_MMAP_THRESHOLD_": THRESHOLD, "MALLOC_TRIM_THRESHOLD_": THRESHOLD}
         else:
             ok = rep["env_after_import"] == want
@@ -245,7 +251,7 @@ def run_world(world: int, arm: str, folder: Path, extra: list[str], timeout: flo
     work = Path(tempfile.mkdtemp(prefix=f"rank_memory_{arm}_w{world}_"))
     try:
         overrides = ["model=pretrained", f"model.pretrained_path={folder}", "trainer.max_steps=1",
-                     "trainer.progress=false", f"hydra.run.dir={work / 'run'}", *extra]
+                     "trainer.progress=false", f"hydra.run.dir={work / 'run'}", *ARM_OVERRIDES.get(arm, []), *extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith(ALLOCATOR_ENV)}
         env.update(ARMS[arm])
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
@@ -338,6 +344,7 @@ def main() -> None:
         for key, s in summary.items():
             if key.startswith(arm + "_world"):
                 line[f"peak_gb_{key}"] = s["peak_gb"]
+                line[f"rollout_s_{key}"] = s.get("rollout_s")  # generation's seconds: what the copy buys (sharded)
                 if one and not key.endswith("_world1"):
                     line[f"ratio_{key}"] = round(s["peak_gb"] / one, 3)
     for key, s in summary.items():  # the control and the default side by side, at one world

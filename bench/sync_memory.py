@@ -1,8 +1,9 @@
 """What does a weight sync cost in memory? Peak extra host memory of one rank while the HF
 engine's replica is refreshed from the FSDP2 shards: today's `full_parameters` (one
 `full_tensor()` all-gather per tensor) against `rl.rollout.sync.full_parameter_buckets`
-(the tensors cut into buckets, each gathered into its own buffer) at two bucket sizes; 2 gloo ranks, a dense Qwen3 of
-~150M parameters (~600 MB in fp32).
+(the tensors cut into buckets, each gathered into its own buffer) at two bucket sizes and at the
+default (`rollout.sync_bucket_bytes=null`: one rank's share of the model, `default_bucket_bytes`);
+2 gloo ranks (`--world`), a dense Qwen3 of ~150M parameters (~600 MB in fp32).
 
 How it is measured: each rank resets its peak resident set (`/proc/self/clear_refs` 5),
 runs the sync, and reads the peak (`VmHWM`) back; extra = peak - resident before. Allocations
@@ -12,7 +13,7 @@ Also counted: the buckets (today: one per tensor, each its own `full_tensor()`; 
 one all-gather per tensor within a bucket, see rl/rollout/sync.py `_gather_dim0`) and the
 wall time of a sync. Linux only.
 
-    python bench/sync_memory.py [--quick]      # last line: {"today_peak_mib": ..., ...}
+    python bench/sync_memory.py [--quick] [--world 4]     # last line: {"today_peak_mib": ..., ...}
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def measure(rank: int, world: int, shape: dict) -> dict:
     from rl.rollout.engine import HFRolloutEngine
     from torch.distributed.tensor import DTensor
 
-    from rl.rollout.sync import buckets, full_parameter_buckets, full_tensor_bytes
+    from rl.rollout.sync import buckets, full_parameter_buckets, full_tensor_bytes, resolve_bucket_bytes
 
     torch.set_num_threads(1)
     dims = init_distributed(device="cpu")
@@ -76,7 +77,10 @@ def measure(rank: int, world: int, shape: dict) -> dict:
     for b in BUCKETS:
         variants[f"bucket_{b // MIB}mib"] = (lambda b=b: engine.load_weights(full_parameter_buckets(actor.model, b)),
                                              sum(1 for _ in buckets(actor.model, b)))
+    variants["default"] = (lambda: engine.load_weights(full_parameter_buckets(actor.model, None)),
+                           sum(1 for _ in buckets(actor.model, None)))
     out = {"model_bytes": sum(sizes.values()), "largest_tensor_bytes": max(sizes.values()),
+           "default_bucket_bytes": resolve_bucket_bytes(actor.model, None),
            "tensors": len(sizes), "shard_bytes": sum(p.to_local().numel() * 4 for p in actor.parameters())}
     for repeat in range(2):  # the second round checks the first was not flattered by a warm heap
         for name, (fn, gathers) in variants.items():
@@ -91,14 +95,18 @@ def measure(rank: int, world: int, shape: dict) -> dict:
 
 
 def main() -> None:
-    args = quick_flag(__doc__).parse_args()
+    parser = quick_flag(__doc__)
+    parser.add_argument("--world", type=int, default=2, help="gloo ranks")
+    args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MIB)  # inherited by the spawned ranks
-    ranks = run_distributed(measure, 2, QUICK if args.quick else SHAPE, timeout=900, threads=1)
+    ranks = run_distributed(measure, args.world, QUICK if args.quick else SHAPE, timeout=900, threads=1)
     r0 = ranks[0]
     print(f"model {r0['model_bytes'] / MIB:.0f} MiB in {r0['tensors']} tensors (largest "
-          f"{r0['largest_tensor_bytes'] / MIB:.1f} MiB); this rank's shards {r0['shard_bytes'] / MIB:.0f} MiB; 2 ranks")
-    summary = {"model_mib": r0["model_bytes"] / MIB, "largest_tensor_mib": r0["largest_tensor_bytes"] / MIB}
-    for name in ("today", *(f"bucket_{b // MIB}mib" for b in BUCKETS)):
+          f"{r0['largest_tensor_bytes'] / MIB:.1f} MiB); this rank's shards {r0['shard_bytes'] / MIB:.0f} MiB; "
+          f"{args.world} ranks; default bucket {r0['default_bucket_bytes'] / MIB:.1f} MiB")
+    summary = {"model_mib": r0["model_bytes"] / MIB, "largest_tensor_mib": r0["largest_tensor_bytes"] / MIB,
+               "world": args.world, "default_bucket_mib": r0["default_bucket_bytes"] / MIB}
+    for name in ("today", *(f"bucket_{b // MIB}mib" for b in BUCKETS), "default"):
         peak = max(r[name]["peak_extra_bytes"] for r in ranks)
         print(f"{name:>16}: peak extra {peak / MIB:7.1f} MiB ({peak / r0['model_bytes']:.2f} of the model), "
               f"{r0[name]['buckets']} buckets, {r0[name]['seconds']:.2f} s")

@@ -11,9 +11,15 @@ this order, each its own small function here, side by side, each a no-op where i
    masks and routing replay always apply; with ep > 1 each rank keeps E/ep experts;
 3. `apply_activation_checkpointing`: per decoder layer (when asked);
 4. `apply_fsdp`: FSDP2 (`fully_shard`) when world_size > 1: each expert module over the
-   ranks holding its shard (`dims.expert_fsdp_mesh`, edp x cp), each decoder layer and then
-   the wrapper itself (Actor / Critic: its forward reads the lm head weight) over every rank
-   (`dims.fsdp_mesh`). Every microbatch loss is already a share of the step's global mean,
+   ranks holding its shard (`dims.expert_fsdp_mesh`, edp x cp), each decoder layer, the input
+   embedding when it is not tied to the lm head, and then the wrapper itself (Actor / Critic:
+   its forward reads the lm head weight directly, so the lm head and the final norm are the
+   root's) over every rank (`dims.fsdp_mesh`). A unit's gradients are reduce-scattered as one
+   flat buffer in `reduce_dtype` (fp32; gloo also copies its input): the embedding and the lm
+   head in one unit would make that transient two vocabulary matrices (0.6 GB a rank for
+   49152 x 768, whatever the world size), each in its own unit one. A tied weight is read at
+   both ends of the forward: it stays in the root, whose unshard covers both.
+   Every microbatch loss is already a share of the step's global mean,
    so gradients are SUMMED (divide factor 1): the sum over (dp, cp) of each rank's
    gradient is the one-process gradient.
 
@@ -127,7 +133,8 @@ def _checkpointed(forward, blocks):
 # ------------------------------------------------------------------------ FSDP2
 def apply_fsdp(wrapper: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype | None = None) -> None:
     """FSDP2 over the world (a no-op for one process): experts over `dims.expert_fsdp_mesh`,
-    decoder layers and the wrapper over `dims.fsdp_mesh`; gradients summed."""
+    decoder layers, an untied input embedding and the wrapper over `dims.fsdp_mesh`;
+    gradients summed."""
     if dims.fsdp_mesh is None:  # one process without a process group (model.param_dtype gives it one)
         return
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -136,11 +143,19 @@ def apply_fsdp(wrapper: nn.Module, dims: ParallelDims, *, param_dtype: torch.dty
         fully_shard(block.experts, mesh=dims.expert_fsdp_mesh, mp_policy=mp)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dims.fsdp_mesh, mp_policy=mp)
+    if not tied_embeddings(model):  # a tied weight is read at both ends: the root's unshard covers both
+        fully_shard(model.get_input_embeddings(), mesh=dims.fsdp_mesh, mp_policy=mp)
     fully_shard(wrapper, mesh=dims.fsdp_mesh, mp_policy=mp)
     for module in wrapper.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # SUM: each microbatch loss is a share of the global mean
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM collective (gloo has no PREMUL_SUM)
+
+
+def tied_embeddings(model: nn.Module) -> bool:
+    """True when the causal LM's input embedding and lm head are one Parameter."""
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
 
 
 # --------------------------------------------------------------- gradient norm

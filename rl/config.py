@@ -162,7 +162,7 @@ class RolloutConfig:
     replica: ReplicaMode = ReplicaMode.AUTO
     memory_budget_gb: Optional[float] = None  # the plan's per-rank budget; None = the device's free memory
     # weight sync: bytes of full tensors gathered per bucket (rl/rollout/sync.py; also vLLM's shared-memory
-    # bucket); None = the larger of 256 MiB and the largest tensor
+    # bucket); None = one rank's share of the model (full bytes / world), <= 256 MiB, >= the largest tensor
     sync_bucket_bytes: Optional[int] = None
     tensor_parallel_size: int = 1  # vLLM TP inside the torchrun ranks (cuda, external_launcher); 1 on cpu
     gpu_memory_utilization: float = 0.3  # cuda: vLLM's share of the GPU beside the colocated trainer

@@ -225,7 +225,10 @@ def test_bucket_smaller_than_the_largest_tensor_is_refused():
     model = build_model("qwen3", seed=0, **SHAPE)
     sizes = full_tensor_bytes(model)
     largest = max(sizes.values())
-    assert resolve_bucket_bytes(model, None) == DEFAULT_BUCKET_BYTES
+    total = sum(sizes.values())
+    assert total < DEFAULT_BUCKET_BYTES  # the default: one rank's share of the model, this small model whole
+    assert resolve_bucket_bytes(model, None) == total
+    assert resolve_bucket_bytes(model, None, world=4) == max(largest, -(-total // 4))
     assert resolve_bucket_bytes(model, largest) == largest
     with pytest.raises(ValueError) as e:
         resolve_bucket_bytes(model, largest - 1)

@@ -286,7 +286,10 @@ class HFRolloutEngine(RolloutEngine):
     `attn_implementation` is set on the model: the KV-cache loop needs a backend that
     honours a padding mask and a cache. The default, model/attention.py's "varlen" (the
     training forward's), takes sdpa with the model's mask there and keeps GQA in the kernel.
+    `sleep` releases the copy's weights for the training step; the next sync refills them.
     """
+
+    asleep = False  # the copy's weights released by `sleep` until the next full `load_weights`
 
     def __init__(
         self,
@@ -310,6 +313,7 @@ class HFRolloutEngine(RolloutEngine):
         if is_moe(model) and not moe_blocks(model, strict=False):
             shard_experts(model, None)  # the training forward's blocks, every expert local
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self._released: dict[str, int] = {}  # state-dict name -> its storage's bytes before `sleep`
 
     @property
     def device(self) -> torch.device:
@@ -336,11 +340,30 @@ class HFRolloutEngine(RolloutEngine):
             if tuple(value.shape) != tuple(own[name].shape):
                 raise ValueError(f"load_weights: {name} has shape {tuple(value.shape)}, "
                                  f"expected {tuple(own[name].shape)}")
+            storage = own[name].untyped_storage()
+            if storage.nbytes() == 0 and self._released.get(name):  # released by `sleep`: storage again, then values
+                storage.resize_(self._released[name])
             own[name].copy_(value)  # state_dict() tensors alias the parameters: copy_ updates them in place
             seen.add(name)
         missing = sorted(set(own) - seen)
         if missing:
             raise KeyError(f"load_weights: {len(missing)} state-dict entries were not given: {_head(missing)}")
+        self.asleep, self._released = False, {}
+
+    def sleep(self) -> None:
+        """Release the copy's weights until the next `load_weights` (the trainer calls it after
+        the rollout): training never reads the copy and the sync after the update rewrites
+        every state-dict entry (strict), so their storage is free for the training step (the
+        tensors keep their shapes; `load_weights` gives each its storage back before copying
+        into it). Non-persistent buffers (rotary `inv_freq`) stay. A storage that cannot be
+        resized (memory-mapped from a file) is kept."""
+        own = self.model.state_dict()
+        # every name's storage size first: a tied weight is one storage under two names
+        self._released = {name: t.untyped_storage().nbytes() for name, t in own.items()
+                          if t.untyped_storage().resizable()}
+        for name in self._released:
+            own[name].untyped_storage().resize_(0)
+        self.asleep = True
 
     # ---------------------------------------------------------- generation
     @torch.no_grad()
@@ -353,6 +376,9 @@ class HFRolloutEngine(RolloutEngine):
         temperature: float,
         seed: int,
     ) -> list[Experience]:
+        if self.asleep:
+            raise RuntimeError("generate: the rollout copy's weights were released by sleep() and not reloaded since: "
+                               "load_weights (the weight sync) with every state-dict entry comes first")
         prompts = [self._check_prompt(i, p) for i, p in enumerate(prompts)]
         if len(prompt_indices) != len(prompts):
             raise ValueError(f"prompt_indices has {len(prompt_indices)} entries, expected {len(prompts)} (one per prompt)")
@@ -535,6 +561,9 @@ class PolicyRolloutEngine(HFRolloutEngine):
     def load_weights(self, weights) -> None:
         raise TypeError("PolicyRolloutEngine generates from the training policy's own weights: there is nothing "
                         "to load (sync_weights skips engines with needs_sync=False)")
+
+    def sleep(self) -> None:
+        """Nothing to release: the weights are the training policy's."""
 
     def generate(self, prompts: Sequence[torch.Tensor], **kwargs) -> list[Experience]:
         """`HFRolloutEngine.generate` on the policy: a collective over `group`, which every

@@ -1,13 +1,24 @@
 """Where the rollout's weights live: a start-up memory plan (`rollout.replica`).
 
     keep     the HF engine holds an unsharded copy of the policy (in `model.dtype`) and gets
-             the new weights after every update (rl/rollout/sync.py, bucket by bucket)
+             the new weights after every update (rl/rollout/sync.py, bucket by bucket); the
+             copy's storage is released for the training step (`HFRolloutEngine.sleep`: the
+             sync rewrites all of it), so it adds to the rollout and the sync, not to training
     sharded  the HF engine generates with the training policy itself (`PolicyRolloutEngine`):
              no copy, no sync; FSDP2 gathers each layer for its forward and frees it after.
              Token-identical to `keep` (same seeds), dense and MoE, with cp and ep (tested
              up to dp2 x cp2 x ep2); generation then computes in `model.param_dtype` if set
     auto     keep if the copy fits beside the training state, else sharded
     (rollout.engine=vllm is an external engine with its own copy: `external`)
+
+Why auto keeps a copy whenever it fits: generation from the shards all-gathers every layer
+for every forward (the prompt's and each new token's), so its communication grows with the
+answer's length, while a copy costs one gather per update (the sync). Measured side by side
+(bench/rank_memory.py --arms default sharded: a 178M Qwen3 in bf16, one step of
+task=target_token, 16 new tokens, 2 shared CPU cores at load ~7): the rollout took 7.4 s with
+the copy and 37.5 s sharded on 4 ranks (10.1 s and 29.5 s on 2), for a per-rank peak of
+1.282 GB against 1.273 GB (1.692 / 1.691 on 2): the copy lives from the sync to the end of
+the rollout, and the step's peak is the training, where it is released.
 
 The plan counts, per rank: the copy (every full tensor of the policy, `full_tensor_bytes`),
 the training state still to come at start-up (gradients and the two AdamW moments: 3 x

@@ -10,9 +10,14 @@ its own buffer (`_gather_dim0`: no flat receive buffer to copy out of; the same 
 collective on NCCL and gloo, so the path a GPU runs is the one the CPU tests run). What a
 rank holds beyond its shards is one bucket's full tensors plus the tensor the engine is
 still copying from the previous bucket, never the full model: peak
-about `bucket_bytes` + one tensor (+ the padding of uneven splits). Measured on 2 gloo ranks,
-a 485 MiB model whose largest tensor is 62.5 MiB (bench/sync_memory.py): 125 MiB with 64 MiB
-buckets, 293 MiB with 256 MiB buckets, 125 MiB for `full_parameters` (one tensor at a time).
+about `bucket_bytes` + one tensor (+ the padding of uneven splits). Measured (bench/sync_memory.py,
+a 485 MiB fp32 model whose largest tensor is 62.5 MiB; peak extra and seconds, side by side): on 2
+gloo ranks 125 MiB / 0.92 s one tensor at a time (`full_parameters`), 136 MiB / 0.88 s with 64 MiB
+buckets, 434 MiB / 0.86 s with the default (242.5 MiB), 548 MiB / 0.83 s with 256 MiB; on 4 ranks
+127 / 2.42, 136 / 2.67, 243 / 2.76 (default 121 MiB), 548 MiB / 2.41 s. On gloo the peak is about
+twice the bucket: its all-gather holds an output-sized buffer of its own per tensor (one 62.5 MiB
+tensor gathered alone peaks at 125 MiB) until after the bucket's last gather; sampled between the
+yielded tensors the resident set is one bucket above the start. NCCL gathers in place.
 Bucket boundaries depend only on global shapes, so every rank cuts the same buckets; it is
 a collective: every rank iterates to the end.
 
@@ -23,6 +28,15 @@ first d0 rows are the full tensor. An expert weight is then gathered the same wa
 EP group (each EP rank holds E / ep contiguous experts). A tied weight (embeddings = lm
 head) is gathered once and yielded under each of its names. Anything else (a DTensor not
 sharded on dim 0 of a 1-D mesh) falls back to `full_tensor()`.
+
+The default bucket (`rollout.sync_bucket_bytes=null`, `default_bucket_bytes`) is one rank's
+share of the model: its full bytes / world, at most `DEFAULT_BUCKET_BYTES` (256 MiB) and at
+least the largest tensor. The sync then holds no more full tensors at once than the rank's
+own parameter shard, so its peak falls with world size as the training state does. A larger
+bucket buys no time: every tensor is one all-gather whatever the bucket (`_gather_dim0`), the
+bucket only decides how many are gathered before the engine copies them (bench/sync_memory.py:
+the same seconds, within noise, from one tensor at a time to 256 MiB). The figure is the same on every rank
+(global sizes, the world size), so every rank cuts the same buckets.
 
 `check_bucket_bytes` is the start-up check: a bucket smaller than the largest tensor is
 refused, naming the setting, the bucket and the tensor.
@@ -41,7 +55,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from model.moe import expert_owners
 
-DEFAULT_BUCKET_BYTES = 256 << 20  # rollout.sync_bucket_bytes=null: this, or the largest tensor if larger
+DEFAULT_BUCKET_BYTES = 256 << 20  # rollout.sync_bucket_bytes=null: at most this (default_bucket_bytes)
 SETTING = "rollout.sync_bucket_bytes"
 
 
@@ -84,15 +98,24 @@ def full_tensor_bytes(model: nn.Module) -> dict[str, int]:
     return {e.names[0]: e.nbytes for e in _entries(model)}
 
 
-def resolve_bucket_bytes(model: nn.Module, bucket_bytes: int | None) -> int:
-    """`bucket_bytes`, checked against the largest tensor; None: `DEFAULT_BUCKET_BYTES` or
-    the largest tensor, whichever is larger."""
-    return _limit(full_tensor_bytes(model), bucket_bytes)
+def resolve_bucket_bytes(model: nn.Module, bucket_bytes: int | None, *, world: int | None = None) -> int:
+    """`bucket_bytes`, checked against the largest tensor; None: `default_bucket_bytes` over
+    `world` ranks (None: the default process group's size, 1 without one)."""
+    return _limit(full_tensor_bytes(model), bucket_bytes, world)
 
 
-def _limit(sizes: dict[str, int], bucket_bytes: int | None) -> int:
+def default_bucket_bytes(sizes: dict[str, int], world: int) -> int:
+    """One rank's share of the model (the full bytes of `sizes` / `world`, rounded up), at most
+    `DEFAULT_BUCKET_BYTES` and at least the largest tensor (the module docstring)."""
+    share = -(-sum(sizes.values()) // max(world, 1))
+    return max(min(DEFAULT_BUCKET_BYTES, share), max(sizes.values(), default=0))
+
+
+def _limit(sizes: dict[str, int], bucket_bytes: int | None, world: int | None = None) -> int:
     if bucket_bytes is None:
-        return max(DEFAULT_BUCKET_BYTES, max(sizes.values(), default=0))
+        if world is None:
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return default_bucket_bytes(sizes, world)
     check_bucket_bytes(sizes, bucket_bytes)
     return int(bucket_bytes)
 
@@ -106,8 +129,8 @@ def check_bucket_bytes(sizes: dict[str, int], bucket_bytes: int) -> None:
     if bucket_bytes < sizes[name]:
         raise ValueError(f"{SETTING}={bucket_bytes} ({bucket_bytes / 2**20:.1f} MiB) is smaller than the largest "
                          f"tensor, {name} ({sizes[name]} bytes, {sizes[name] / 2**20:.1f} MiB): a bucket holds "
-                         f"whole tensors; set {SETTING} >= {sizes[name]} (or null: the larger of "
-                         f"{DEFAULT_BUCKET_BYTES >> 20} MiB and the largest tensor)")
+                         f"whole tensors; set {SETTING} >= {sizes[name]} (or null: one rank's share of the "
+                         f"model, at most {DEFAULT_BUCKET_BYTES >> 20} MiB and at least the largest tensor)")
 
 
 @torch.no_grad()
