@@ -78,6 +78,10 @@ class RolloutEngine(abc.ABC):
         self.sync_bucket_bytes: int | None = None  # weight sync bucket (rl/rollout/sync.py); None: the default
         self.replica = None  # the start-up memory plan that chose this engine (rl/rollout/replica.py), if any
 
+    def sleep(self) -> None:
+        """Free what the engine holds for generation until the next weight sync (the trainer
+        calls it when the rollout is done and the engine idles until the sync); here nothing."""
+
     @abc.abstractmethod
     def generate(
         self,

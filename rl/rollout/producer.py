@@ -87,6 +87,8 @@ class Buffered:
 class SyncProducer:
     """`rollout.mode=sync`: the step's rollout, generated when the step asks for it."""
 
+    generates_during_training = False  # the engine is idle from `take` to the sync: the trainer sleeps it
+
     def __init__(self, sample: Callable[[int], Any]) -> None:
         self._sample = sample
 
@@ -110,6 +112,8 @@ class OneStepOffProducer:
     no collective); `share(records, seconds, generated_s) -> Rollouts`: every rank's samples
     as metadata (a collective, main thread only), with the seconds the step waited for them
     and the seconds their generation took."""
+
+    generates_during_training = True  # step+1 is generated on the engine while the step trains: no sleep
 
     def __init__(self, generate: Callable[[int], list[Experience]], share: Callable[..., Any],
                  *, max_steps: int, max_staleness: int, samples_per_step: int, rank: int,

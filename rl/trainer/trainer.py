@@ -201,8 +201,8 @@ class Trainer:
         evaluation = self.evaluate() if every and step % every == 0 else {}
         t0 = time.perf_counter()
         rollouts = self.rollout(step)
-        if hasattr(self.engine, "sleep"):
-            self.engine.sleep()  # colocated vLLM (cuda, rollout.enable_sleep_mode): free its memory for training
+        if not self.producer.generates_during_training:
+            self.engine.sleep()  # the rollout copy's memory is free for training; the sync refills it
         minibatches = self.collate(rollouts, self.plan(rollouts.samples))
         self.score(minibatches)
         self.advantages(rollouts.samples, minibatches)
