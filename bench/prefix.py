@@ -12,10 +12,11 @@ For each model: `shared` says whether the shared path was taken (model/actor.py
 `_shared_prompt_view` returned a view on every shared-arm forward); where it was not (today
 every MoE model: it switches itself off for `MoEBlock`s) the two arms run the same pack and
 the ratio is ~1.0x, reported as "not shared". `body_token_ratio` (tokens through the
-transformer body, n(P + R) / (P + nR)) and `flop_ratio` (packing/planner.py `FlopCost` of
-the unshared pack over `microbatch_cost` of the shared one: linear layers, LM head and
-attention) are what transfers to a GPU, where the time follows the FLOPs more closely than
-on this CPU. Models (random init, built from their configs, nothing downloaded):
+transformer body, n(P + R) / (P + nR)) and `flop_ratio` (fwd+bwd FLOPs of the unshared pack
+over the shared one: the body by packing/planner.py's `FlopCost` and `microbatch_cost`, linear
+layers and attention, plus the LM head on the response tokens, the same in both) are what
+transfers to a GPU, where the time follows the FLOPs more closely than on this CPU.
+Models (random init, built from their configs, nothing downloaded):
 
     dense-tiny    qwen3, the test models' shape (2 layers, hidden 64)
     smollm2-135m  llama with SmolLM2-135M's shape (30 layers, hidden 576, 9/3 heads, vocab 49152)
@@ -23,12 +24,16 @@ on this CPU. Models (random init, built from their configs, nothing downloaded):
     moe-large     qwen3_moe, 8 layers, hidden 512, 16 experts of 512, top-2, vocab 32000
 
     python bench/prefix.py [--quick] [--models a,b] [--prompts 512,2048,8192] [--samples 8,16]
-        [--large-prompts 512] [--repeats N] [--name prefix]
+        [--large-prompts 512] [--layers N] [--repeats N] [--name prefix]
 
 By default the tiny models run the full grid (P 512/2K/8K x n 8/16) and the two larger ones
 P=512 (--large-prompts; the full grid of SmolLM2 at 8K x 16 is ~160k tokens a forward, hours
 on 2 CPU cores): ~10 min of CPU time. `--quick`: the tiny models at P=512 and 2048, n=8,
-one repeat (~20 s).
+one repeat (~20 s). SmolLM2's layer shape at 2K x 16 within 24 GB of host memory (6 of its
+30 layers, bench/results/prefix-smollm2-6l.json):
+
+    python bench/prefix.py --models smollm2-135m --large-prompts 2048 --samples 16 --layers 6 \
+        --name prefix-smollm2-6l
 """
 
 from __future__ import annotations
@@ -56,12 +61,15 @@ TINY = ("dense-tiny", "moe-tiny")
 SMALL = 50_000  # tokens of a pack whose case is cheap enough to repeat
 
 
-def build(name: str, max_len: int):
-    """The actor's causal LM, as the trainer builds it: MoE blocks in place (every expert local)."""
+def build(name: str, max_len: int, layers: int | None = None):
+    """The actor's causal LM, as the trainer builds it: MoE blocks in place (every expert local).
+    `layers`: fewer decoder layers of the same shape (the larger models' long packs fit in memory)."""
     from model.models import build_model
     from model.moe import is_moe, shard_experts
 
     family, over = MODELS[name]
+    if layers is not None:
+        over = {**over, "num_hidden_layers": layers}
     lm = build_model(family, seed=0, max_position_embeddings=max(max_len, 2048), **over)
     if is_moe(lm):
         shard_experts(lm, None)
@@ -108,14 +116,18 @@ def shared_views():
 
 
 def flops(lm, prompt: int, response: int, samples: int) -> tuple[float, float]:
-    """(FlopCost of the unshared pack, microbatch_cost of the shared one), fwd+bwd FLOPs."""
-    from packing.planner import flop_cost, microbatch_cost
+    """(fwd+bwd FLOPs of the unshared pack, of the shared one): the body by packing/planner.py's
+    `FlopCost` (unshared) and `microbatch_cost` (shared), the LM head on the response tokens only
+    in both (the actor's `actions_only`; `flop_cost` counts the head on every token)."""
+    from packing.planner import FlopCost, flop_cost, microbatch_cost
 
     cost = flop_cost(lm.config)
+    head = 6.0 * lm.config.hidden_size * lm.config.vocab_size  # per token scored
+    body = FlopCost(linear=cost.linear - head, attention=cost.attention)
     T = prompt + response
-    unshared = samples * cost(T)
-    shared = microbatch_cost(range(samples), [T] * samples, cost, [0] * samples, [prompt] * samples)
-    return unshared, shared
+    unshared = samples * body(T)
+    shared = microbatch_cost(range(samples), [T] * samples, body, [0] * samples, [prompt] * samples)
+    return unshared + head * samples * response, shared + head * samples * response
 
 
 def case(name: str, lm, prompt: int, samples: int, repeats: int, warmup: int) -> dict:
@@ -145,7 +157,7 @@ def case(name: str, lm, prompt: int, samples: int, repeats: int, warmup: int) ->
     taken = seen["views"] == seen["calls"] > 0  # only the shared arm asks; every one of its forwards shared
     unshared_flops, shared_flops = flops(lm, prompt, response, samples)
     tokens = samples * (prompt + response)
-    row = {"model": name, "prompt": prompt, "response": response, "samples": samples, "tokens": tokens,
+    row = {"model": name, "layers": lm.config.num_hidden_layers, "prompt": prompt, "response": response, "samples": samples, "tokens": tokens,
            "body_tokens_shared": prompt + samples * response, "shared": taken,
            "body_token_ratio": round(tokens / (prompt + samples * response), 3),
            "flop_ratio": round(unshared_flops / shared_flops, 3)}
@@ -166,6 +178,9 @@ def main() -> None:
     parser.add_argument("--prompts", default="512,2048,8192", help="prompt lengths of the tiny models")
     parser.add_argument("--large-prompts", default="512", help="prompt lengths of smollm2-135m and moe-large")
     parser.add_argument("--samples", default="8,16", help="samples per prompt")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers of smollm2-135m and moe-large (default: their own; fewer keep a long "
+                             "pack within host memory: the layer shape and the head stay)")
     parser.add_argument("--name", default="prefix", help="results file bench/results/<name>.json (default prefix)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed rounds (default: 3 for tiny-model packs up to 50k tokens, after a warm-up round; "
@@ -186,7 +201,7 @@ def main() -> None:
     rows = []
     for name in models:
         grid = prompts if name in TINY else large_prompts
-        lm = build(name, max(grid) + max(grid) // 4)
+        lm = build(name, max(grid) + max(grid) // 4, None if name in TINY else args.layers)
         for p in grid:
             for n in samples:
                 small = name in TINY and n * (p + p // 4) <= SMALL  # cheap: repeated, after a warm-up round
