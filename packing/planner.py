@@ -62,6 +62,18 @@ microbatches and never looks at the cap again, so a microbatch of cheap short sa
 exceed it.) As in token mode, ``m`` is not raised to buy balance: with few samples per
 rank, a handful of more microbatches would sometimes balance better.
 
+**GRPO groups** (``groups=``, with ``prompt_lengths``). The shared-prompt training forward
+(model/actor.py) runs a prompt once for all the samples of one microbatch that repeat it, so
+a group cut across microbatches pays its prompt in each. The plan is then made over units:
+a whole group, or, where a group's tokens exceed the cap, each of the fewest pieces of it
+that fit (BFD's count, balanced by Karmarkar-Karp); with fewer units than ranks the largest
+is halved until every rank can have one. A rank left with an empty microbatch while it holds
+samples to spare halves its heaviest one (between groups where it holds several). The cap counts every sample's tokens, as collated.
+A microbatch's cost (:func:`microbatch_cost`) charges a prompt once: ``cost(P)`` less per
+sample past a group's first, which for :class:`FlopCost` is exactly the FLOPs of the shared
+pack. In cost mode the grouped plan is compared with the sample-by-sample one by that cost,
+and the cheaper lockstep kept.
+
 A rank holding fewer than ``m`` samples gets empty microbatches (``[]``) at the end of
 its list; this only happens when there are too few samples to go round. The trainer
 must still run a forward/backward for each of them (e.g. on a dummy sample with zero
@@ -90,7 +102,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-__all__ = ["FlopCost", "flop_cost", "karmarkar_karp", "lockstep_cost", "plan_microbatches"]
+__all__ = ["FlopCost", "flop_cost", "karmarkar_karp", "lockstep_cost", "microbatch_cost", "plan_microbatches"]
 
 Plan = list[list[list[int]]]
 
@@ -333,6 +345,31 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
     return out
 
 
+def _check_groups(groups: Sequence[int], prompt_lengths: Sequence[int] | None, lens: list[int], *,
+                  need_prompts: bool) -> tuple[list[int], list[int] | None]:
+    """``groups`` and ``prompt_lengths`` checked against ``lens``: one entry per sample, a
+    prompt length in [1, length] and the same within a group (needed only with a cost)."""
+    if len(groups) != len(lens):
+        raise ValueError(f"groups has {len(groups)} entries, expected {len(lens)} (one per sample, like lengths)")
+    if prompt_lengths is None:
+        if need_prompts:
+            raise ValueError("groups with cost needs prompt_lengths (what a shared prompt saves)")
+        return list(groups), None
+    if len(prompt_lengths) != len(lens):
+        raise ValueError(f"prompt_lengths has {len(prompt_lengths)} entries, expected {len(lens)} (one per sample)")
+    prompts: dict[int, int] = {}
+    out = []
+    for i, (g, p) in enumerate(zip(groups, prompt_lengths)):
+        p = operator.index(p)
+        if not 1 <= p <= lens[i]:
+            raise ValueError(f"prompt_lengths[{i}] = {p}: must lie in [1, lengths[{i}] = {lens[i]}]")
+        if prompts.setdefault(g, p) != p:
+            raise ValueError(f"group {g!r}: prompt_lengths {prompts[g]} and {p} (sample {i}) differ; "
+                             "a group's samples share one prompt")
+        out.append(p)
+    return list(groups), out
+
+
 # ----------------------------------------------------------------- public entry
 
 
@@ -343,6 +380,8 @@ def plan_microbatches(
     *,
     micro_batch_size: int | None = None,
     cost: Callable[[int], float] | None = None,
+    groups: Sequence[int] | None = None,
+    prompt_lengths: Sequence[int] | None = None,
 ) -> Plan:
     """Plan microbatches for ``dp_size`` ranks: ``plan[rank][i]`` is a list of indices
     into ``lengths`` (tokens per sample) forming microbatch ``i`` on ``rank``.
@@ -353,6 +392,15 @@ def plan_microbatches(
     ``max_tokens`` given as well is checked, not planned for. ``cost`` (e.g.
     ``flop_cost(model_config)``) maps a sample's token count to its compute cost; given,
     the ranks and microbatches balance cost instead of tokens (the cap stays on tokens).
+
+    ``groups`` (a group id per sample: samples of one id share their first
+    ``prompt_lengths[i]`` tokens, a GRPO group) plans for the shared-prompt forward, which
+    runs a prompt once per microbatch holding its samples (token-budget modes; fixed mode
+    ignores it). A group is kept in one microbatch where the cap allows (the cap still
+    counts every sample's tokens: the collated pack's), else cut into the fewest pieces
+    under it, each kept together. With ``cost`` a microbatch costs :func:`microbatch_cost`
+    (each prompt charged once), and the grouped plan is kept unless planning sample by
+    sample gives a lower :func:`lockstep_cost` by that measure.
     """
     dp_size = _check_positive_int("dp_size", dp_size)
     if max_tokens is None and micro_batch_size is None:
@@ -379,16 +427,40 @@ def plan_microbatches(
                 f"sample {i} has {x} tokens, more than max_tokens = {max_tokens}: it fits in no microbatch "
                 "(raise max_tokens or truncate the sample)"
             )
+    if groups is not None:
+        return _plan_groups(lens, weights, max_tokens, dp_size, cost,
+                            _check_groups(groups, prompt_lengths, lens, need_prompts=cost is not None))
     if cost is None:
         return _plan_tokens(lens, max_tokens, dp_size)
     return _plan_costs(lens, weights, max_tokens, dp_size)
 
 
-def lockstep_cost(plan: Plan, weights: Sequence[float]) -> float:
+def lockstep_cost(plan: Plan, weights: Sequence[float] | Callable[[list[int]], float]) -> float:
     """What a lockstep step of ``plan`` costs: the sum over microbatch steps ``i`` of the
-    costliest rank's microbatch ``i``. ``sum(weights) / len(plan)`` is the ideal."""
+    costliest rank's microbatch ``i``. ``weights``: per-sample costs (a microbatch costs their
+    sum; ``sum(weights) / len(plan)`` is the ideal), or a microbatch's cost as a function of
+    its sample indices (:func:`microbatch_cost`)."""
+    mb_cost = weights if callable(weights) else (lambda mb: _total(mb, weights))
     steps = max((len(rank) for rank in plan), default=0)
-    return sum(max(_total(rank[i], weights) if i < len(rank) else 0 for rank in plan) for i in range(steps))
+    return sum(max(mb_cost(rank[i]) if i < len(rank) else 0 for rank in plan) for i in range(steps))
+
+
+def microbatch_cost(items: Sequence[int], lengths: Sequence[int], cost: Callable[[int], float],
+                    groups: Sequence[int], prompt_lengths: Sequence[int]) -> float:
+    """Cost of the microbatch ``items`` under the shared-prompt forward: each sample's
+    ``cost(lengths[i])``, less ``cost(P)`` for every sample past the first of a group in it
+    (``P`` its ``prompt_lengths``): the prompt runs once, and the cost of a causal prefix
+    does not depend on what follows it. For :class:`FlopCost`, a group of ``n`` samples
+    with responses ``R_j`` costs ``linear * (P + sum R_j) + attention * (P**2 + sum(2 P R_j + R_j**2))``:
+    the prompt's tokens once, each response's tokens and its queries over the prompt and itself."""
+    seen = set()
+    total = 0.0
+    for i in items:
+        total += cost(lengths[i])
+        if groups[i] in seen:
+            total -= cost(prompt_lengths[i])
+        seen.add(groups[i])
+    return total
 
 
 # ------------------------------------------------------------ token-budget mode
@@ -620,6 +692,66 @@ def _split_bfd_bins(
         halves = karmarkar_karp([weights[i] for i in bins[b]], 2)
         bins[b : b + 1] = [[bins[b][j] for j in h] for h in halves]
     return bins
+
+
+# -------------------------------------------------------------- grouped samples
+
+
+def _plan_groups(lens: list[int], weights: Sequence[float], cap: int, dp_size: int,
+                 cost: Callable[[int], float] | None, checked: tuple[list[int], list[int] | None]) -> Plan:
+    """Token-budget or cost planning over units (a group, or a piece of one) instead of
+    samples (``plan_microbatches``' ``groups``)."""
+    groups, prompts = checked
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    units: list[list[int]] = []
+    for group in members.values():  # first-seen order
+        if _tokens(group, lens) <= cap:
+            units.append(group)
+        else:  # the fewest pieces under the cap, balanced
+            k = len(_best_fit_decreasing(group, lens, cap))
+            units += _split_under_cap(group, lens, lens, cap, k) or _best_fit_decreasing(group, lens, cap)
+    while len(units) < dp_size:  # every rank needs a unit: halve the largest group piece
+        u = max((u for u in range(len(units)) if len(units[u]) > 1), key=lambda u: (_tokens(units[u], lens), -u))
+        units[u : u + 1] = [[units[u][j] for j in half] for half in karmarkar_karp([lens[i] for i in units[u]], 2)]
+    units = [sorted(u) for u in units]
+    unit_lens = [_tokens(u, lens) for u in units]
+    if cost is None:
+        plan = _plan_tokens(unit_lens, cap, dp_size)
+    else:
+        assert prompts is not None
+        shared = lambda mb: microbatch_cost(mb, lens, cost, groups, prompts)  # noqa: E731
+        plan = _plan_costs(unit_lens, [shared(u) for u in units], cap, dp_size)
+    plan = [[sorted(i for u in mb for i in units[u]) for mb in rank] for rank in plan]
+    weigh = (lambda mb: _tokens(mb, lens)) if cost is None else shared  # noqa: E731
+    for rank in plan:
+        _fill_empty(rank, lens, groups, weigh)
+    if cost is None:
+        return plan
+    by_sample = _plan_costs(lens, weights, cap, dp_size)
+    return min(plan, by_sample, key=lambda p: (lockstep_cost(p, shared), len(p[0])))
+
+
+def _fill_empty(rank: list[list[int]], lens: Sequence[int], groups: Sequence[int],
+                weigh: Callable[[list[int]], float]) -> None:
+    """A rank left with fewer units than microbatches would idle through an empty one while it
+    holds samples to spare: halve its heaviest microbatch of 2+ samples into the empty slot,
+    between groups where it holds several (by KK on their tokens), else through its one group
+    (its prompt then runs in both). Halving never breaks the cap. In place, heaviest first."""
+    while [] in rank:
+        full = [k for k, mb in enumerate(rank) if len(mb) > 1]
+        if not full:
+            return
+        k = max(full, key=lambda k: (_tokens(rank[k], lens), -k))
+        pieces: dict[int, list[int]] = {}
+        for i in rank[k]:
+            pieces.setdefault(groups[i], []).append(i)
+        parts = list(pieces.values()) if len(pieces) > 1 else [[i] for i in rank[k]]
+        halves = karmarkar_karp([_tokens(p, lens) for p in parts], 2)
+        rank[k] = sorted(i for j in halves[0] for i in parts[j])
+        rank[rank.index([])] = sorted(i for j in halves[1] for i in parts[j])
+        rank.sort(key=lambda mb: (-weigh(mb), mb[0] if mb else math.inf))
 
 
 # ------------------------------------------------------------------ fixed mode

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packing.planner import FlopCost, _tokens, flop_cost, karmarkar_karp, lockstep_cost, plan_microbatches
+from packing.planner import (FlopCost, _tokens, flop_cost, karmarkar_karp, lockstep_cost, microbatch_cost,
+                             plan_microbatches)
 
 PLANNER = Path(__file__).resolve().parents[1] / "packing" / "planner.py"
 CAP, DP = 8192, 8
@@ -511,3 +512,146 @@ def test_flop_cost_rejects_bad_coefficients():
         FlopCost(linear=1.0, attention=-1.0)
     with pytest.raises(ValueError, match="FlopCost.linear"):
         FlopCost(linear=math.inf, attention=0.0)
+
+
+# ----------------------------------------------------- GRPO groups (shared-prompt forward)
+SMOLLM2 = SimpleNamespace(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                          intermediate_size=1536, vocab_size=49152)
+
+
+def grpo_batch(prompts: int, samples: int, seed: int = 0, prompt_range=(200, 600), response_range=(20, 200)):
+    """(lengths, group ids, prompt lengths) of `prompts` GRPO groups of `samples` each."""
+    rng = random.Random(seed)
+    lengths, groups, plens = [], [], []
+    for g in range(prompts):
+        p = rng.randint(*prompt_range)
+        for _ in range(samples):
+            lengths.append(p + rng.randint(*response_range))
+            groups.append(100 + g)
+            plens.append(p)
+    return lengths, groups, plens
+
+
+def microbatch_of(plan) -> dict[int, list[tuple[int, int]]]:
+    """sample -> (rank, microbatch) it lies in."""
+    return {i: (r, k) for r, rank in enumerate(plan) for k, mb in enumerate(rank) for i in mb}
+
+
+def split_groups(plan, groups) -> list[int]:
+    """The group ids whose samples lie in more than one microbatch."""
+    where = microbatch_of(plan)
+    spread = {}
+    for i, g in enumerate(groups):
+        spread.setdefault(g, set()).add(where[i])
+    return sorted(g for g, places in spread.items() if len(places) > 1)
+
+
+@pytest.mark.parametrize("cost", [None, flop_cost(SMOLLM2)], ids=["tokens", "flops"])
+def test_a_group_that_fits_stays_in_one_microbatch(cost):
+    lengths, groups, plens = grpo_batch(16, 8)  # a group: ~3.5k tokens; the cap holds 2 or 3
+    plan = plan_microbatches(lengths, 8192, 2, cost=cost, groups=groups, prompt_lengths=plens)
+    assert_valid(plan, lengths, 2, 8192)
+    assert split_groups(plan, groups) == []
+    # control: planned sample by sample, groups are cut across microbatches
+    assert split_groups(plan_microbatches(lengths, 8192, 2, cost=cost), groups)
+
+
+@pytest.mark.parametrize("cost", [None, flop_cost(SMOLLM2)], ids=["tokens", "flops"])
+def test_a_group_over_the_cap_is_cut_into_the_fewest_pieces(cost):
+    lengths, groups, plens = grpo_batch(6, 16, prompt_range=(1500, 2500), response_range=(100, 600))
+    cap = 16384  # a group: ~35-45k tokens, 3 pieces at least
+    plan = plan_microbatches(lengths, cap, 1, cost=cost, groups=groups, prompt_lengths=plens)
+    assert_valid(plan, lengths, 1, cap)
+    where = microbatch_of(plan)
+    for g in sorted(set(groups)):
+        members = [i for i in range(len(lengths)) if groups[i] == g]
+        fewest = len(plan_microbatches([lengths[i] for i in members], cap, 1)[0])  # BFD's count, >= the bound
+        assert len({where[i] for i in members}) == fewest >= math.ceil(tokens(members, lengths) / cap)
+    # on 2 ranks a piece is halved further only where a rank would otherwise idle
+    plan = plan_microbatches(lengths, cap, 2, cost=cost, groups=groups, prompt_lengths=plens)
+    assert_valid(plan, lengths, 2, cap)
+
+
+def test_groups_are_cut_where_ranks_would_otherwise_idle():
+    lengths, groups, plens = grpo_batch(2, 8)
+    plan = plan_microbatches(lengths, 8192, 4, groups=groups, prompt_lengths=plens)
+    assert_valid(plan, lengths, 4, 8192)
+    assert all(rank[0] for rank in plan)  # 2 groups over 4 ranks: each halved, no rank idles
+
+
+@st.composite
+def grouped_case(draw):
+    dp = draw(st.integers(1, 6))
+    n_groups = draw(st.integers(1, 12))
+    sizes = [draw(st.integers(1, 16)) for _ in range(n_groups)]
+    plens = [draw(st.integers(1, 300)) for _ in range(n_groups)]
+    lengths, groups, prompts = [], [], []
+    for g, (size, p) in enumerate(zip(sizes, plens)):
+        for _ in range(size):
+            lengths.append(p + draw(st.integers(1, 300)))
+            groups.append(g)
+            prompts.append(p)
+    if len(lengths) < dp:
+        dp = len(lengths)
+    cap = draw(st.integers(max(lengths), 6 * max(lengths)))
+    return lengths, groups, prompts, cap, dp
+
+
+@settings(max_examples=60, deadline=None)
+@given(grouped_case(), st.booleans())
+def test_grouped_plans_keep_the_cap_and_every_sample_once(case, with_cost):
+    lengths, groups, prompts, cap, dp = case
+    cost = flop_cost(SMOLLM2) if with_cost else None
+    plan = plan_microbatches(lengths, cap, dp, cost=cost, groups=groups, prompt_lengths=prompts)
+    assert_valid(plan, lengths, dp, cap)
+    if not with_cost and len(set(groups)) >= dp:
+        # token mode: a group that fits lies on one rank; it is cut there only where the rank
+        # would otherwise idle through an empty microbatch (`_fill_empty`)
+        where = microbatch_of(plan)
+        for g in set(groups):
+            members = [i for i, h in enumerate(groups) if h == g]
+            if tokens(members, lengths) <= cap:
+                assert len({where[i][0] for i in members}) == 1
+
+
+def test_microbatch_cost_is_the_flops_of_the_shared_pack():
+    """The body runs the prompt once and each response once; the prompt's queries see the
+    prompt causally, a response's queries the prompt and themselves causally (FlopCost's
+    convention: t**2 / 2 query-key pairs for t causal tokens, each costing 2 * attention)."""
+    cost = flop_cost(SMOLLM2)
+    P, responses = 1800, [300, 450, 120, 600]
+    lengths, groups, plens = [P + r for r in responses], [7] * 4, [P] * 4
+    body_tokens = P + sum(responses)
+    pairs = P**2 / 2 + sum(r * P + r**2 / 2 for r in responses)
+    shared = cost.linear * body_tokens + 2 * cost.attention * pairs
+    assert math.isclose(microbatch_cost(range(4), lengths, cost, groups, plens), shared, rel_tol=1e-12)
+    unshared = sum(cost(t) for t in lengths)
+    assert math.isclose(unshared - shared, 3 * cost(P), rel_tol=1e-12)  # control: each extra copy of the prompt
+    # a group cut in two microbatches pays its prompt in each
+    halves = microbatch_cost([0, 1], lengths, cost, groups, plens) + microbatch_cost([2, 3], lengths, cost, groups,
+                                                                                      plens)
+    assert math.isclose(halves - shared, cost(P), rel_tol=1e-12)
+    # another group's samples share nothing with these
+    other = microbatch_cost([0, 1, 4], lengths + [P + 10], cost, groups + [8], plens + [P])
+    assert math.isclose(other, microbatch_cost([0, 1], lengths, cost, groups, plens) + cost(P + 10), rel_tol=1e-12)
+
+
+def test_grouped_flop_plan_costs_less_than_planning_sample_by_sample():
+    cost = flop_cost(SMOLLM2)
+    lengths, groups, plens = grpo_batch(16, 8, seed=3, prompt_range=(1000, 2000))
+    shared = lambda mb: microbatch_cost(mb, lengths, cost, groups, plens)  # noqa: E731
+    grouped = plan_microbatches(lengths, 16384, 4, cost=cost, groups=groups, prompt_lengths=plens)
+    by_sample = plan_microbatches(lengths, 16384, 4, cost=cost)
+    assert_valid(grouped, lengths, 4, 16384)
+    assert lockstep_cost(grouped, shared) < 0.8 * lockstep_cost(by_sample, shared)
+
+
+def test_group_argument_errors():
+    with pytest.raises(ValueError, match="groups has 1 entries, expected 2"):
+        plan_microbatches([5, 3], 100, 1, groups=[0])
+    with pytest.raises(ValueError, match="groups with cost needs prompt_lengths"):
+        plan_microbatches([5, 3], 100, 1, groups=[0, 0], cost=lambda t: t)
+    with pytest.raises(ValueError, match=r"prompt_lengths\[1\] = 4: must lie in \[1, lengths\[1\] = 3\]"):
+        plan_microbatches([5, 3], 100, 1, groups=[0, 0], prompt_lengths=[2, 4])
+    with pytest.raises(ValueError, match="group 0: prompt_lengths 2 and 1 .sample 1. differ"):
+        plan_microbatches([5, 3], 100, 1, groups=[0, 0], prompt_lengths=[2, 1])

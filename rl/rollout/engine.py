@@ -29,7 +29,9 @@ distinct prompts are prefilled once and their cache copied to every sample that 
 one (a GRPO group shares its prompt); the cache reserves room for the new tokens. Prompts of a
 chunk are left-padded; the attention mask hides pad keys and per-row `position_ids` start
 at 0 at each prompt's first real token, so pad tokens change no real token's numbers
-(beyond float rounding, ~1e-7 in fp32).
+(beyond float rounding, ~1e-7 in fp32). The decode loop stays on the model's device: the host
+reads one small tensor every `check_every` steps, not the logits at every step
+(tests/test_decode_syncs.py counts it).
 
 Routing (MoE): the engine's copy runs the training forward's `MoEBlock`s (unsharded,
 model/moe.py) and records routing with the same `record_routing` context training uses:
@@ -294,6 +296,7 @@ class HFRolloutEngine(RolloutEngine):
     """
 
     asleep = False  # the copy's weights released by `sleep` until the next full `load_weights`
+    check_every = 8  # decode steps between two host reads of the stop / non-finite flags (`_generate_chunk`)
 
     def __init__(
         self,
@@ -409,15 +412,15 @@ class HFRolloutEngine(RolloutEngine):
                 records[i] = make_record(prompts[i], response, log_probs, prompt_indices[i], routing)
         return records  # type: ignore[return-value]
 
-    def _agree(self, values: list[int]) -> list[int]:
+    def _agree(self, values: list[int] | torch.Tensor) -> list[int]:
         """The element-wise max of `values` over the lockstep group (one all-reduce; `values`
-        itself without a group): what every rank of a collective generation must agree on."""
-        if self.group is None:
-            return values
-        import torch.distributed as dist
+        itself without a group) as host ints: what every rank of a collective generation must
+        agree on. A device tensor is reduced where it lies and read once (one host sync)."""
+        t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64, device=self.device)
+        if self.group is not None:
+            import torch.distributed as dist
 
-        t = torch.tensor(values, dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
     def _check_prompt(self, i: int, prompt: torch.Tensor) -> torch.Tensor:
@@ -432,47 +435,60 @@ class HFRolloutEngine(RolloutEngine):
         Identical prompts (a GRPO group's samples) are prefilled once: the prefill runs over
         the distinct prompts and its cache, logits and routing are copied to every row that
         repeats one. The cache reserves room for every new token up front (`_reserved_layer`),
-        so a decode step writes its keys/values in place instead of re-concatenating them."""
+        so a decode step writes its keys/values in place instead of re-concatenating them.
+
+        The decode loop keeps everything on the model's device and reads nothing back per
+        step (a GPU's host would otherwise wait for the device at every token): sampling,
+        the stop bookkeeping and the non-finite check are device ops; the host reads one
+        small tensor every `check_every` steps (have all rows stopped? did a row's logits
+        go non-finite, and at which step?). A chunk whose rows all stop runs at most
+        `check_every - 1` steps more than it needs; those steps feed the stop token to
+        stopped rows, and their tokens are dropped, so the samples do not depend on it.
+        The attention mask of a decode step is known on the host (the left padding is fixed
+        at prefill): `_decode_masks` hands it to the model built, not for it to inspect."""
         from transformers import DynamicCache  # local: the module imports without transformers
 
         device, B = self.device, len(prompts)
         first: dict[tuple[int, ...], int] = {}
         inverse = torch.tensor([first.setdefault(tuple(p.tolist()), len(first)) for p in prompts])
         distinct = list({u: p for p, u in zip(prompts, inverse.tolist())}.values())  # in order of first use
-        lens = torch.tensor([p.numel() for p in prompts])
-        P = int(lens.max())
+        lens = [p.numel() for p in prompts]
+        P = max(lens)
         cache = DynamicCache(config=self.model.config)
         if not all(hasattr(layer, "batch_select_indices") for layer in cache.layers):
             distinct, inverse = prompts, torch.arange(B)  # a cache whose rows cannot be copied: prefill every row
         ids, mask = _left_pad(distinct, P)
         position = padded_positions(mask)
-        seeds_t = torch.tensor([_signed(s) for s in seeds], dtype=torch.int64)
+        ids, mask, position, inverse = (t.to(device) for t in (ids, mask, position, inverse))
+        decode_masks = self._decode_masks(lens, P, max_new_tokens)
+        seeds_t = torch.tensor([_signed(s) for s in seeds], dtype=torch.int64, device=device)
 
-        tokens: list[torch.Tensor] = []  # [B] per step
-        log_probs: list[torch.Tensor] = []  # [B] per step
-        n_new = torch.full((B,), max_new_tokens)  # response length per row
-        done = torch.zeros(B, dtype=torch.bool)
+        tokens: list[torch.Tensor] = []  # [B] per step, on the device
+        log_probs: list[torch.Tensor] = []  # [B] per step, on the device
+        n_new = torch.full((B,), max_new_tokens, device=device)  # response length per row
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        bad_at = torch.full((B,), max_new_tokens, device=device)  # first step with non-finite logits per row
         fill = self.stop_token_id if self.stop_token_id is not None else 0
         record = record_routing(self.model) if self.is_moe else contextlib.nullcontext()
         with record as rec:
             logits = self._forward(ids, mask, position, cache, device)
             if len(distinct) < B:  # the distinct prompts' rows -> every row
                 logits = logits[inverse.to(logits.device)]
-                _select_rows(cache, inverse.to(device))
+                _select_rows(cache, inverse)
                 if rec is not None:
                     for steps in rec.per_layer:
                         steps[-1] = steps[-1][inverse.to(steps[-1].device)]
                 mask, position = mask[inverse], position[inverse]
+            position = position[:, -1:]
             _reserve(cache, max_new_tokens)
-            cdf = torch.empty(B, self.vocab_size, dtype=torch.float64) if temperature else None
+            cdf = torch.empty(B, self.vocab_size, dtype=torch.float64, device=device) if temperature else None
             for step in range(max_new_tokens):
-                logp = logits.float().cpu()  # [B, V]; the forward's own output (or a copy): changed in place
+                logp = logits.float()  # [B, V]; the forward's own output (or a copy): changed in place
                 if temperature not in (0, 1):
                     logp.div_(temperature)
                 logp = torch.log_softmax(logp, dim=-1, out=logp)
-                bad = bool((torch.isnan(logp.sum(-1)) & ~done).any())  # inf/NaN logits: sampling would fail
-                if bad and self.group is None:
-                    raise _diverged(step)
+                bad = torch.isnan(logp.sum(-1)) & ~done  # inf/NaN logits: raised at the next check
+                bad_at = torch.where(bad & (bad_at > step), step, bad_at)
                 if temperature == 0:  # greedy (evaluation): log-probs are of softmax(logits)
                     drawn = logp.argmax(-1)
                 else:
@@ -482,41 +498,66 @@ class HFRolloutEngine(RolloutEngine):
                 log_probs.append(logp.gather(-1, tok[:, None])[:, 0])
                 if self.stop_token_id is not None:
                     stopped = ~done & (tok == self.stop_token_id)
-                    n_new[stopped] = step + 1
+                    n_new = torch.where(stopped, step + 1, n_new)
                     done |= stopped
-                if self.group is None:
-                    last = bool(done.all()) or step == max_new_tokens - 1
-                else:  # lockstep: every rank raises, or stops, at the same step (one all-reduce)
-                    bad_anywhere, going = self._agree([int(bad), int(not done.all())])
-                    if bad_anywhere:
-                        raise _diverged(step)
-                    last = not going or step == max_new_tokens - 1
+                last = step == max_new_tokens - 1
+                if last or (step + 1) % self.check_every == 0:
+                    # one read (one all-reduce in lockstep): every rank raises, or stops, at the same step
+                    first_bad, going = self._agree(torch.stack([max_new_tokens - bad_at.min(), (~done).any().long()]))
+                    if first_bad:
+                        raise _diverged(max_new_tokens - first_bad)
+                    last = last or not going
                 if last and not self.is_moe:
                     break  # dense: the last token needs no forward
                 # feed the sampled tokens: logits for the next step, routing for these tokens
-                mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=1)
-                position = position[:, -1:] + 1
+                position = position + 1
+                mask = decode_masks(step, mask)
                 logits = self._forward(tok[:, None], mask, position, cache, device)
                 if last:
                     break  # MoE: that extra forward only recorded the last tokens' routing
 
-        tokens_bt = torch.stack(tokens, dim=1)  # [B, S]
-        log_probs_bt = torch.stack(log_probs, dim=1)  # [B, S]
+        tokens_bt = torch.stack(tokens, dim=1).cpu()  # [B, S]
+        log_probs_bt = torch.stack(log_probs, dim=1).cpu()  # [B, S]
         routing_all = rec.routed_experts.cpu() if self.is_moe else None  # [B, L, K, P + S]
         out = []
-        for i in range(B):
-            n, p = int(n_new[i]), int(lens[i])
+        for i, n in enumerate(n_new.tolist()):
+            p = lens[i]
             r = routing_all[i, :, :, P - p : P + n].clone() if routing_all is not None else None
             out.append((tokens_bt[i, :n].clone(), log_probs_bt[i, :n].clone(), r))
         return out
+
+    def _decode_masks(self, lens: list[int], P: int, max_new_tokens: int):
+        """A function `(step, previous mask) -> mask` giving the attention mask of a decode step, for
+        rows of prompt lengths `lens` left-padded to `P` (the first previous mask: the
+        prefill's 2D `[B, P]`). With an sdpa mask builder (sdpa, varlen, cp_varlen) it returns
+        what that builder would for one query, built from the host's lengths: None without
+        padding, else the 4D boolean padding mask `[B, 1, 1, P + step + 1]` (views of one
+        buffer), which transformers takes as is; given the 2D mask, sdpa's builder reads it to
+        see whether it may drop it (a host sync per step). Other builders get the 2D mask grown
+        by a column per step."""
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        from model.attention import varlen_mask
+
+        device = self.device
+        builder = ALL_MASK_ATTENTION_FUNCTIONS.get(self.model.config._attn_implementation)
+        if builder not in (sdpa_mask, varlen_mask):
+            return lambda step, mask: torch.cat([mask, torch.ones(len(lens), 1, dtype=mask.dtype, device=device)], 1)
+        if min(lens) == P:
+            return lambda step, mask: None
+        keys = torch.ones(len(lens), 1, 1, P + max_new_tokens, dtype=torch.bool)
+        for i, n in enumerate(lens):
+            keys[i, ..., : P - n] = False
+        keys = keys.to(device)
+        return lambda step, mask: keys[..., : P + step + 1]
 
     def _forward(self, ids, mask, position, cache, device) -> torch.Tensor:
         """Logits `[B, V]` of the last position: the causal LM's own `lm_head(hidden[:, -1:])`
         (its `logits_to_keep=1`), with the head's weight detached: a weight that requires grad
         (the training policy's) picks another CPU matmul path, ~5e-7 apart in fp32."""
         hidden = self._run(
-            input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=position.to(device),
-            past_key_values=cache, use_cache=True,
+            input_ids=ids.to(device), attention_mask=None if mask is None else mask.to(device),
+            position_ids=position.to(device), past_key_values=cache, use_cache=True,
         ).last_hidden_state
         return F.linear(hidden[:, -1:, :], self.model.get_output_embeddings().weight.detach())[:, -1]
 

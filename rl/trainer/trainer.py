@@ -298,8 +298,11 @@ class Trainer:
         minibatches, dest = [], [set() for _ in samples]
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             part = samples[lo:hi]
+            shared = self.cfg.model.share_prompts and b.packed  # a group's prompt runs once per microbatch
             plan = plan_microbatches([_length(r) for r in part], b.max_tokens, dims.dp,
-                                     micro_batch_size=b.micro_batch_size, cost=self.cost)
+                                     micro_batch_size=b.micro_batch_size, cost=self.cost,
+                                     groups=[int(r.prompt_index) for r in part] if shared else None,
+                                     prompt_lengths=[_length(r) - int(r.response_length) for r in part])
             for rank, microbatches in enumerate(plan):
                 for items in microbatches:
                     for i in items or [0]:  # [0]: the zero-weight stand-in
