@@ -38,17 +38,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, lengths, quick_flag  # noqa: E402  (common puts the repo root on sys.path)
+from procfs import reset_peak, status  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-
-def _status(key: str) -> int:
-    """/proc/self/status field in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def _trim() -> None:
@@ -127,8 +120,8 @@ def rank_body(rank: int, world: int, path: str, a) -> dict:
     dest = _dest(seq, world, a.max_tokens)
     _trim()
     dist.barrier()
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = _status("VmRSS")
+    reset_peak()  # VmHWM := VmRSS
+    before = status("VmRSS")
     counter = {"sent": 0, "received": 0}
     saved = _count_collectives(counter, world)
     t0 = time.perf_counter()
@@ -157,7 +150,7 @@ def rank_body(rank: int, world: int, path: str, a) -> dict:
     for module, name, fn in saved:
         setattr(module, name, fn)
         setattr(dist, name, fn)
-    peak = _status("VmHWM")
+    peak = status("VmHWM")
     trained = sum(_bytes(r) - r.advantages.numel() * 8 for r in mine)  # as generated: advantages are computed
     return {"sent": counter["sent"], "received": counter["received"], "peak_mb": (peak - before) / 2**20,
             "peak_abs_mb": peak / 2**20, "trained_bytes": trained, "generated_bytes": generated,

@@ -17,6 +17,7 @@ replica: read from the checkpoint (the old path) vs allocated empty for the sync
 from __future__ import annotations
 
 from common import emit, quick_flag  # common puts the repo root on sys.path
+from procfs import status
 
 import json  # noqa: E402
 import tempfile  # noqa: E402
@@ -29,14 +30,6 @@ SHAPE = dict(num_hidden_layers=16, hidden_size=768, intermediate_size=2048, num_
              num_key_value_heads=4, head_dim=64, vocab_size=49152, tie_word_embeddings=False,
              max_position_embeddings=2048)
 FOLDER = Path(tempfile.gettempdir()) / "rl-load-memory-qwen3-176m"
-
-
-def _status(field: str) -> int:
-    """A /proc/self/status figure in bytes (VmHWM: peak resident set since exec; VmRSS: now)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def write_checkpoint(rank: int, world: int) -> dict:
@@ -61,7 +54,7 @@ def load(rank: int, world: int, current: bool) -> dict:
     from model.parallelize import parallelize
 
     dims = init_distributed()
-    before = _status("VmRSS")
+    before = status("VmRSS")
     models = []
     for frozen in (False, True):  # the policy, then the reference
         if current:  # today's path: the whole checkpoint on every rank, then sharded
@@ -73,7 +66,7 @@ def load(rank: int, world: int, current: bool) -> dict:
                                        FOLDER, dims))
     held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
                for m in models for p in m.parameters())
-    return {"peak": _status("VmHWM"), "before": before, "after": _status("VmRSS"), "held_bytes": held}
+    return {"peak": status("VmHWM"), "before": before, "after": status("VmRSS"), "held_bytes": held}
 
 
 def replica(rank: int, world: int, current: bool) -> dict:
@@ -88,7 +81,7 @@ def replica(rank: int, world: int, current: bool) -> dict:
     from model.loading import materialize
     from model.models import build_model
 
-    before, t0 = _status("VmRSS"), time.perf_counter()
+    before, t0 = status("VmRSS"), time.perf_counter()
     if current:
         lm = build_model(None, pretrained_path=str(FOLDER), dtype=torch.bfloat16)
     else:
@@ -97,7 +90,7 @@ def replica(rank: int, world: int, current: bool) -> dict:
             p.data.zero_()
     seconds = time.perf_counter() - t0
     held = sum(p.numel() * p.element_size() for p in lm.parameters())
-    return {"peak": _status("VmHWM"), "before": before, "seconds": seconds, "held_bytes": held}
+    return {"peak": status("VmHWM"), "before": before, "seconds": seconds, "held_bytes": held}
 
 
 def main() -> None:

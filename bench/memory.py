@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, quick_flag, setup  # noqa: E402
+from procfs import reset_peak, status  # noqa: E402
 
 # name -> (layout / attention case, log-prob byte budget; None = the Actor's default): the
 # figure, then the investigation of the long-tail mix: the former attention, and a small
@@ -48,13 +49,6 @@ INVESTIGATE = {"held_keys": ("held_keys", None), "packed_small_budget": ("packed
                "padded_small_budget": ("padded", SMALL_BUDGET)}
 # the log-prob stage alone: vocabularies, byte budget, hidden size, chunks' worth of tokens
 STAGE_VOCABS, STAGE_BUDGET, STAGE_HIDDEN, STAGE_CHUNKS = (151_936, 16_384, 256), 64 * 2**20, 64, (1, 4)
-
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def child(mix: str, case: str, quick: bool, chunk_bytes: int | None) -> dict:
@@ -84,10 +78,10 @@ def child(mix: str, case: str, quick: bool, chunk_bytes: int | None) -> dict:
     # of one optimizer step, so the figure is what the microbatch itself adds
     step.train_step(actor, make_experience_batch(items[:1], packed=case != "padded"), keep_grads=True)
     gc.collect()
-    before = _status("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    before = status("VmRSS")
+    reset_peak()  # reset VmHWM to the current RSS
     step.train_step(actor, batch, keep_grads=True)
-    peak = _status("VmHWM") - before
+    peak = status("VmHWM") - before
     return {"mix": mix, "case": case, "tokens": batch.sequences.numel(), "peak_bytes": peak,
             "threads": torch.get_num_threads()}
 
@@ -114,10 +108,10 @@ def stage_child(vocab: int, chunks: int) -> dict:
     run(hidden[:4].detach().requires_grad_(), targets[:4])  # warm-up (thread pools, dispatch)
     weight.grad = None
     gc.collect()
-    before = _status("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")
+    before = status("VmRSS")
+    reset_peak()
     run(hidden, targets)
-    peak = _status("VmHWM") - before
+    peak = status("VmHWM") - before
     returned = (hidden.numel() + weight.numel()) * 4  # the gradients the stage must hand back
     return {"vocab": vocab, "rows": rows, "tokens": n, "chunks": chunks, "peak_bytes": peak,
             "temporaries_bytes": peak - returned, "budget_bytes": STAGE_BUDGET}

@@ -59,6 +59,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from procfs import reset_peak, status
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 PHASES = ("load", "rollout", "training", "sync", "checkpoint")
@@ -80,14 +82,6 @@ def allocator_env(env) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------ inside a rank
-def _status(field: str) -> int:
-    """A /proc/self/status figure in bytes (VmHWM: peak resident set; VmRSS: now)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field} line")
-
-
 class CudaPeak:
     """The device side of a phase: `torch.cuda.max_memory_allocated` since the last reset."""
 
@@ -122,13 +116,13 @@ class PhaseMemory:
         self._t = 0.0
 
     def _mark(self) -> int:
-        hwm = _status("VmHWM")
+        hwm = status("VmHWM")
         self._max = max(self._max, hwm)
         return hwm
 
     def _reset(self) -> None:
         try:
-            Path("/proc/self/clear_refs").write_text("5")
+            reset_peak()
         except OSError:
             self.resettable = False
         if self.device is not None:
@@ -136,7 +130,7 @@ class PhaseMemory:
 
     def begin(self, name: str) -> None:
         if self.floor is None:
-            self.floor, self.floor_peak = _status("VmRSS"), self._mark()
+            self.floor, self.floor_peak = status("VmRSS"), self._mark()
         if self.open is not None:
             self.end()  # its figures, then the reset
         else:
@@ -147,14 +141,14 @@ class PhaseMemory:
     def end(self) -> None:
         if self.open is None:
             return
-        self.phases[self.open] = {"host_peak": self._mark(), "host_end": _status("VmRSS"),
+        self.phases[self.open] = {"host_peak": self._mark(), "host_end": status("VmRSS"),
                                   "device_peak": self.device.peak() if self.device is not None else None,
                                   "seconds": round(time.perf_counter() - self._t, 2)}
         self.open = None
         self._reset()  # the gap after it is measured on its own (its mark goes into peak())
 
     def peak(self) -> int:
-        return max(self._max, _status("VmHWM"))
+        return max(self._max, status("VmHWM"))
 
     def report(self) -> dict:
         return {"floor": self.floor, "floor_peak": self.floor_peak, "resettable": self.resettable,

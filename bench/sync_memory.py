@@ -22,6 +22,7 @@ import os
 import time
 
 from common import emit, quick_flag  # common puts the repo root on sys.path
+from procfs import reset_peak, status
 
 import torch  # noqa: E402
 
@@ -34,25 +35,17 @@ QUICK = dict(SHAPE, num_hidden_layers=2)
 BUCKETS = (64 * MIB, 256 * MIB)
 
 
-def _status(key: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def _peak_extra(fn) -> tuple[int, float]:
     """Peak resident bytes above the resident set before `fn()`, and its wall seconds."""
     import gc
 
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    before = _status("VmRSS")
+    reset_peak()
+    before = status("VmRSS")
     t0 = time.perf_counter()
     fn()
     seconds = time.perf_counter() - t0
-    return _status("VmHWM") - before, seconds
+    return status("VmHWM") - before, seconds
 
 
 def measure(rank: int, world: int, shape: dict) -> dict:

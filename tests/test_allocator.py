@@ -156,6 +156,8 @@ def test_train_py_configures_the_allocator_before_importing_torch():
 
 
 def _rank_memory():
+    if str(ROOT / "bench") not in sys.path:  # as when run as a script: its siblings (procfs) importable
+        sys.path.insert(0, str(ROOT / "bench"))
     spec = importlib.util.spec_from_file_location("rank_memory", ROOT / "bench" / "rank_memory.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

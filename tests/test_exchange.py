@@ -246,8 +246,11 @@ def _old_path(tr) -> None:
         out = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             part = records[lo:hi]
+            shared = tr.cfg.model.share_prompts and b.packed  # the trainer's balance and grouping
             plan = plan_microbatches([r.sequences.numel() for r in part], b.max_tokens, dims.dp,
-                                     micro_batch_size=b.micro_batch_size, cost=tr.cost)  # the trainer's balance
+                                     micro_batch_size=b.micro_batch_size, cost=tr.cost,
+                                     groups=[int(r.prompt_index) for r in part] if shared else None,
+                                     prompt_lengths=[r.sequences.numel() - int(r.response_length) for r in part])
             mine = plan[dims.dp_rank]
             out.append(MiniBatchPlan([[lo + i for i in items] if items else [lo] for items in mine],
                                      [1.0 if items else 0.0 for items in mine],
