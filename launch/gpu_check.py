@@ -1,7 +1,7 @@
 """The GPU check: on one GPU node, in under 8 minutes, one JSON line of figures (last line).
 
     launch/gpu_check.sh                                      # every section, on CUDA
-    python launch/gpu_check.py --device cpu --sections parity,cp   # the CPU rehearsal (tests/test_launch.py)
+    python launch/gpu_check.py --device cpu --sections parity,shared,cp   # the CPU rehearsal (tests/test_launch.py)
 
 Sections, each in its own process(es) with a time limit (a failure is recorded and the
 next section still runs; the exit code is 1 when any section failed):
@@ -12,6 +12,10 @@ next section still runs; the exit code is 1 when any section failed):
           withholds the pack's boundaries (it must break the tolerance). MoE routing is
           recorded on the padded forward and replayed (R3) in both, so a near-tie in the
           router cannot flip an expert between layouts; the live-routing figure is shown too.
+  shared  the shared-prompt forward (each GRPO prompt once) vs the unshared pack, dense and
+          MoE, fp32: log-probs, entropy, gradients, MoE aux loss, token counts, expert load,
+          recorded routing; and the host syncs CUDA reports in one forward
+          (scripts/gpu_shared_prompts.py).
   cp      the actor with cp=2 (torchrun, 2 ranks; NCCL on CUDA) vs the same actor in one
           process on each rank, packed and padded, fp32 and (CUDA) bf16.
   grads   world-size gradient parity on NCCL: the rank body of tests/test_fsdp.py
@@ -42,8 +46,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-SECTIONS = ("parity", "cp", "grads", "layout", "train")
-LIMIT_S = {"parity": 150, "cp": 150, "grads": 240, "layout": 240, "train": 300}  # per section
+SECTIONS = ("parity", "shared", "cp", "grads", "layout", "train")
+LIMIT_S = {"parity": 150, "shared": 120, "cp": 150, "grads": 240, "layout": 240, "train": 300}  # per section
 BUDGET_S = 460  # all sections together: the check stays under 8 minutes
 LENGTHS = [5, 200, 37, 120, 9, 64]  # uneven samples, longer than scripts/parity_check.py's CPU ones
 MODELS = {"dense": "qwen3", "moe": "qwen3_moe"}
@@ -209,7 +213,15 @@ def _all_ranks(ok: bool) -> bool:
     return all(flags)
 
 
-WORKERS = {"parity": worker_parity, "cp": worker_cp, "grads": worker_grads}
+def worker_shared(args) -> dict:
+    """The shared-prompt forward vs the unshared pack, dense and MoE, fp32, and the syncs CUDA
+    reports in one forward (scripts/gpu_shared_prompts.py)."""
+    from scripts.gpu_shared_prompts import figures
+
+    return figures(args.device)
+
+
+WORKERS = {"parity": worker_parity, "shared": worker_shared, "cp": worker_cp, "grads": worker_grads}
 
 
 # ------------------------------------------------------------ metrics files
@@ -302,6 +314,10 @@ def section_parity(c: Check) -> dict:
     return c.worker("parity")
 
 
+def section_shared(c: Check) -> dict:
+    return c.worker("shared")
+
+
 def section_cp(c: Check) -> dict:
     return c.worker("cp", nproc=2)
 
@@ -328,7 +344,7 @@ def needs_gpus(name: str, ngpu: int, device: str) -> str | None:
     """Why a section cannot run here (None: it can)."""
     if device == "cpu":
         return None
-    need = {"parity": 1, "cp": 2, "grads": 2, "layout": 2, "train": 1}[name]
+    need = {"parity": 1, "shared": 1, "cp": 2, "grads": 2, "layout": 2, "train": 1}[name]
     return f"needs {need} GPUs, found {ngpu}" if ngpu < need else None
 
 

@@ -6,6 +6,8 @@ routing, and the host syncs CUDA itself reports in one forward (`torch.cuda.set_
 one warning per synchronizing call, by file:line). Last line: one JSON object.
 
     python scripts/gpu_shared_prompts.py      # needs a CUDA device
+    launch/gpu_check.sh                       # runs it as its `shared` section (CPU rehearsal:
+                                              # launch/gpu_check.py --device cpu, no sync counts)
 """
 
 from __future__ import annotations
@@ -73,20 +75,26 @@ def run(model, pack, share: bool) -> dict:
     loss.backward()
     out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        out["syncs"] = syncs_of(lambda: actor(pack))
+    if pack.sequences.is_cuda:  # CUDA reports its own syncs; the CPU count is tests/test_host_syncs.py's
+        with torch.no_grad():
+            out["syncs"] = syncs_of(lambda: actor(pack))
     return out
 
 
-def main() -> None:
-    assert torch.cuda.is_available(), "needs a CUDA device"
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+LIMIT_EPS = 16  # the suite's fp32 parity limit (scripts/parity_check.py)
+
+
+def figures(device: str = "cuda") -> dict:
+    """Every figure above per family, and `ok`: each within LIMIT_EPS, every MoE count equal."""
+    cuda = device == "cuda"
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     records = grpo_records()
+    ok = True
     for family in ("qwen3", "qwen3_moe"):
-        model = build_model(family, seed=0).cuda()
+        model = build_model(family, seed=0).to(device)
         if family.endswith("moe"):
             shard_experts(model, None)
-        pack = make_experience_batch(records, packed=True).to("cuda")
+        pack = make_experience_batch(records, packed=True).to(device)
         actor = Actor(model, share_prompts=True)
         with torch.no_grad():
             actor(pack)  # warm-up (lazy CUDA init, kernels)
@@ -97,7 +105,7 @@ def main() -> None:
             "entropy_eps": ulps((plain["ent"] - shared["ent"])[act].abs().max(), plain["ent"][act].abs().max()),
             "grads_eps": ulps(max(float((plain["grads"][n] - g).abs().max()) for n, g in shared["grads"].items()),
                               max(float(g.abs().max()) for g in plain["grads"].values())),
-            "syncs_unshared": plain["syncs"], "syncs_shared": shared["syncs"],
+            "syncs_unshared": plain.get("syncs"), "syncs_shared": shared.get("syncs"),
             "rows": [pack.sequences.shape[1], pack.shared_prompts.keep.numel()],
         }
         if "aux" in plain:
@@ -106,9 +114,12 @@ def main() -> None:
                        load_equal=bool(torch.equal(plain["load"], shared["load"])),
                        routed_equal=bool(torch.equal(plain["routed"], shared["routed"])))
         result[family] = fig
-        print(family, fig, flush=True)
-    print(json.dumps(result))
+        ok = ok and all(v <= LIMIT_EPS for k, v in fig.items() if k.endswith("_eps"))
+        ok = ok and all(v for k, v in fig.items() if k.endswith("_equal"))
+        print(family, fig, file=sys.stderr, flush=True)
+    return {"ok": ok, **result}
 
 
 if __name__ == "__main__":
-    main()
+    assert torch.cuda.is_available(), "needs a CUDA device (CPU rehearsal: launch/gpu_check.py --device cpu --sections shared)"
+    print(json.dumps(figures("cuda")))

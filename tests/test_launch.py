@@ -250,13 +250,16 @@ def test_gpu_check_compares_layouts_and_summarizes_training(gpu_check):
 @pytest.mark.slow
 def test_gpu_check_rehearsal_on_cpu_parity_and_cp_over_gloo(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "launch/gpu_check.py"), "--device", "cpu",
-                           "--sections", "parity,cp", "--work", str(tmp_path)],
+                           "--sections", "parity,shared,cp", "--work", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert done.returncode == 0 and report["ok"] is True, json.dumps(report, indent=1)
     for kind in ("dense", "moe"):
         assert report["parity"][kind]["logp_rel"] <= report["parity"]["tolerance"] < report["parity"][kind]["control_rel"]
     assert report["cp"]["backend"] == "gloo" and report["cp"]["dense_float32"]["packed"] <= 1e-5
+    shared = report["shared"]  # dense and MoE through the shared forward, within the limit, every count equal
+    assert shared["ok"] is True and shared["qwen3"]["rows"][1] < shared["qwen3"]["rows"][0]
+    assert shared["qwen3_moe"]["load_equal"] and shared["qwen3_moe"]["aux_eps"] <= 16
 
 
 # ------------------------------------------------------------- memory plan
