@@ -2,9 +2,8 @@
 
 A device-to-host read (`.item()`, `bool()`/`int()` of a tensor, `.tolist()`, `.cpu()`,
 `.numpy()`, and ops whose output shape depends on the data: `nonzero`, boolean indexing,
-`masked_select`, `unique`) stalls a GPU's queue. `SyncCounter` counts them in a forward, by
-where in the code they happen (a TorchDispatchMode for the ops, patched Tensor methods for
-the reads that do not dispatch), and the tests assert the exact list. What remains, and why:
+`masked_select`, `unique`) stalls a GPU's queue. tests/host_syncs.py counts them in a
+forward by kind and by where in the code they happen, and the tests assert the exact list. What remains, and why:
 
 * transformers' `create_causal_mask` (masking_utils.py, once per forward): it looks for
   packed sequences in `position_ids` whenever `attention_mask` is None (transformers 5.18;
@@ -24,14 +23,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from host_syncs import count_host_syncs
 from test_shared_prompt import grpo_records
 
 from model import attention
@@ -40,57 +38,9 @@ from model.models import build_model
 from model.moe import moe_blocks, record_routing, shard_experts
 from packing.collate import make_experience_batch
 
-ROOT = Path(__file__).resolve().parents[1]
-SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
-            "aten::unique_consecutive", "aten::unique_dim"}
-READS = ("tolist", "cpu", "numpy")
-
-
-def _where() -> str:
-    """The innermost frame of this repo or of transformers (not torch's own): `file.py`."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        path = frame.filename
-        if "/torch/" in path:
-            continue
-        if path.startswith(str(ROOT)) or "/transformers/" in path:
-            return Path(path).name
-    return "?"
-
-
-class SyncCounter(TorchDispatchMode):
-    """`with SyncCounter() as c: ...`; then `c.hits` counts (what, file) of every host sync."""
-
-    def __init__(self):
-        super().__init__()
-        self.hits: collections.Counter = collections.Counter()
-        self._saved = {}
-
-    def __enter__(self):
-        for name in READS:
-            original = self._saved[name] = getattr(torch.Tensor, name)
-
-            def read(t, *args, _original=original, _name=name, **kwargs):
-                self.hits[(_name, _where())] += 1
-                return _original(t, *args, **kwargs)
-
-            setattr(torch.Tensor, name, read)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(torch.Tensor, name, original)
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name
-        if name in SYNC_OPS:
-            self.hits[(name.split("::")[1], _where())] += 1
-        return func(*args, **(kwargs or {}))
-
-
-MASK = ("_local_scalar_dense", "masking_utils.py")  # transformers' packed-sequence detection
-ACTIONS = ("nonzero", "actor.py")  # actions_only: the lm head's rows
-EXPERTS = ("tolist", "moe.py")  # per MoE layer: the per-expert counts
+MASK = ("scalar", "masking_utils.py")  # transformers' packed-sequence detection
+ACTIONS = ("shape", "actor.py")  # actions_only: the lm head's rows (a nonzero)
+EXPERTS = ("to_host", "moe.py")  # per MoE layer: the per-expert counts (a tolist)
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +59,11 @@ def moe():
 
 
 def syncs(module, batch, **kw) -> collections.Counter:
-    with torch.no_grad(), SyncCounter() as counter:
+    """(kind, file) -> count of the host syncs of one no-grad forward (tests/host_syncs.py's kinds)."""
+    with torch.no_grad(), count_host_syncs() as counted:
         module(batch, **kw)
-    return counter.hits
+    return collections.Counter((kind, Path(at.rsplit(" @ ", 1)[1].rsplit(":", 1)[0]).name)
+                               for kind, hits in counted.where.items() for at in hits)
 
 
 @pytest.mark.parametrize("share", [False, True])
@@ -157,8 +109,8 @@ def test_control_the_counter_catches_an_injected_item_and_cpu(dense, pack, monke
 
     monkeypatch.setattr(attention, "_per_sequence_sdpa", reading)
     hits = syncs(Actor(dense), pack)
-    assert hits == {MASK: 1, ("_local_scalar_dense", "test_host_syncs.py"): layers,
-                    ("cpu", "test_host_syncs.py"): layers}, hits
+    assert hits == {MASK: 1, ("scalar", "test_host_syncs.py"): layers,
+                    ("to_host", "test_host_syncs.py"): layers}, hits
 
 
 def test_control_device_lengths_alone_are_read_back_per_layer(dense, pack, monkeypatch):
@@ -175,5 +127,5 @@ def test_control_device_lengths_alone_are_read_back_per_layer(dense, pack, monke
     monkeypatch.setattr(actor_module, "packed_attn_kwargs", device_only)
     hits = syncs(Actor(dense), pack)
     layers = dense.config.num_hidden_layers
-    assert hits[("_local_scalar_dense", "attention.py")] == layers  # the longest sequence, per layer
-    assert hits[("tolist", "attention.py")] == 2 * layers  # cu_seq_lens_q/k, per layer
+    assert hits[("scalar", "attention.py")] == layers  # the longest sequence, per layer
+    assert hits[("to_host", "attention.py")] == 2 * layers  # cu_seq_lens_q/k, per layer
