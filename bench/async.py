@@ -44,23 +44,34 @@ The simulator (`predict`): from one run's per-phase seconds, the steady-state st
 (the weight sync waits for the generation and the training's last update, so it is never
 hidden; `exposed` is one_step_off's measured take cost). It is applied to the sync run's
 phases at the measured CPU ratio, and at GPU-like ratios (generate = 3x, 1x, 0.5x the measured
-train: rollout-bound RL jobs on GPUs spend ~3x as long generating as training), with its bound
-(r + 1) / max(r, 1) when sync and exposed are 0. The check: the prediction at the CPU ratio
-against the measured one_step_off step (`sim_error` = measured / predicted - 1), and the same
-formula on the phases as measured under the overlap (what is left is the model's own error;
-the difference is contention).
+train; 3x is issue 26's GPU case), with its bound (r + 1) / max(r, 1) when sync and exposed
+are 0. The check: the prediction at the CPU ratio against the measured one_step_off step
+(`sim_error` = measured / predicted - 1), and the same formula on the phases as measured under
+the overlap (`sim_error_contended`: what is left is the model's own error; the difference
+between the two is contention).
 
 On this 2-core CPU the overlap cannot buy the predicted wall-clock time in full: the thread's
 generation and the main thread's training share the cores (and the machine's other jobs), so
-both phases run slower while they overlap (`gen_slowdown`, `train_slowdown`), and with one
-OpenMP thread each the gain that remains is the second core that sync leaves idle, not free
-compute. On a GPU the rollout engine's kernels run on their own stream (or ranks) and the
-simulator's max() is the figure that transfers.
+both phases run slower while they overlap (`gen_slowdown`, `train_slowdown`). With one OpenMP
+thread each, what one_step_off can gain here is the second core that sync leaves idle, and
+only as far as the two Python threads do not wait on each other for the GIL (torch releases it
+inside ops; a tiny model's ops are short, so much of its step holds it): `cores_busy` (process
+CPU seconds / wall seconds of the step, every thread) says how much of a second core was used
+(1.0 in sync). The max() assumes the two phases do not slow each other: on a GPU the thread's
+kernels run on their own CUDA stream (rl/rollout/producer.py; not yet run on a GPU) but share
+the device's SMs and memory bandwidth, so there too the prediction is an upper bound.
+
+Measured here (default job, 10 steps, five runs): sync 0.124-0.131 s a step (generate ~0.055,
+train ~0.072), one_step_off 0.137-0.142 s (overlap 0.99-1.0, staleness 1 for every sample after
+step 0, 0 dropped); both phases 1.9-2.2x slower while they overlap, 1.00-1.35 cores busy (1.00
+when a neighbour's job held the other core): predicted 0.071-0.074 s (1.75x), error +85-100%,
+within 0.1% on the contended phases; at generate = 3x train 1.33x predicted. With
+`task.max_new_tokens=48` one_step_off measured 1.14x faster with 1.55 cores busy, 0.91x with 1.00.
 
     python bench/async.py [--quick] [--steps N] [--threads 1|2] [hydra overrides ...]
 
-`--quick`: 4 prompts x 4 samples, 5 steps. Last stdout line: one JSON object (also
-bench/results/async.json, with every step's figures).
+`--quick`: 4 prompts x 4 samples, 5 steps (~10 s here; the default ~15 s). Last stdout line:
+one JSON object (also bench/results/async.json, with every step's figures).
 """
 
 from __future__ import annotations
@@ -109,12 +120,13 @@ def steady(mode: str, steps: list[dict]) -> list[dict]:
 
 def phases(mode: str, m: dict) -> dict[str, float]:
     """One step's per-phase seconds from its metrics (the module docstring's table)."""
+    cores = {"cores_busy": m["process_cpu_s"] / m["step_s"]} if "process_cpu_s" in m else {}
     if mode == "sync":
         return {"generate": m["rollout_s"], "train": m["step_s"] - m["rollout_s"] - m["weight_sync_s"],
-                "sync": m["weight_sync_s"], "step": m["step_s"]}
+                "sync": m["weight_sync_s"], "step": m["step_s"], **cores}
     return {"generate": m["rollout_generate_s"], "exposed": m["rollout_s"], "wait": m["rollout_wait_s"],
             "train": m["step_s"] - m["rollout_s"] - m["rollout_wait_s"] - m["weight_sync_s"],
-            "sync": m["weight_sync_s"], "step": m["step_s"], "overlap": m["rollout_overlap"]}
+            "sync": m["weight_sync_s"], "step": m["step_s"], "overlap": m["rollout_overlap"], **cores}
 
 
 def medians(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -164,7 +176,9 @@ def run(steps: int, overrides: list[str]) -> tuple[dict[str, list[dict]], int]:
     metrics: dict[str, list[dict]] = {mode: [] for mode in trainers}
     for step in range(steps):
         for mode, tr in trainers.items():
-            metrics[mode].append(tr.step(step))
+            c0 = time.process_time()
+            m = tr.step(step)
+            metrics[mode].append(m | {"process_cpu_s": time.process_time() - c0})  # every thread's CPU time
         print(f"bench/async.py: step {step}: " + ", ".join(f"{mode} {metrics[mode][-1]['step_s']:.3f} s"
                                                            for mode in trainers), file=sys.stderr, flush=True)
     return metrics, cfg.task.prompts_per_step * cfg.task.samples_per_prompt
@@ -182,10 +196,10 @@ def summarize(metrics: dict[str, list[dict]], samples_per_step: int) -> tuple[di
     contended = predict(o["generate"], o["train"], o["sync"], o["exposed"])
     gpu = {f"{r:g}x": {**predict(r * s["train"], s["train"], s["sync"], o["exposed"]),
                        "bound": predict(r, 1.0)["speedup"]} for r in GPU_RATIOS}
-    r4 = lambda x: round(x, 4)  # noqa: E731
+    r4 = lambda x: round(x, 4) + 0.0  # noqa: E731  (+ 0.0: no -0.0 in the JSON)
     summary = {
         "steps": len(off_steps), "samples_per_step": samples_per_step,
-        "threads": "OMP_WAIT_POLICY=PASSIVE" if os.environ.get("OMP_WAIT_POLICY") == "PASSIVE"
+        "omp": "OMP_WAIT_POLICY=PASSIVE" if os.environ.get("OMP_WAIT_POLICY") == "PASSIVE"
         else f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
         "sync_step_s": r4(s["step"]), "sync_generate_s": r4(s["generate"]), "sync_train_s": r4(s["train"]),
         "sync_weight_sync_s": r4(s["sync"]),
@@ -200,6 +214,7 @@ def summarize(metrics: dict[str, list[dict]], samples_per_step: int) -> tuple[di
         "sim_error": r4(o["step"] / cpu["one_step_off_step_s"] - 1),
         "sim_error_contended": r4(o["step"] / contended["one_step_off_step_s"] - 1),
         "gen_slowdown": r4(o["generate"] / s["generate"]), "train_slowdown": r4(o["train"] / s["train"]),
+        "sync_cores_busy": r4(s["cores_busy"]), "off_cores_busy": r4(o["cores_busy"]),
         **{f"gpu_speedup_{k}": r4(v["speedup"]) for k, v in gpu.items()},
         "note": NOTE,
     }
@@ -212,15 +227,18 @@ def table(summary: dict, details: dict) -> str:
     s, o = details["sync"], details["one_step_off"]
     rows = [f"{'phase (median s)':<22}{'sync':>10}{'one_step_off':>14}",
             f"{'step':<22}{s['step']:>10.4f}{o['step']:>14.4f}",
-            f"{'generate':<22}{s['generate']:>10.4f}{o['generate']:>14.4f}  (one_step_off: the next step's, in the thread)",
+            f"{'generate':<22}{s['generate']:>10.4f}{o['generate']:>14.4f}  (one_step_off: the next step's, "
+            "in the thread)",
             f"{'train':<22}{s['train']:>10.4f}{o['train']:>14.4f}  (one_step_off: while the thread generates)",
             f"{'weight sync':<22}{s['sync']:>10.4f}{o['sync']:>14.4f}",
             f"{'wait / exposed take':<22}{'':>10}{o['wait']:>7.4f} /{o['exposed']:.4f}",
+            f"{'cores busy (CPU/wall)':<22}{s['cores_busy']:>10.3f}{o['cores_busy']:>14.3f}",
             f"overlap {summary['overlap_mean']:.3f} of the generation ({summary['hidden_generate_s']:.4f} s hidden); "
             f"staleness {summary['staleness_histogram']} samples, {summary['stale_dropped']} dropped",
             f"simulator at the CPU ratio {summary['cpu_ratio']:.2f} (generate/train): one_step_off "
             f"{summary['predicted_off_step_s']:.4f} s predicted, {o['step']:.4f} s measured (error "
-            f"{summary['sim_error']:+.1%}; on the phases measured under the overlap {summary['sim_error_contended']:+.1%}); "
+            f"{summary['sim_error']:+.1%}; on the phases measured under the overlap "
+            f"{summary['sim_error_contended']:+.1%}); "
             f"speed-up {summary['predicted_speedup']:.3f}x predicted, {summary['measured_speedup']:.3f}x measured"]
     for k, v in details["predicted_gpu"].items():
         rows.append(f"  GPU-like ratio generate = {k} train: sync {v['sync_step_s']:.4f} s, one_step_off "

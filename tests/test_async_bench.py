@@ -66,6 +66,8 @@ def test_phases_and_steady_steps_from_the_trainers_metrics():
     got = b.phases("one_step_off", off[1])
     assert got["train"] == pytest.approx(2.0 - 0.05 - 0.2 - 0.1) and got["exposed"] == 0.05
     assert got["generate"] == 0.6 and got["wait"] == 0.2 and got["overlap"] == 0.5
+    assert "cores_busy" not in got  # the bench adds the step's process CPU seconds: then CPU / wall
+    assert b.phases("one_step_off", {**off[1], "process_cpu_s": 3.0})["cores_busy"] == pytest.approx(1.5)
 
 
 def test_the_staleness_histogram_counts_samples_and_refuses_a_mixed_rollout():
