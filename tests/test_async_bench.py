@@ -1,0 +1,80 @@
+"""bench/async.py's figures from metrics, and its simulator: pure functions, no run, no timing.
+
+The simulator's one_step_off step is max(generate, train) + sync + exposed, sync's is the sum:
+equal phases give the 2x bound, a rollout 3x as long as training (3 + 1) / 3. The control: with
+nothing to hide behind (train 0) the speed-up is 1x, so the bound is the overlap's and not a
+constant; and the weight sync, which waits for both, is never hidden.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench():
+    # `async` is a keyword: the module is loaded from its file (it imports nothing heavy at the top)
+    spec = importlib.util.spec_from_file_location("bench_async", ROOT / "bench" / "async.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-12)
+
+
+def test_the_simulator_hides_the_shorter_phase_behind_the_longer():
+    predict = bench().predict
+    equal = predict(1.0, 1.0)
+    assert close(equal["speedup"], 2.0) and close(equal["hidden"], 1.0)
+    rollout_bound = predict(3.0, 1.0)  # the GPU-like ratio: generation 3x training
+    assert close(rollout_bound["speedup"], 4 / 3) and close(rollout_bound["hidden"], 1 / 3)
+    assert close(rollout_bound["sync_step_s"], 4.0) and close(rollout_bound["one_step_off_step_s"], 3.0)
+    train_bound = predict(0.5, 1.0)  # all of the generation hides
+    assert close(train_bound["speedup"], 1.5) and close(train_bound["hidden"], 1.0)
+    # the ratio, not the scale: seconds x 7 give the same speed-up
+    assert close(predict(21.0, 7.0)["speedup"], rollout_bound["speedup"])
+
+
+def test_control_nothing_to_hide_behind_and_the_weight_sync_are_not_overlapped():
+    predict = bench().predict
+    assert close(predict(1.0, 0.0)["speedup"], 1.0) and close(predict(0.0, 1.0)["speedup"], 1.0)
+    with_sync = predict(1.0, 1.0, sync=1.0)  # (1 + 1 + 1) / (max(1, 1) + 1): below the 2x bound
+    assert close(with_sync["speedup"], 1.5)
+    exposed = predict(3.0, 1.0, exposed=1.0)  # one_step_off's own take cost: (3 + 1) / (3 + 1)
+    assert close(exposed["speedup"], 1.0)
+    with pytest.raises(ValueError, match="train=-1"):
+        predict(1.0, -1.0)
+
+
+def test_phases_and_steady_steps_from_the_trainers_metrics():
+    b = bench()
+    sync = [{"step": k, "step_s": 1.0 + k, "rollout_s": 0.6, "weight_sync_s": 0.1} for k in range(4)]
+    assert [m["step"] for m in b.steady("sync", sync)] == [1, 2, 3]  # step 0 warms up
+    assert b.phases("sync", sync[2]) == pytest.approx({"generate": 0.6, "train": 2.3, "sync": 0.1, "step": 3.0})
+    off = [{"step": 0, "step_s": 2.0, "rollout_s": 1.0, "weight_sync_s": 0.1, "rollout_generate_s": 0.6,
+            "rollout_wait_s": 0.2, "rollout_overlap": 0.5}]
+    off += [{**off[0], "step": k, "rollout_s": 0.05} for k in (1, 2)]
+    off.append({"step": 3, "step_s": 0.7, "rollout_s": 0.05, "weight_sync_s": 0.1})  # the last: nothing ahead
+    assert [m["step"] for m in b.steady("one_step_off", off)] == [1, 2]
+    got = b.phases("one_step_off", off[1])
+    assert got["train"] == pytest.approx(2.0 - 0.05 - 0.2 - 0.1) and got["exposed"] == 0.05
+    assert got["generate"] == 0.6 and got["wait"] == 0.2 and got["overlap"] == 0.5
+    assert "cores_busy" not in got  # the bench adds the step's process CPU seconds: then CPU / wall
+    assert b.phases("one_step_off", {**off[1], "process_cpu_s": 3.0})["cores_busy"] == pytest.approx(1.5)
+
+
+def test_the_staleness_histogram_counts_samples_and_refuses_a_mixed_rollout():
+    b = bench()
+    steps = [{"step": k, "rollout_staleness_mean": float(s), "rollout_staleness_max": float(s)}
+             for k, s in enumerate([0, 1, 1, 1, 2])]
+    assert b.staleness_histogram(steps, 16) == {"0": 16, "1": 48, "2": 16}
+    mixed = [{"step": 3, "rollout_staleness_mean": 0.5, "rollout_staleness_max": 1.0}]  # control
+    with pytest.raises(ValueError, match="step 3: rollout_staleness_mean=0.5"):
+        b.staleness_histogram(mixed, 16)
