@@ -11,9 +11,9 @@ normalizers, dynamic sampling, the microbatch plan) is a handful of numbers per 
                                                       it to the ranks `dest` names, flat tensors
 
 A `StandIn` is an `Experience` holding only the episode scalars (`rewards`, `prompt_index`,
-`response_length`, `total_length`, with the records' dtypes) and the `action_mask` rebuilt
-from the lengths (a rollout record's mask is True on its last `response_length` slots:
-rl/rollout/engine.py `make_record`; a record whose mask is not of that form is refused by name).
+`response_length`, `total_length`, with the records' dtypes) and its record's count of action
+tokens (`action_tokens`: what the token-mean normalizer counts); the action mask itself
+travels with the record (a multi-turn record's has holes: rl/rollout/episodes.py).
 Every registered estimator's per-sample scalar reads only rewards and prompt groups
 (rl/algos/advantages.py), so it gives the same numbers on stand-ins as on the records; the
 per-token part runs later on the collated batches.
@@ -55,7 +55,7 @@ DTYPES: tuple[torch.dtype, ...] = (torch.bool, torch.uint8, torch.int8, torch.in
                                    torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ROUTING_TYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 ROW = ("prompt_index", "total_length", "response_length", "reward_bits", "action_tokens", "token_checksum")
-_HEAD = ("count", "layers", "topk", "routing_min", "routing_max", "canonical_masks")
+_HEAD = ("count", "layers", "topk", "routing_min", "routing_max")
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,17 @@ class Wire:
 
 
 class StandIn(Experience):
-    """A sample of the step as every rank sees it: episode scalars and the action mask (see
-    the module docstring); `source = (dp rank holding the record, key)`, `wire` its round's `Wire`."""
+    """A sample of the step as every rank sees it: episode scalars and its record's number of
+    action tokens (see the module docstring); `source = (dp rank holding the record, key)`,
+    `wire` its round's `Wire`."""
 
     source: tuple[int, Hashable]
     wire: Wire
+    actions: int
+
+    @property
+    def action_tokens(self) -> int:
+        return self.actions
 
 
 def routing_dtype(low: int, high: int) -> torch.dtype:
@@ -86,13 +92,6 @@ def routing_dtype(low: int, high: int) -> torch.dtype:
         if info.min <= low and high <= info.max:
             return dtype
     raise ValueError(f"routing ids in [{low}, {high}] fit no integer type")
-
-
-def canonical_action_mask(total_length: int, response_length: int) -> torch.Tensor:
-    """`[T-1]` bool, True on the last `response_length` slots (the rollout record's mask)."""
-    mask = torch.zeros(total_length - 1, dtype=torch.bool)
-    mask[total_length - 1 - response_length:] = True
-    return mask
 
 
 # ------------------------------------------------------------------ metadata
@@ -113,15 +112,14 @@ def _schema(records: Sequence[Experience]) -> tuple[list[int], tuple[int, int]]:
     return codes, routing_shape(records) or (0, 0)
 
 
-def _rows(records: Sequence[Experience]) -> tuple[torch.Tensor, bool, int, int]:
-    """int64 `[n, len(ROW)]`, whether every action mask is the canonical one, routing id range."""
-    rows, canonical, low, high = [], True, 0, 0
+def _rows(records: Sequence[Experience]) -> tuple[torch.Tensor, int, int]:
+    """int64 `[n, len(ROW)]` and the routing id range."""
+    rows, low, high = [], 0, 0
     for i, rec in enumerate(records):
         if rec.sequences is None or rec.rewards is None or rec.prompt_index is None or rec.action_mask is None:
             raise ValueError(f"record {i}: the exchange needs 'sequences', 'action_mask', 'rewards' and 'prompt_index'")
         T = rec.sequences.numel()
         R = int(rec.response_length) if rec.response_length is not None else int(rec.action_mask.sum())
-        canonical &= bool(torch.equal(rec.action_mask.detach().cpu().bool(), canonical_action_mask(T, R)))
         if rec.total_length is not None and int(rec.total_length) != T:
             raise ValueError(f"record {i}: total_length {int(rec.total_length)} != sequences.numel() {T}")
         for name, value in rec.present(Kind.ACTION).items():
@@ -137,7 +135,7 @@ def _rows(records: Sequence[Experience]) -> tuple[torch.Tensor, bool, int, int]:
         checksum = int((seq * torch.arange(1, T + 1, dtype=torch.int64)).sum())
         reward_bits = int(torch.tensor(float(rec.rewards), dtype=torch.float64).view(torch.int64))
         rows.append([int(rec.prompt_index), T, R, reward_bits, int(rec.action_mask.sum()), checksum])
-    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), len(ROW)), canonical, low, high
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), len(ROW)), low, high
 
 
 def gather_metadata(records: Sequence[Experience], key: Hashable = 0, *, dp_rank: int = 0, dp: int = 1, cp: int = 1,
@@ -146,9 +144,9 @@ def gather_metadata(records: Sequence[Experience], key: Hashable = 0, *, dp_rank
     `all_gather_object` of the records gave), from `len(ROW)` int64 numbers per sample
     and a small header per rank, gathered over all `dp * cp` ranks (world rank =
     dp_rank * cp + cp_rank). `source = (dp rank, (key, index in its records))`."""
-    rows, canonical, low, high = _rows(records)
+    rows, low, high = _rows(records)
     codes, (layers, topk) = _schema(records)
-    head = torch.tensor([len(records), layers, topk, low, high, int(canonical), *codes], dtype=torch.int64)
+    head = torch.tensor([len(records), layers, topk, low, high, *codes], dtype=torch.int64)
     world = dp * cp
     if world > 1:
         device = torch.device(device)
@@ -173,24 +171,19 @@ def gather_metadata(records: Sequence[Experience], key: Hashable = 0, *, dp_rank
     for h in filled[1:]:
         if not torch.equal(h[1:3], filled[0][1:3]) or not torch.equal(h[len(_HEAD):], filled[0][len(_HEAD):]):
             raise ValueError("gather_metadata: DP ranks generated records with different fields or routing shapes")
-    if not all(int(h[5]) for h in filled):
-        raise ValueError("gather_metadata: an action_mask is not True on exactly the last response_length slots; "
-                         "stand-ins cannot rebuild it (packing/exchange.py)")
     first = filled[0] if filled else head
     wire = Wire(tuple(int(c) for c in first[len(_HEAD):]), int(first[1]), int(first[2]),
                 min(int(h[3]) for h in heads), max(int(h[4]) for h in heads))
     dtype = {name: DTYPES[c - 1] for name, c in zip(FIELDS, wire.codes) if c}
     out = []
     for src, block in enumerate(parts):
-        for i, (prompt, T, R, bits, _, _) in enumerate(block.tolist()):
-            s = StandIn(action_mask=canonical_action_mask(T, R),
-                        rewards=torch.tensor(torch.tensor(bits).view(torch.float64).item(), dtype=dtype["rewards"]),
+        for i, (prompt, T, R, bits, actions, _) in enumerate(block.tolist()):
+            s = StandIn(rewards=torch.tensor(torch.tensor(bits).view(torch.float64).item(), dtype=dtype["rewards"]),
                         prompt_index=torch.tensor(prompt, dtype=dtype["prompt_index"]))
             if "response_length" in dtype:
                 s.response_length = torch.tensor(R, dtype=dtype["response_length"])
             s.total_length = torch.tensor(T, dtype=dtype.get("total_length", torch.int64))
-            s.source = (src, (key, i))
-            s.wire = wire
+            s.source, s.wire, s.actions = (src, (key, i)), wire, actions
             out.append(s)
     return out
 

@@ -65,6 +65,7 @@ class Experience:
     response_length: torch.Tensor | None = _field(Kind.EPISODE, "response tokens")
     total_length: torch.Tensor | None = _field(Kind.EPISODE, "prompt + response tokens")
     prompt_index: torch.Tensor | None = _field(Kind.EPISODE, "which prompt (GRPO group id)")
+    turns: torch.Tensor | None = _field(Kind.EPISODE, "model turns of a multi-turn episode (rl/rollout/episodes.py)")
     # media
     pixel_values: torch.Tensor | list | None = _field(Kind.MEDIA, "image patches")
     image_grid_thw: torch.Tensor | list | None = _field(Kind.MEDIA, "image grid sizes")
@@ -100,6 +101,11 @@ class Experience:
     @property
     def is_record(self) -> bool:
         return self.sequences is not None and self.sequences.dim() == 1
+
+    @property
+    def action_tokens(self) -> int:
+        """The sampled tokens the loss scores: True slots of `action_mask`."""
+        return int(self.action_mask.sum())
 
     @property
     def cu_seqlens(self) -> torch.Tensor:

@@ -450,10 +450,22 @@ def _check_device(cfg: Config) -> None:
 
 
 def check_task_fits(cfg: Config, task: Any) -> None:
-    """After the task is built: its longest prompt plus `task.max_new_tokens` fits in one
-    microbatch of `batch.max_tokens` (else the planner would refuse a sample mid-run)."""
+    """After the task is built: its longest sample fits in one microbatch of `batch.max_tokens`
+    (else the planner would refuse a sample mid-run): the longest prompt plus
+    `task.max_new_tokens`, per turn of a multi-turn task, plus its observations between turns."""
     prompt = getattr(task, "max_prompt_len", None)
-    if prompt is not None and prompt + cfg.task.max_new_tokens > cfg.batch.max_tokens:
+    turns = getattr(task, "max_turns", 1)
+    if turns > 1 and cfg.algo.overlong_buffer is not None:
+        raise ValueError(f"algo.overlong_buffer shapes the reward by one reply's length; task {cfg.task.name!r} is "
+                         f"multi-turn (task.options.max_turns={turns}): set algo.overlong_buffer=null")
+    if prompt is None:
+        return
+    new = cfg.task.max_new_tokens * turns
+    observations = (turns - 1) * getattr(task, "max_observation_len", 0)
+    longest = prompt + new + observations
+    if longest > cfg.batch.max_tokens:
+        what = (f"plus task.max_new_tokens={cfg.task.max_new_tokens}" if turns == 1 else
+                f"plus {turns} replies of task.max_new_tokens={cfg.task.max_new_tokens} and {turns - 1} "
+                f"observations of up to {getattr(task, 'max_observation_len', 0)} tokens")
         raise ValueError(f"batch.max_tokens={cfg.batch.max_tokens} is below the longest possible sample: task "
-                         f"{cfg.task.name!r} has prompts of up to {prompt} tokens, plus task.max_new_tokens="
-                         f"{cfg.task.max_new_tokens} = {prompt + cfg.task.max_new_tokens}")
+                         f"{cfg.task.name!r} has prompts of up to {prompt} tokens, {what} = {longest}")

@@ -28,7 +28,8 @@ ESTIMATORS = [("grpo", None), ("grpo", True), ("rloo", None), ("reinforce_pp", N
 
 def _records(dp_rank: int, n: int, experts: int | None, seed: int = 0, long: bool = False) -> list[Experience]:
     """Rollout-like records (rl/rollout/engine.py `make_record`) of one DP rank: bimodal lengths,
-    float32 rewards, int64 routing with some -1 (no record), a bf16 field (`long`: only
+    float32 rewards, int64 routing with some -1 (no record), a bf16 field, every fourth an
+    action mask with holes (a multi-turn episode's environment tokens) (`long`: only
     27..47-token samples, no two of which fit 47 tokens)."""
     from rl.rollout.engine import make_record
 
@@ -43,7 +44,8 @@ def _records(dp_rank: int, n: int, experts: int | None, seed: int = 0, long: boo
             routed = torch.randint(0, experts, (LAYERS, TOPK, P + R), generator=gen)
             routed[:, :, :1] = -1
         rec = make_record(torch.randint(0, 500, (P,), generator=gen), torch.randint(0, 500, (R,), generator=gen),
-                          -torch.rand(R, generator=gen), prompt_index=dp_rank * 100 + i // 2, routed_experts=routed)
+                          -torch.rand(R, generator=gen), prompt_index=dp_rank * 100 + i // 2, routed_experts=routed,
+                          actions=None if i % 4 else torch.arange(R) % 3 != 1)
         rec.rewards = torch.rand((), generator=gen).round(decimals=1).to(torch.float32)
         rec.values = torch.randn(P + R - 1, generator=gen).to(torch.bfloat16)
         out.append(rec)
@@ -82,8 +84,8 @@ def exchange_rank(rank: int, world_size: int, cp: int, experts: int | None, n: i
         same_advantages[f"{name}/{whiten}"] = all(
             torch.equal(s.advantages, f.advantages) and torch.equal(s.returns, f.returns) for s, f in zip(standins, full))
     scalars = all(torch.equal(getattr(s, k), getattr(f, k)) and getattr(s, k).dtype == getattr(f, k).dtype
-                  for s, f in zip(standins, full) for k in ("rewards", "prompt_index", "response_length", "total_length",
-                                                             "action_mask"))
+                  for s, f in zip(standins, full) for k in ("rewards", "prompt_index", "response_length", "total_length"))
+    scalars &= all(s.action_tokens == f.action_tokens for s, f in zip(standins, full))
     # n == 2: one sample per microbatch, 6 per mini-batch over dp 4: two ranks run an empty microbatch
     dest = _dest(standins, dp, 47 if n == 2 else max_tokens)
     calls = []
@@ -161,11 +163,17 @@ def test_routing_dtype_is_the_narrowest_that_holds_the_ids():
     assert routing_dtype(-1, 40000) == torch.int32 and routing_dtype(0, 2**40) == torch.int64
 
 
-def test_a_non_rollout_action_mask_is_refused_by_name():
-    records = _records(0, 3, None)
-    records[1].action_mask[-1] = False
-    with pytest.raises(ValueError, match="action_mask"):
-        gather_metadata(records)
+def test_an_action_mask_with_holes_travels_with_its_record():
+    """A multi-turn record's mask is False on the environment's tokens: the stand-in counts its
+    action tokens (the token-mean normalizer), the record keeps the mask bit for bit."""
+    records = _records(0, 6, None)
+    holes = records[0].action_mask
+    assert not holes.all() and holes[-1] and not holes[int(holes.nonzero()[0]):].all()  # True, False, True
+    standins = gather_metadata(records)
+    assert [s.action_tokens for s in standins] == [int(r.action_mask.sum()) for r in records]
+    assert standins[0].action_tokens < int(records[0].response_length)  # control: not the response length
+    got = exchange({(0, i): r for i, r in enumerate(records)}, standins, [[0]] * 6)
+    assert all(torch.equal(g.action_mask, r.action_mask) for g, r in zip(got, records))
 
 
 def cp_divergence_rank(rank: int, world_size: int) -> str:

@@ -140,7 +140,7 @@ def loss_normalizer(records: Sequence[Experience], mode: LossAgg | str) -> float
     """The global count `aggregate` divides by for these records (one optimizer step's, or
     one mini-batch's): their action tokens for token-mean, their number otherwise."""
     if LossAgg.parse(mode, "loss_agg") is LossAgg.TOKEN_MEAN:
-        return float(sum(int(r.action_mask.sum()) for r in records))
+        return float(sum(r.action_tokens for r in records))
     return float(len(records))
 
 

@@ -145,17 +145,22 @@ def make_record(
     log_probs: torch.Tensor,
     prompt_index: int,
     routed_experts: torch.Tensor | None = None,
+    actions: torch.Tensor | None = None,
 ) -> Experience:
     """An unpadded record from `prompt [P]`, `response [R]`, the sampled tokens' `log_probs [R]`
-    and optional `routed_experts [L, K, P + R]`."""
+    and optional `routed_experts [L, K, P + R]`. `actions [R]` bool: which response tokens the
+    policy sampled (None: all; a multi-turn episode's environment tokens are not, and its
+    `log_probs` hold 0 there): the action mask is True on the slots that score them."""
     P, R = prompt.numel(), response.numel()
     if P < 1 or R < 1:
         raise ValueError(f"make_record: prompt [{P}] and response [{R}] must each hold at least one token")
     if log_probs.shape != (R,):
         raise ValueError(f"make_record: log_probs has shape {tuple(log_probs.shape)}, expected ({R},) like response")
+    if actions is not None and actions.shape != (R,):
+        raise ValueError(f"make_record: actions has shape {tuple(actions.shape)}, expected ({R},) like response")
     T = P + R
     action_mask = torch.zeros(T - 1, dtype=torch.bool)
-    action_mask[P - 1 :] = True  # slot k scores token k+1: slots P-1 .. T-2 score the response
+    action_mask[P - 1 :] = True if actions is None else actions.bool()  # slot k scores token k+1
     rollout_log_probs = torch.zeros(T - 1, dtype=torch.float32)
     rollout_log_probs[P - 1 :] = log_probs.float()
     return Experience(

@@ -64,6 +64,41 @@ class Task(Protocol):
     def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> float: ...
 
 
+@runtime_checkable
+class Environment(Protocol):
+    """One episode of a multi-turn task; the task makes a new one per sample (`environment()`)."""
+
+    def reset(self, prompt: dict) -> list[dict]:
+        """The episode's first turn as chat messages, from the prompt's meta (`task.prompts`
+        gave the same turn as ids: the rollout checks they agree)."""
+
+    def step(self, response_text: str) -> tuple[str | None, float, bool]:
+        """The model's reply (decoded without special tokens) -> (the environment's answer as
+        the next user turn, or None when done; this turn's reward; done). The episode's
+        reward is the sum of its turns' rewards."""
+
+
+@runtime_checkable
+class MultiTurnTask(Task, Protocol):
+    """A task whose samples are episodes (rl/rollout/episodes.py): besides a `Task`'s fields,
+    `environment()` (a fresh `Environment`), `max_turns` (model turns at most),
+    `encode_messages(messages) -> ids` (a chat rendered up to the generation prompt: what
+    `reset`'s messages must give), `observation_ids(text) -> ids` (an environment answer as
+    the tokens that follow the model's turn, up to the next generation prompt),
+    `max_observation_len` (the longest such answer, in tokens) and `decode(ids) -> text`."""
+
+    max_turns: int
+    max_observation_len: int
+
+    def environment(self) -> Environment: ...
+
+    def encode_messages(self, messages: list[dict]) -> list[int]: ...
+
+    def observation_ids(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Any) -> str: ...
+
+
 def assign_rewards(task: Task, records: Sequence[Experience], metas: Sequence[dict]) -> list[Experience]:
     """Set `rec.rewards` (0-d fp32) on each record from `task.reward`; returns the records.
 
@@ -76,18 +111,22 @@ def assign_rewards(task: Task, records: Sequence[Experience], metas: Sequence[di
     for i, (rec, meta) in enumerate(zip(records, metas)):
         n_prompt = rec.sequences.numel() - int(rec.response_length)
         value = task.reward(rec.sequences[:n_prompt], rec.sequences[n_prompt:], meta)
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool \
-                and not value.is_complex():
-            value = value.item()
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            prompt = "?" if rec.prompt_index is None else int(rec.prompt_index)
-            raise ValueError(
-                f"assign_rewards: reward function {reward_name(task)} returned {value!r} ({type(value).__name__}) for "
-                f"record {i} (prompt index {prompt}); a reward must be a finite real number (float or int), "
-                f"not NaN, inf, None, a bool or a string"
-            )
-        rec.rewards = torch.tensor(float(value), dtype=torch.float32)
+        value = check_reward(value, f"assign_rewards: reward function {reward_name(task)}", i, rec.prompt_index)
+        rec.rewards = torch.tensor(value, dtype=torch.float32)
     return list(records)
+
+
+def check_reward(value: Any, who: str, i: int, prompt_index: Any) -> float:
+    """`value` as a float; a ValueError naming `who` (the reward function), the record, its
+    prompt index and the value unless it is a finite real number (a 0-d real tensor counts)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        prompt = "?" if prompt_index is None else int(prompt_index)
+        raise ValueError(
+            f"{who} returned {value!r} ({type(value).__name__}) for record {i} (prompt index {prompt}); a reward "
+            f"must be a finite real number (float or int), not NaN, inf, None, a bool or a string")
+    return float(value)
 
 
 def reward_name(task: Task) -> str:
@@ -236,7 +275,8 @@ class MathTask(FileTask):
         self.reward_fn, self.reward_name = _reward_callable(reward_fn if reward_fn is not None else math_reward)
         self.tokenizer = tokenizer = load_tokenizer(tokenizer_path)
         encode = _chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path)
-        self.items = _read_prompts(prompts_path, encode, vocab_size, required=("prompt", "answer"),
+        self.items = _read_prompts(prompts_path, lambda text: encode(_user(text)), vocab_size,
+                                   required=("prompt", "answer"),
                                    reserved=("response_text",))
         self.stop_token_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
         self.min_vocab_size = 1 + max(max(max(ids) for ids, _ in self.items), self.stop_token_id or 0)
@@ -281,10 +321,11 @@ class ArithmeticTask:
         self.heldout_every, self.template = heldout_every, template
         self.space = (high - low + 1) ** operands * len(operators) ** (operands - 1)  # distinct problems
         self.tokenizer = tokenizer = load_tokenizer(tokenizer_path)
-        self._encode = _chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path)
+        self.encode_messages = _chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path)
+        self.chat_template = chat_template
         self.reward_name = "rl.tasks.task:math_reward"
         self.stop_token_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
-        longest = self._encode(template.format(problem=f" {operators[0]} ".join([str(high)] * operands)))
+        longest = self.encode_messages(self.messages(f" {operators[0]} ".join([str(high)] * operands)))
         self.max_prompt_len = len(longest) + 4  # digits tokenize one by one: the widest operands, plus slack
         self.min_vocab_size = 1 + max(max(longest), self.stop_token_id or 0)
         if vocab_size is not None and self.min_vocab_size > vocab_size:
@@ -319,9 +360,13 @@ class ArithmeticTask:
         raise ValueError(f"task 'arithmetic': could not draw {n} {'held-out' if heldout else 'training'} problems "
                          f"from a space of {self.space}")
 
+    def messages(self, problem: str) -> list[dict]:
+        """The first turn: `template` with the problem, as one user message."""
+        return _user(self.template.format(problem=problem))
+
     def _prompt(self, problem: str) -> Prompt:
         answer = arithmetic_value(problem)
-        ids = self._encode(self.template.format(problem=problem))
+        ids = self.encode_messages(self.messages(problem))
         return torch.tensor(ids, dtype=torch.int64), {"answer": answer, "problem": problem}
 
     def prompts(self, n: int, seed: int) -> list[Prompt]:
@@ -342,6 +387,47 @@ class ArithmeticTask:
         return math_reward(text, meta["answer"])
 
 
+class ArithmeticRetryTask(ArithmeticTask):
+    """`arithmetic_retry`: `arithmetic` as a two-turn episode. A wrong first answer gets
+    `feedback` ("Incorrect, try again.") as the next user turn and the model answers again;
+    the reward is the last answer's (`math_reward`, 1.0 or 0.0), so a problem solved on the
+    second try scores as one solved on the first. `max_turns` model turns at most."""
+
+    def __init__(self, tokenizer_path: str | os.PathLike, *, feedback: str = "Incorrect, try again.",
+                 max_turns: int = 2, **kwargs: Any) -> None:
+        super().__init__(tokenizer_path, **kwargs)
+        if max_turns < 1:
+            raise ValueError(f"task.options.max_turns={max_turns}: expected >= 1")
+        self.feedback, self.max_turns = feedback, max_turns
+        self.observation_ids = _observation_encoder(self.tokenizer, self.chat_template)
+        self.max_observation_len = len(self.observation_ids(feedback))
+
+    def environment(self) -> "RetryEnvironment":
+        return RetryEnvironment(self)
+
+    def decode(self, ids: Any) -> str:
+        return self.tokenizer.decode(_ids(ids), skip_special_tokens=True)
+
+
+class RetryEnvironment:
+    """An `arithmetic_retry` episode: the problem, then `feedback` after each wrong answer
+    until the answer is right or the task's `max_turns` replies are spent."""
+
+    def __init__(self, task: ArithmeticRetryTask) -> None:
+        self.task, self.answer, self.turns = task, None, 0
+
+    def reset(self, prompt: dict) -> list[dict]:
+        self.answer, self.turns = prompt["answer"], 0
+        return self.task.messages(prompt["problem"])
+
+    def step(self, response_text: str) -> tuple[str | None, float, bool]:
+        self.turns += 1
+        reward = math_reward(response_text, self.answer)
+        if reward == 1.0 or self.turns >= self.task.max_turns:
+            return None, reward, True
+        return self.task.feedback, 0.0, False
+
+
 def arithmetic_value(problem: str) -> int:
     """The value of "a op b op c ..." (integers, `+ - *`, single spaces), `*` binding tighter."""
     tokens = problem.split()
@@ -356,26 +442,54 @@ def arithmetic_value(problem: str) -> int:
 
 
 def _chat_encoder(tokenizer: Any, chat_template: str | None, system_prompt: str | None,
-                  tokenizer_path: Any) -> Callable[[str], list[int]]:
-    """text -> prompt ids: as is (`chat_template=None`), or as one user message (after
-    `system_prompt`) in the tokenizer's chat template ("tokenizer") or a Jinja template,
-    with the generation prompt."""
+                  tokenizer_path: Any) -> Callable[[list[dict]], list[int]]:
+    """messages -> prompt ids: the messages (after `system_prompt`) in the tokenizer's chat
+    template ("tokenizer") or a Jinja template, with the generation prompt; or, with
+    `chat_template=None`, the messages' texts as is (one message: its text)."""
     if chat_template == "tokenizer" and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"task.chat_template='tokenizer' but the tokenizer at '{tokenizer_path}' "
                          f"has no chat template")
     if chat_template is None and system_prompt is not None:
         raise ValueError("task.system_prompt needs task.chat_template (a system message only exists in a chat)")
 
-    def encode(text: str) -> list[int]:
+    def encode(messages: list[dict]) -> list[int]:
         if chat_template is None:
-            return list(tokenizer.encode(text))
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
-        messages.append({"role": "user", "content": text})
+            return list(tokenizer.encode("\n".join(m["content"] for m in messages)))
+        system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
         rendered = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True,
+            system + list(messages), tokenize=False, add_generation_prompt=True,
             chat_template=None if chat_template == "tokenizer" else chat_template,
         )
         return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+    return encode
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+_SENTINEL = "\x00reply\x00"
+
+
+def _observation_encoder(tokenizer: Any, chat_template: str | None) -> Callable[[str], list[int]]:
+    """text -> the ids of a user turn that answers an assistant turn, up to the next
+    generation prompt: what the chat template puts after an assistant message's content
+    (its end-of-turn, the user message, the assistant header), found by rendering a
+    conversation whose assistant content is a sentinel. With `chat_template=None`: the
+    text on its own line."""
+    if chat_template is None:
+        return lambda text: list(tokenizer.encode(f"\n{text}\n", add_special_tokens=False))
+    template = None if chat_template == "tokenizer" else chat_template
+
+    def encode(text: str) -> list[int]:
+        rendered = tokenizer.apply_chat_template(
+            _user("?") + [{"role": "assistant", "content": _SENTINEL}] + _user(text), tokenize=False,
+            add_generation_prompt=True, chat_template=template)
+        if _SENTINEL not in rendered:
+            raise ValueError("the chat template drops earlier assistant turns: a multi-turn episode cannot be "
+                             "rendered token-in/token-out with it")
+        return list(tokenizer.encode(rendered[rendered.index(_SENTINEL) + len(_SENTINEL):], add_special_tokens=False))
 
     return encode
 
@@ -544,6 +658,7 @@ class TaskName(Choice):
     FILE = "file"
     MATH = "math"
     ARITHMETIC = "arithmetic"
+    ARITHMETIC_RETRY = "arithmetic_retry"
 
 
 TASKS: dict[TaskName, Callable[..., Task]] = {
@@ -553,6 +668,7 @@ TASKS: dict[TaskName, Callable[..., Task]] = {
     TaskName.FILE: FileTask,
     TaskName.MATH: MathTask,
     TaskName.ARITHMETIC: ArithmeticTask,
+    TaskName.ARITHMETIC_RETRY: ArithmeticRetryTask,
 }
 
 

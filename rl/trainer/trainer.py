@@ -62,7 +62,8 @@ from rl.rollout.producer import make_producer
 from rl.rollout.sync import sync_weights
 from rl.rollout.build import build_engine
 from rl.tasks.evaluate import evaluate, heldout_problems
-from rl.tasks.task import assign_rewards, build_task
+from rl.rollout.episodes import run_episodes
+from rl.tasks.task import build_task
 
 
 def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
@@ -268,11 +269,11 @@ class Trainer:
         rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
         base = (step * rounds + round_) * task.prompts_per_step + first
         index = [base + i for i in range(per_rank) for _ in range(task.samples_per_prompt)]
-        records = self.engine.generate(
-            [p for p, _ in prompts for _ in range(task.samples_per_prompt)], prompt_indices=index,
+        records = run_episodes(  # one engine.generate, or one per turn of a multi-turn task
+            self.engine, self.task, [p for p, _ in prompts for _ in range(task.samples_per_prompt)],
+            [m for _, m in prompts for _ in range(task.samples_per_prompt)], prompt_indices=index,
             max_new_tokens=task.max_new_tokens, temperature=self.cfg.model.temperature, seed=self.cfg.seed * 7919 + step,
         )
-        assign_rewards(self.task, records, [m for _, m in prompts for _ in range(task.samples_per_prompt)])
         if algo.overlong_buffer is not None:
             apply_overlong_penalty(records, task.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
         if not algo.routing_replay:
@@ -325,8 +326,6 @@ class Trainer:
         mine = exchange(rollouts.records, rollouts.samples, plan.destinations, dp_rank=dims.dp_rank, dp=dims.dp,
                         group=dims.dp_group, device=dims.device)
         rollouts.records.clear()
-        for sample in rollouts.samples:
-            sample.action_mask = None
         packed = self.cfg.batch.packed
         return [MiniBatch(**vars(mb), batches=[make_experience_batch([mine[j] for j in rows], packed=packed)
                                                .to(dims.device) for rows in mb.rows])
