@@ -56,7 +56,7 @@ def main(dict_cfg: DictConfig) -> dict:
         metrics = trainer.step(step)  # with the held-out evaluation of the policy it started from, when due
         writer.log(metrics)
         if "eval_accuracy" in metrics:
-            log.info("step %d held-out accuracy %.3f (%d problems, %.0f s)", step, metrics["eval_accuracy"],
+            log.info("step %d held-out accuracy %s (%d problems, %.0f s)", step, _accuracy(metrics),
                      len(trainer.heldout), metrics["eval_s"])
             shown["eval_acc"] = f"{metrics['eval_accuracy']:.3f}"
         log.info("step %d reward %.4f loss %.4g grad_norm %.4g tokens/s %.0f", step, metrics["reward_mean"],
@@ -66,12 +66,19 @@ def main(dict_cfg: DictConfig) -> dict:
     if cfg.eval.every and start < cfg.trainer.max_steps:  # the trained policy
         final = {"step": cfg.trainer.max_steps, **trainer.evaluate()}
         writer.log(final)
-        log.info("after %d steps: held-out accuracy %.3f (%d problems)", cfg.trainer.max_steps,
-                 final["eval_accuracy"], len(trainer.heldout))
+        log.info("after %d steps: held-out accuracy %s (%d problems)", cfg.trainer.max_steps,
+                 _accuracy(final), len(trainer.heldout))
     writer.close(plot=cfg.trainer.plot)
     if torch.distributed.is_initialized():  # a clean exit: no communicator torn down under a live thread
         torch.distributed.destroy_process_group()
     return writer.history[-1] if writer.history else {}
+
+
+def _accuracy(metrics: dict) -> str:
+    """The held-out accuracy as logged; a multi-turn task's with its first reply's."""
+    if "eval_accuracy_turn1" in metrics:
+        return f"{metrics['eval_accuracy']:.3f} (first reply {metrics['eval_accuracy_turn1']:.3f})"
+    return f"{metrics['eval_accuracy']:.3f}"
 
 
 if __name__ == "__main__":

@@ -139,6 +139,60 @@ def test_records_follow_the_hf_engine_contract(vtrainer):
     assert _gap(vtrainer, recs) < TOL
 
 
+class _IdsTask:
+    """A two-turn task on token ids (no tokenizer): the environment answers the first reply
+    with three fixed ids and ends the episode at the second, reward 1."""
+
+    max_turns, max_observation_len, stop_token_id = 2, 3, None
+
+    def environment(self):
+        return _IdsEnvironment()
+
+    def encode_messages(self, messages):
+        return [int(t) for t in messages[0]["content"].split()]
+
+    def observation_ids(self, text):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids):
+        return " ".join(str(int(t)) for t in ids)
+
+
+class _IdsEnvironment:
+    def reset(self, prompt):
+        self.replies = 0
+        return [{"role": "user", "content": prompt["text"]}]
+
+    def step(self, response_text):
+        self.replies += 1
+        return ("20 21 22", 0.0, False) if self.replies == 1 else (None, 1.0, True)
+
+
+@pytest.mark.vllm
+def test_episodes_with_vllm_are_its_tokens_and_train_as_it_sampled(vtrainer):
+    """Multi-turn with the vLLM engine (rl/rollout/episodes.py): turn 2 is what vLLM generates
+    from the context (token-in / token-out), the observation's slots are holes in the action
+    mask, and the training forward scores the sampled tokens as vLLM did."""
+    from rl.rollout.engine import sample_seed
+    from rl.rollout.episodes import run_episodes
+
+    engine, task = vtrainer.engine, _IdsTask()
+    metas = [{"text": " ".join(str(int(t)) for t in p)} for p in PROMPTS]
+    kw = dict(max_new_tokens=6, temperature=1.0, seed=3)
+    recs = run_episodes(engine, task, PROMPTS, metas, prompt_indices=[0, 1, 0, 2], **kw)
+    first = engine.generate(PROMPTS, prompt_indices=[0, 1, 0, 2], **kw)
+    for k, (rec, one) in enumerate(zip(recs, first)):
+        n1 = one.sequences.numel()
+        n2 = n1 + 3
+        assert torch.equal(rec.sequences[:n1], one.sequences) and rec.sequences[n1:n2].tolist() == [20, 21, 22]
+        place = [0, 0, 1, 0][k]
+        (two,) = engine.generate([rec.sequences[:n2]], prompt_indices=[sample_seed(1, [0, 1, 0, 2][k], place)], **kw)
+        assert torch.equal(rec.sequences, two.sequences)
+        assert not rec.action_mask[n1 - 1:n2 - 1].any() and rec.action_mask[n2 - 1:].all()
+        assert int(rec.turns) == 2 and float(rec.rewards) == 1.0
+    assert _gap(vtrainer, recs) < TOL
+
+
 @pytest.mark.vllm
 def test_log_probs_are_of_the_tempered_softmax(vtrainer):
     engine = vtrainer.engine

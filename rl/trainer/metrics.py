@@ -69,7 +69,7 @@ def _read_lines(path: Path) -> list[dict]:
 # and so is a panel with none of its keys)
 CURVES: dict[str, tuple[str, ...]] = {
     "reward": ("reward_mean",),
-    "held-out accuracy": ("eval_accuracy",),
+    "held-out accuracy": ("eval_accuracy", "eval_accuracy_turn1"),
     "loss": ("loss", "policy_loss", "value_loss"),
     "entropy": ("entropy",),
     "grad norm": ("grad_norm",),

@@ -1,0 +1,199 @@
+"""Multi-turn episodes (rl/rollout/episodes.py, `task=arithmetic_retry`): token-in / token-out.
+
+* an episode's record is exactly the engine's tokens with the environment's between them:
+  turn 1 is the single-turn sample, turn 2 what the engine generates from the context, the
+  observation's ids in between (the stop token not doubled), the action mask False there;
+* the environment decides when an episode ends; its reward and bad answers are checked;
+* the trainer and the held-out evaluation run it (sync, one_step_off, packed and padded,
+  two ranks generating from the sharded policy in lockstep).
+
+The tokenizer is the small BPE of tests/test_tasks.py (chat turns `<|role|>text<|end|>`);
+the model a tiny random Llama of its vocabulary: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from inprocess import steps_rank, trainer
+from test_arithmetic import tiny_llama  # noqa: F401 - fixture
+from test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
+
+from model.models import build_model
+from rl.rollout.engine import HFRolloutEngine, sample_seed
+from rl.rollout.episodes import run_episodes
+from rl.tasks.task import ArithmeticRetryTask, RetryEnvironment, build_task, math_reward
+from scripts.distributed import run_distributed
+
+
+@pytest.fixture(scope="module")
+def end_id(tokenizer):
+    return tokenizer.convert_tokens_to_ids("<|end|>")
+
+
+def _task(tokenizer_dir, **options):
+    return build_task("arithmetic_retry", tokenizer_path=str(tokenizer_dir), **options)
+
+
+def _engine(tiny_llama, task):
+    return HFRolloutEngine(build_model(None, pretrained_path=str(tiny_llama)), stop_token_id=task.stop_token_id)
+
+
+def _batch(task, prompts: int, samples: int):
+    drawn = task.prompts(prompts, seed=3)
+    ids = [p for p, _ in drawn for _ in range(samples)]
+    metas = [m for _, m in drawn for _ in range(samples)]
+    return ids, metas, [i for i in range(prompts) for _ in range(samples)]
+
+
+@pytest.mark.parametrize("stop", ["end", "eos"])
+def test_an_episode_is_the_engines_tokens_with_the_environments_between(tiny_llama, tokenizer_dir, end_id, stop):
+    """stop=end: the chat template's end-of-turn is the stop token (ChatML-like), so an
+    observation after a reply that stopped does not repeat it; stop=eos: it never is."""
+    task = _task(tokenizer_dir, **({"stop_token_id": end_id} if stop == "end" else {}))
+    engine = _engine(tiny_llama, task)
+    ids, metas, index = _batch(task, 3, 3)
+    kw = dict(max_new_tokens=6, temperature=1.0, seed=5)
+    records = run_episodes(engine, task, ids, metas, prompt_indices=index, **kw)
+    singles = engine.generate(ids, prompt_indices=index, **kw)  # the single-turn samples of the same call
+    observation = task.observation_ids(task.feedback)
+    assert observation[0] == end_id  # the template closes the assistant turn first
+    twice = dropped = 0
+    for k, (rec, single, meta) in enumerate(zip(records, singles, metas)):
+        P, n1 = ids[k].numel(), single.sequences.numel()
+        assert torch.equal(rec.sequences[:n1], single.sequences)  # turn 1 = the single-turn sample
+        assert torch.equal(rec.rollout_log_probs[:n1 - 1], single.rollout_log_probs)
+        assert int(rec.prompt_index) == index[k] and int(rec.response_length) == rec.sequences.numel() - P
+        if int(rec.turns) == 1:
+            assert torch.equal(rec.action_mask, single.action_mask)
+            continue
+        twice += 1
+        obs = observation[1:] if int(single.sequences[-1]) == task.stop_token_id == observation[0] else observation
+        dropped += len(obs) < len(observation)
+        n2 = n1 + len(obs)
+        assert rec.sequences[n1:n2].tolist() == obs
+        (second,) = engine.generate([rec.sequences[:n2]], prompt_indices=[sample_seed(1, index[k], k % 3)], **kw)
+        assert torch.equal(rec.sequences, second.sequences)  # turn 2: the engine's tokens, verbatim
+        want = torch.zeros(rec.sequences.numel() - 1, dtype=torch.bool)
+        want[P - 1:n1 - 1] = True
+        want[n2 - 1:] = True
+        assert torch.equal(rec.action_mask, want)  # a hole on the observation's slots
+        # log-probs: those of the batched call, equal to this one up to left-padding rounding (engine.py)
+        torch.testing.assert_close(rec.rollout_log_probs[n2 - 1:], second.rollout_log_probs[n2 - 1:],
+                                   rtol=0, atol=1e-5)
+        assert not rec.rollout_log_probs[n1 - 1:n2 - 1].any()
+        reply = task.decode(rec.sequences[n2:])
+        assert float(rec.rewards) == math_reward(reply, meta["answer"])
+    assert twice >= 6  # a random model is wrong: most episodes take the second turn
+    if stop == "end":
+        assert dropped  # some reply stopped on <|end|>: its observation starts after it
+    else:
+        assert not dropped  # control: the stop token is not the template's end-of-turn
+
+
+class _Scripted(ArithmeticRetryTask):
+    """Every other episode is solved on its first reply (whatever it says)."""
+
+    def environment(self):
+        env = _Solved(self) if getattr(self, "_count", 0) % 2 else RetryEnvironment(self)
+        self._count = getattr(self, "_count", 0) + 1
+        return env
+
+
+class _Solved(RetryEnvironment):
+    def step(self, response_text):
+        return None, 1.0, True
+
+
+def test_the_environment_ends_the_episode_and_its_answers_are_checked(tiny_llama, tokenizer_dir):
+    task = _Scripted(str(tokenizer_dir))
+    engine = _engine(tiny_llama, task)
+    ids, metas, index = _batch(task, 2, 2)
+    kw = dict(max_new_tokens=5, temperature=1.0, seed=1)
+    records = run_episodes(engine, task, ids, metas, prompt_indices=index, **kw)
+    assert [int(r.turns) for r in records][1::2] == [1, 1] and [float(r.rewards) for r in records][1::2] == [1.0, 1.0]
+    assert all(r.action_mask[ids[0].numel() - 1:].all() for r in records[1::2])  # one reply: no hole
+
+    class Bad(RetryEnvironment):
+        def __init__(self, task, reply):
+            super().__init__(task)
+            self.reply = reply
+
+        def step(self, response_text):
+            return self.reply
+
+    for reply, match in [((None, 0.0, False), r"observation None with done=False for sample 0"),
+                         (("again", math.nan, False), r"Bad.step returned nan .* for record 0"),
+                         (("again", "1", True), r"Bad.step returned '1' \(str\)")]:
+        task.environment = lambda reply=reply: Bad(task, reply)
+        with pytest.raises(ValueError, match=match):
+            run_episodes(engine, task, ids[:1], metas[:1], prompt_indices=[0], **kw)
+
+    class OtherFirstTurn(RetryEnvironment):
+        def reset(self, prompt):
+            return self.task.messages(prompt["problem"] + " ")
+
+    task.environment = lambda: OtherFirstTurn(task)
+    with pytest.raises(ValueError, match=r"sample 0 \(prompt index 0\): the environment's first turn renders"):
+        run_episodes(engine, task, ids[:1], metas[:1], prompt_indices=[0], **kw)
+
+
+def test_a_multiturn_task_must_fit_every_turn_in_max_tokens(tokenizer_dir):
+    from inprocess import compose
+
+    from rl.config import check_task_fits
+
+    task = _task(tokenizer_dir)
+    run = ("task=arithmetic_retry", f"task.tokenizer_path={tokenizer_dir}", "task.max_new_tokens=8")
+    longest = task.max_prompt_len + 2 * 8 + task.max_observation_len
+    check_task_fits(compose(*run, f"batch.max_tokens={longest}"), task)
+    with pytest.raises(ValueError, match=rf"plus 2 replies of task.max_new_tokens=8 and 1 observations .* = {longest}"):
+        check_task_fits(compose(*run, f"batch.max_tokens={longest - 1}"), task)
+    with pytest.raises(ValueError, match=r"algo.overlong_buffer .* multi-turn \(task.options.max_turns=2\)"):
+        check_task_fits(compose(*run, "batch.max_tokens=4096", "algo.overlong_buffer=4"), task)
+
+
+def _run(tiny_llama, tokenizer_dir, *extra):
+    return ("model=pretrained", f"model.pretrained_path={tiny_llama}", "model.dtype=float32", "task=arithmetic_retry",
+            f"task.tokenizer_path={tokenizer_dir}", "task.prompts_per_step=2", "task.samples_per_prompt=4",
+            "task.max_new_tokens=6", "trainer.progress=false", "trainer.lr=1e-3", *extra)
+
+
+def test_the_trainer_trains_on_episodes_and_evaluates_both_turns(tiny_llama, tokenizer_dir):
+    tr = trainer(*_run(tiny_llama, tokenizer_dir, "eval.every=2", "eval.num_prompts=8"))
+    records = tr._records(0, 0)
+    assert any(int(r.turns) == 2 and not r.action_mask[int(r.action_mask.nonzero()[0]):].all() for r in records)
+    metrics = [tr.step(s) for s in range(2)]
+    assert all(math.isfinite(m["loss"]) for m in metrics)
+    first = metrics[0]
+    assert 1.0 <= first["eval_turns_mean"] <= 2.0 and first["eval_accuracy_turn1"] <= first["eval_accuracy"]
+    # the token-mean normalizer counts sampled tokens only: fewer than the tokens after the prompts
+    assert first["action_tokens"] < first["response_length"] * 8
+
+
+def test_packed_and_padded_and_one_step_off_train_on_episodes(tiny_llama, tokenizer_dir):
+    run = _run(tiny_llama, tokenizer_dir, "eval.every=0")
+    packed = [trainer(*run).step(s) for s in range(2)]
+    padded = [trainer(*run, "batch=padded").step(s) for s in range(2)]
+    for a, b in zip(packed, padded):  # the same samples and the same numbers in either layout
+        assert a["reward_mean"] == b["reward_mean"] and a["action_tokens"] == b["action_tokens"]
+        for key in ("loss", "entropy", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), key
+    off = trainer(*run, "rollout.mode=one_step_off", "algo.tis_cap=2.0")
+    got = [off.step(s) for s in range(3)]
+    assert all(math.isfinite(m["loss"]) for m in got) and got[-1]["rollout_staleness_max"] == 1.0
+    assert got[0]["reward_mean"] == packed[0]["reward_mean"]  # step 0's rollout is generated now, as in sync
+
+
+@pytest.mark.slow
+def test_two_ranks_play_episodes_in_lockstep_from_the_sharded_policy(tiny_llama, tokenizer_dir):
+    """`rollout.replica=sharded`: every generate is a collective over both ranks, and every
+    rank calls it once per turn whatever its own episodes do; the run equals the replica's."""
+    run = _run(tiny_llama, tokenizer_dir, "eval.every=1", "eval.num_prompts=6", "parallel.dp=2")
+    sharded = run_distributed(steps_rank, 2, (*run, "rollout.replica=sharded"), 2, timeout=300)
+    replica = run_distributed(steps_rank, 2, (*run, "rollout.replica=keep"), 2, timeout=300)
+    for a, b in zip(sharded[0][0]["metrics"], replica[0][0]["metrics"]):
+        assert a["reward_mean"] == b["reward_mean"] and a["eval_turns_mean"] == b["eval_turns_mean"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"]))
