@@ -130,7 +130,7 @@ def aggregate(
         if token_sum_norm is None or not token_sum_norm > 0:
             raise ValueError(
                 f"loss_agg='{mode}' divides each sequence's token sum by a constant: token_sum_norm "
-                f"(algo.loss_agg_norm, default task.max_new_tokens) must be > 0, got {token_sum_norm!r}"
+                f"(algo.loss_agg_norm, default task.max_new_tokens x the task's max_turns) must be > 0, got {token_sum_norm!r}"
             )
         per_seq = per_sequence_sum(loss * mask, experience) / token_sum_norm
     return per_seq.sum() / (normalizer if normalizer is not None else num_sequences(experience))
@@ -172,7 +172,7 @@ class PolicyLossConfig:
     gspo_log_ratio_max: Optional[float] = 10.0
     loss_agg: LossAgg = LossAgg.TOKEN_MEAN
     # seq-mean-token-sum-norm's constant (each sequence's token sum is divided by it);
-    # None = the response budget (task.max_new_tokens), filled in by the trainer.
+    # None = the response budget (task.max_new_tokens, times max_turns for a multi-turn task), filled in by the trainer.
     loss_agg_norm: Optional[float] = None
 
 

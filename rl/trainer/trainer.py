@@ -168,7 +168,8 @@ class Trainer:
         updates = cfg.trainer.max_steps * algo.mini_batches * algo.epochs
         self.scheduler = make_lr_scheduler(self.optimizer, cfg.trainer.warmup_steps, updates, cfg.trainer.lr_schedule)
         self.kl_ctl = build_kl_controller(algo.kl_coef, algo.kl_target, algo.kl_horizon)
-        self.token_sum_norm = algo.loss_agg_norm or float(cfg.task.max_new_tokens)
+        # Dr. GRPO's constant: the response budget (a multi-turn episode's: every turn's)
+        self.token_sum_norm = algo.loss_agg_norm or float(cfg.task.max_new_tokens * getattr(task, "max_turns", 1))
         self.guard = DivergenceGuard(cfg.trainer.max_bad_steps, cfg.trainer.min_entropy, verbose=dims.rank == 0)
         # batch.balance=flops: the planner evens out a * tokens + b * tokens^2 (linear layers + attention)
         self.cost = flop_cost(self.hf_config) if cfg.batch.balance is Balance.FLOPS else None
