@@ -13,6 +13,8 @@ the ranks the plan runs it on.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -78,11 +80,12 @@ def exchange_rank(rank: int, world_size: int, cp: int, experts: int | None, n: i
     dist.all_gather_object(gathered, records if cp_rank == 0 else None)
     full = [rec for part in gathered if part is not None for rec in part]
     same_advantages = {}
-    for name, whiten in ESTIMATORS:
-        compute_advantages(standins, name, whiten=whiten)
+    for name, whiten in ESTIMATORS:  # as the trainer: the step's rewards read from the stand-ins
+        via = [dataclasses.replace(rec) for rec in full]
+        compute_advantages(via, name, samples=standins, rows=[[j] for j in range(len(via))], whiten=whiten)
         compute_advantages(full, name, whiten=whiten)
         same_advantages[f"{name}/{whiten}"] = all(
-            torch.equal(s.advantages, f.advantages) and torch.equal(s.returns, f.returns) for s, f in zip(standins, full))
+            torch.equal(v.advantages, f.advantages) and torch.equal(v.returns, f.returns) for v, f in zip(via, full))
     scalars = all(torch.equal(getattr(s, k), getattr(f, k)) and getattr(s, k).dtype == getattr(f, k).dtype
                   for s, f in zip(standins, full) for k in ("rewards", "prompt_index", "response_length", "total_length"))
     scalars &= all(s.action_tokens == f.action_tokens for s, f in zip(standins, full))
