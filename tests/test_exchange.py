@@ -49,6 +49,7 @@ def _records(dp_rank: int, n: int, experts: int | None, seed: int = 0, long: boo
                           -torch.rand(R, generator=gen), prompt_index=dp_rank * 100 + i // 2, routed_experts=routed,
                           actions=None if i % 4 else torch.arange(R) % 3 != 1)
         rec.rewards = torch.rand((), generator=gen).round(decimals=1).to(torch.float32)
+        rec.turns = torch.tensor(1 if i % 4 else 2)  # an episode field: the holey ones took two turns
         rec.values = torch.randn(P + R - 1, generator=gen).to(torch.bfloat16)
         out.append(rec)
     return out
@@ -87,7 +88,8 @@ def exchange_rank(rank: int, world_size: int, cp: int, experts: int | None, n: i
         same_advantages[f"{name}/{whiten}"] = all(
             torch.equal(v.advantages, f.advantages) and torch.equal(v.returns, f.returns) for v, f in zip(via, full))
     scalars = all(torch.equal(getattr(s, k), getattr(f, k)) and getattr(s, k).dtype == getattr(f, k).dtype
-                  for s, f in zip(standins, full) for k in ("rewards", "prompt_index", "response_length", "total_length"))
+                  for s, f in zip(standins, full) for k in ("rewards", "prompt_index", "response_length", "total_length",
+                                                                        "turns"))
     scalars &= all(s.action_tokens == f.action_tokens for s, f in zip(standins, full))
     # n == 2: one sample per microbatch, 6 per mini-batch over dp 4: two ranks run an empty microbatch
     dest = _dest(standins, dp, 47 if n == 2 else max_tokens)

@@ -169,6 +169,9 @@ def test_the_trainer_trains_on_episodes_and_evaluates_both_turns(tiny_llama, tok
     assert all(math.isfinite(m["loss"]) for m in metrics)
     first = metrics[0]
     assert 1.0 <= first["eval_turns_mean"] <= 2.0 and first["eval_accuracy_turn1"] <= first["eval_accuracy"]
+    assert 1.0 <= first["turns_mean"] <= 2.0  # the stand-ins carry each episode's turns
+    single = [a.replace("arithmetic_retry", "arithmetic") for a in _run(tiny_llama, tokenizer_dir, "eval.every=0")]
+    assert "turns_mean" not in trainer(*single).step(0)  # control: a single-turn task logs none
     # the token-mean normalizer counts sampled tokens only: fewer than the tokens after the prompts
     assert first["action_tokens"] < first["response_length"] * 8
 
@@ -196,4 +199,5 @@ def test_two_ranks_play_episodes_in_lockstep_from_the_sharded_policy(tiny_llama,
     replica = run_distributed(steps_rank, 2, (*run, "rollout.replica=keep"), 2, timeout=300)
     for a, b in zip(sharded[0][0]["metrics"], replica[0][0]["metrics"]):
         assert a["reward_mean"] == b["reward_mean"] and a["eval_turns_mean"] == b["eval_turns_mean"]
+        assert a["turns_mean"] == b["turns_mean"]  # gathered over both ranks
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"]))

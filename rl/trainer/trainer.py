@@ -481,6 +481,8 @@ class Trainer:
             microbatches=sum(len(mb.batches) for mb in minibatches),
             optimizer_steps=stats.steps,
         )
+        if records and records[0].turns is not None:  # a multi-turn task: model turns per episode
+            metrics["turns_mean"] = float(torch.stack([r.turns for r in records]).float().mean())
         metrics.update(expert_load_metrics(self.actor.model, dims))
         metrics.update(rollouts.sampling)
         if self.cfg.algo.kl_coef:
