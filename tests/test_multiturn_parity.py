@@ -37,13 +37,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from scripts.parity_check import assert_control_fails, assert_parity, max_abs
+from test_host_syncs import dense, moe  # noqa: F401 - fixtures (tiny Qwen3 / Qwen3-MoE)
 from test_shared_moe import routing_per_sample
 from test_shared_prompt import body_tokens, scored
 
 from model import actor as actor_module
 from model.actor import Actor
 from model.models import build_model
-from model.moe import moe_blocks, record_routing, shard_experts
+from model.moe import moe_blocks, record_routing
 from packing.collate import make_experience_batch
 from packing.experience import Experience, Kind
 from packing.prompts import layout_of_units
@@ -162,16 +163,6 @@ def test_an_episode_record_has_holes_where_its_observations_are():
 
 
 # ------------------------------------------------------------------ 1. the forward
-@pytest.fixture(scope="module")
-def dense():
-    return build_model("qwen3", seed=0)
-
-
-@pytest.fixture(scope="module")
-def moe():
-    return shard_experts(build_model("qwen3_moe", seed=0), None)
-
-
 def replayed_episodes(model) -> list[Episode]:
     """Episodes carrying the routing a perturbed router (the rollout policy) chose on them."""
     eps = episodes()
