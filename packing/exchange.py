@@ -11,9 +11,9 @@ normalizers, dynamic sampling, the microbatch plan) is a handful of numbers per 
                                                       it to the ranks `dest` names, flat tensors
 
 A `StandIn` is an `Experience` holding only the episode scalars (`rewards`, `prompt_index`,
-`response_length`, `total_length`, a multi-turn episode's `turns`, with the records' dtypes) and its record's count of action
-tokens (`action_tokens`: what the token-mean normalizer counts); the action mask itself
-travels with the record (a multi-turn record's has holes: rl/rollout/episodes.py).
+`response_length`, `total_length`, a multi-turn episode's `turns`, with the records' dtypes)
+and its record's count of action tokens (`action_tokens`: what the token-mean normalizer
+counts); the action mask itself travels with the record (a multi-turn record's has holes: rl/rollout/episodes.py).
 Every registered estimator's per-sample scalar reads only rewards and prompt groups
 (rl/algos/advantages.py), so it gives the same numbers on stand-ins as on the records; the
 per-token part runs later on the collated batches.
@@ -135,7 +135,7 @@ def _rows(records: Sequence[Experience]) -> tuple[torch.Tensor, int, int]:
         checksum = int((seq * torch.arange(1, T + 1, dtype=torch.int64)).sum())
         reward_bits = int(torch.tensor(float(rec.rewards), dtype=torch.float64).view(torch.int64))
         turns = int(rec.turns) if rec.turns is not None else 0  # a multi-turn episode's model turns
-        rows.append([int(rec.prompt_index), T, R, reward_bits, int(rec.action_mask.sum()), checksum, turns])
+        rows.append([int(rec.prompt_index), T, R, reward_bits, rec.action_tokens, checksum, turns])
     return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), len(ROW)), low, high
 
 

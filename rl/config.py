@@ -460,12 +460,11 @@ def check_task_fits(cfg: Config, task: Any) -> None:
                          f"multi-turn (task.options.max_turns={turns}): set algo.overlong_buffer=null")
     if prompt is None:
         return
-    new = cfg.task.max_new_tokens * turns
-    observations = (turns - 1) * getattr(task, "max_observation_len", 0)
-    longest = prompt + new + observations
+    observation = getattr(task, "max_observation_len", 0)
+    longest = prompt + cfg.task.max_new_tokens * turns + (turns - 1) * observation
     if longest > cfg.batch.max_tokens:
         what = (f"plus task.max_new_tokens={cfg.task.max_new_tokens}" if turns == 1 else
                 f"plus {turns} replies of task.max_new_tokens={cfg.task.max_new_tokens} and {turns - 1} "
-                f"observations of up to {getattr(task, 'max_observation_len', 0)} tokens")
+                f"observations of up to {observation} tokens")
         raise ValueError(f"batch.max_tokens={cfg.batch.max_tokens} is below the longest possible sample: task "
                          f"{cfg.task.name!r} has prompts of up to {prompt} tokens, {what} = {longest}")

@@ -115,15 +115,19 @@ def sample_seed(seed: int, prompt_index: int, k: int) -> int:
     return h & ((1 << 63) - 1)
 
 
+def group_places(prompt_indices: Sequence[int]) -> list[int]:
+    """Each sample's place k in its group: the earlier samples of the same prompt_index."""
+    seen: dict[int, int] = {}
+    places = []
+    for index in prompt_indices:
+        places.append(seen.get(int(index), 0))
+        seen[int(index)] = places[-1] + 1
+    return places
+
+
 def sample_seeds(seed: int, prompt_indices: Sequence[int]) -> list[int]:
     """Per-sample seeds: sample k of each prompt_index gets `sample_seed(seed, index, k)`."""
-    seen: dict[int, int] = {}
-    seeds = []
-    for index in prompt_indices:
-        k = seen.get(int(index), 0)
-        seen[int(index)] = k + 1
-        seeds.append(sample_seed(seed, int(index), k))
-    return seeds
+    return [sample_seed(seed, int(index), k) for index, k in zip(prompt_indices, group_places(prompt_indices))]
 
 
 def check_prompt(i: int, prompt: torch.Tensor, vocab_size: int | None) -> torch.Tensor:

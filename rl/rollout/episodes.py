@@ -47,7 +47,7 @@ from typing import Sequence
 import torch
 
 from packing.experience import Experience
-from rl.rollout.engine import make_record, sample_seed
+from rl.rollout.engine import group_places, make_record, sample_seed
 from rl.tasks.task import MultiTurnTask, Task, assign_rewards, check_reward
 
 
@@ -75,11 +75,13 @@ class _Episode:
     context: torch.Tensor
     env: object
     pieces: list[tuple[torch.Tensor, bool, torch.Tensor]] = field(default_factory=list)  # (tokens, sampled, log-probs)
-    routing: list[torch.Tensor] = field(default_factory=list)  # [L, K, n] per turn, covering `routed` tokens
-    routed: int = 0
+    routing: list[torch.Tensor] = field(default_factory=list)  # [L, K, n] per turn: the tokens new in it
     reward: float = 0.0
-    turns: int = 0
     done: bool = False
+
+    @property
+    def turns(self) -> int:
+        return sum(sampled for _, sampled, _ in self.pieces)
 
 
 def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_tokens, temperature,
@@ -87,7 +89,7 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
     if len(metas) != len(prompts) or len(prompt_indices) != len(prompts):
         raise ValueError(f"run_episodes: {len(prompts)} prompts, {len(metas)} metas, {len(prompt_indices)} "
                          f"prompt_indices (one each)")
-    episodes, members, place = [], {}, []
+    episodes, place = [], group_places(prompt_indices)
     for i, (prompt, meta) in enumerate(zip(prompts, metas)):
         env = task.environment()
         first = task.encode_messages(env.reset(meta))
@@ -96,9 +98,6 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
                              f"first turn renders to {len(first)} tokens, not the {prompt.numel()} of the task's "
                              f"prompt: `reset(meta)` must give the turn `prompts` encoded")
         episodes.append(_Episode(prompt, prompt, env))
-        k = members.get(int(prompt_indices[i]), 0)
-        members[int(prompt_indices[i])] = k + 1
-        place.append(k)
     stop = getattr(engine, "stop_token_id", None)
     for turn in range(task.max_turns):
         playing = [i for i, ep in enumerate(episodes) if not ep.done]
@@ -111,11 +110,9 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
             response = rec.sequences[n:]
             ep.pieces.append((response, True, rec.rollout_log_probs[n - 1:]))
             if rec.routed_experts is not None:
-                ep.routing.append(rec.routed_experts[..., ep.routed:])
-                ep.routed = rec.routed_experts.shape[-1]
+                ep.routing.append(rec.routed_experts[..., sum(r.shape[-1] for r in ep.routing):])
             observation, reward, done = ep.env.step(task.decode(response))
             ep.reward += check_reward(reward, f"run_episodes: {type(ep.env).__name__}.step", i, prompt_indices[i])
-            ep.turns += 1
             ep.done = bool(done) or turn == task.max_turns - 1
             if ep.done:
                 continue

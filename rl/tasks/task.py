@@ -385,9 +385,12 @@ class ArithmeticTask:
                              f"at most {limit // 2}, or widen the operands")
         return [self._prompt(p) for p in self._problems(n, seed=-1 & 0xFFFF_FFFF, heldout=True)]
 
+    def decode(self, ids: Any) -> str:
+        """Response ids -> the text the reward reads (special tokens skipped)."""
+        return self.tokenizer.decode(_ids(ids), skip_special_tokens=True)
+
     def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> float:
-        text = self.tokenizer.decode(_ids(response_ids), skip_special_tokens=True)
-        return math_reward(text, meta["answer"])
+        return math_reward(self.decode(response_ids), meta["answer"])
 
 
 class ArithmeticRetryTask(ArithmeticTask):
@@ -407,9 +410,6 @@ class ArithmeticRetryTask(ArithmeticTask):
 
     def environment(self) -> "RetryEnvironment":
         return RetryEnvironment(self)
-
-    def decode(self, ids: Any) -> str:
-        return self.tokenizer.decode(_ids(ids), skip_special_tokens=True)
 
 
 class RetryEnvironment:
