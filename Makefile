@@ -84,8 +84,9 @@ $(MODEL_DIR)/config.json: | $(STAMP)
 
 # The headline run: SmolLM2-135M-Instruct learns two-digit addition with GRPO (one process:
 # on 2 cores a second rank only splits the same cores); held-out accuracy before and after.
+# ARGS may name another experiment (ARGS="+experiment=smollm2_arithmetic_retry"): then it replaces this one.
 train: model
-	$(PY) train.py +experiment=smollm2_arithmetic $(ARGS)
+	$(PY) train.py $(if $(findstring +experiment=,$(ARGS)),,+experiment=smollm2_arithmetic) $(ARGS)
 
 # The layout demo: a tiny random MoE over dp=4 x cp=2 ranks, EP groups of 2, FSDP2.
 demo: $(STAMP)

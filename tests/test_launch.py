@@ -282,3 +282,20 @@ def test_memory_plan_counts_published_parameters_and_says_what_fits(monkeypatch,
     ep1, ep8 = rows["Qwen3-30B-A3B@8:dp8xcp1xep1,T8k"], rows["Qwen3-30B-A3B@8:dp8xcp1xep8,T8k"]
     assert ep1["adam"] == ep8["adam"] == pytest.approx(8 * 30_532_122_624 / 8 / 2**30)
     assert ep8["transient"] < ep1["transient"]
+
+
+@pytest.mark.parametrize("args,experiment", [("", "smollm2_arithmetic"),
+                                             ("+experiment=smollm2_arithmetic_retry seed=1", "smollm2_arithmetic_retry")])
+def test_make_train_runs_one_experiment_the_args_may_name(args, experiment):
+    """`make train ARGS="+experiment=..."` (README) replaces the headline experiment: Hydra
+    refuses two `+experiment=` (control: the old recipe's two fail to compose)."""
+    from inprocess import compose
+
+    dry = subprocess.run(["make", "-n", "train", f"ARGS={args}"], cwd=ROOT, capture_output=True, text=True, check=True)
+    words = shlex.split([line for line in dry.stdout.splitlines() if "train.py" in line][-1])
+    overrides = words[words.index("train.py") + 1:]
+    assert [o for o in overrides if o.startswith("+experiment=")] == [f"+experiment={experiment}"]
+    assert compose(*overrides, check=False).task.name.value == experiment.removeprefix("smollm2_")
+    if args:
+        with pytest.raises(Exception, match="Multiple values for experiment"):
+            compose("+experiment=smollm2_arithmetic", *overrides, check=False)
