@@ -201,3 +201,89 @@ def test_two_ranks_play_episodes_in_lockstep_from_the_sharded_policy(tiny_llama,
         assert a["reward_mean"] == b["reward_mean"] and a["eval_turns_mean"] == b["eval_turns_mean"]
         assert a["turns_mean"] == b["turns_mean"]  # gathered over both ranks
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"]))
+
+
+# ------------------------------------------------------- the user's own environment
+class SayNumber:
+    """A user's environment (`task=environment task.options.environment=tests.test_multiturn:SayNumber`):
+    the reply must contain the line's `number`; a wrong one gets `hint` (an environment
+    option) and another turn."""
+
+    def __init__(self, hint: str = "No. Say the number.") -> None:
+        self.hint, self.number = hint, None
+
+    def reset(self, prompt: dict) -> list[dict]:
+        self.number = str(prompt["number"])
+        return [{"role": "user", "content": prompt["prompt"]}]
+
+    def step(self, response_text: str):
+        if self.number in response_text:
+            return None, 1.0, True
+        return self.hint, 0.0, False
+
+
+def _env_run(tiny_llama, tokenizer_dir, tmp_path, *extra):
+    import json
+
+    lines = [{"prompt": f"What is {a} plus {b}?", "number": a + b} for a in range(6) for b in range(3)]
+    for name, rows in (("train.jsonl", lines[:12]), ("heldout.jsonl", lines[12:])):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ("model=pretrained", f"model.pretrained_path={tiny_llama}", "model.dtype=float32", "task=environment",
+            f"task.prompts_path={tmp_path / 'train.jsonl'}", f"task.tokenizer_path={tokenizer_dir}",
+            "task.options.environment=tests.test_multiturn:SayNumber",
+            f"task.options.heldout_path={tmp_path / 'heldout.jsonl'}", "task.options.max_observation_len=24",
+            "task.prompts_per_step=2", "task.samples_per_prompt=4", "task.max_new_tokens=6",
+            "trainer.progress=false", "trainer.lr=1e-3", *extra)
+
+
+def test_a_users_environment_trains_and_evaluates_from_the_config(tiny_llama, tokenizer_dir, tmp_path):
+    """`task=environment`: prompts from the user's JSONL, episodes played by the user's class
+    (built with `environment_options`), its rewards; held-out lines from `heldout_path`."""
+    run = _env_run(tiny_llama, tokenizer_dir, tmp_path, "eval.every=1", "eval.num_prompts=6",
+                   "+task.options.environment_options.hint='Wrong, say it.'")
+    tr = trainer(*run)
+    assert tr.task.environment().hint == "Wrong, say it."  # the option reaches the class
+    records, prompts = tr._records(0, 0), tr.task.prompts(2, seed=tr.cfg.seed * 1_000_003)
+    hint = tr.task.observation_ids("Wrong, say it.")
+    for k, rec in enumerate(records):
+        replies = _replies(rec)
+        assert len(replies) == int(rec.turns)
+        if len(replies) == 2:  # the hint's tokens sit between the replies, outside the action mask
+            gap = replies[1][0] - replies[0][-1] - 1
+            assert gap in (len(hint), len(hint) - 1)  # less the end-of-turn the first reply stopped on
+        number = str(prompts[k // 4][1]["number"])
+        said = [number in tr.task.decode(rec.sequences[torch.tensor(r)]) for r in replies]
+        assert float(rec.rewards) == float(any(said)) and not any(said[:-1])  # the class's reward; a hit ends it
+    assert any(int(r.turns) == 2 for r in records)  # a random model mostly misses: second turns happen
+    metrics = [tr.step(s) for s in range(2)]
+    assert all(math.isfinite(m["loss"]) for m in metrics) and 1.0 <= metrics[0]["turns_mean"] <= 2.0
+    assert 1.0 <= metrics[0]["eval_turns_mean"] <= 2.0 and "eval_accuracy" in metrics[0]
+
+
+def _replies(rec) -> list[list[int]]:
+    """The positions of each reply's tokens: the runs of the action mask (mask slot j scores token j + 1)."""
+    runs: list[list[int]] = []
+    for j in rec.action_mask.nonzero().flatten().tolist():
+        if runs and runs[-1][-1] == j:
+            runs[-1].append(j + 1)
+        else:
+            runs.append([j + 1])
+    return runs
+
+
+def test_a_users_environment_is_checked_by_name(tiny_llama, tokenizer_dir, tmp_path):
+    run = _env_run(tiny_llama, tokenizer_dir, tmp_path, "eval.every=0")
+    without = [a for a in run if not a.startswith("task.options.environment=")]
+    with pytest.raises(ValueError, match=r"task.options.environment: required but not set"):
+        trainer(*without)
+    with pytest.raises(ValueError, match=r"task.options.environment 'SayNumber' is not of the form 'module:"):
+        trainer(*without, "task.options.environment=SayNumber")
+    with pytest.raises(AttributeError, match=r"task.options.environment 'tests.test_multiturn:Nope': module"):
+        trainer(*without, "task.options.environment=tests.test_multiturn:Nope")
+    no_heldout = [a for a in run if not a.startswith("task.options.heldout_path=")]
+    with pytest.raises(ValueError, match=r"eval.every > 0 with task=environment needs task.options.heldout_path"):
+        trainer(*no_heldout, "eval.every=1")
+    short = trainer(*run, "task.options.max_observation_len=4")  # the hint is longer: found at its first answer
+    with pytest.raises(ValueError, match=r"SayNumber.step answered sample \d+ .* with \d+ tokens, more than the "
+                                         r"task's max_observation_len=4"):
+        short._records(0, 0)

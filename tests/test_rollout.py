@@ -343,7 +343,7 @@ def test_score_sets_rewards(dense):
 
 
 def test_build_task_errors():
-    with pytest.raises(ValueError, match=r"task.name='nope' is not one of \['target_token', 'copy_first', 'count_up', 'file', 'math', 'arithmetic', 'arithmetic_retry'\]"):
+    with pytest.raises(ValueError, match=r"task.name='nope' is not one of \['target_token', 'copy_first', 'count_up', 'file', 'math', 'arithmetic', 'arithmetic_retry', 'environment'\]"):
         build_task("nope")
     with pytest.raises(TypeError, match=r"task 'target_token' got unknown options \['prompts_path'\]"):
         build_task("target_token", vocab_size=VOCAB, prompts_path="x.jsonl")

@@ -122,6 +122,10 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
             ids = task.observation_ids(observation)
             if stop is not None and ids and ids[0] == stop and int(response[-1]) == stop:
                 ids = ids[1:]  # the reply's stop token already closed the turn
+            if len(ids) > task.max_observation_len:  # start-up sized every sample with the longest
+                raise ValueError(f"run_episodes: {type(ep.env).__name__}.step answered sample {i} (prompt index "
+                                 f"{int(prompt_indices[i])}) with {len(ids)} tokens, more than the task's "
+                                 f"max_observation_len={task.max_observation_len} (task.options.max_observation_len)")
             obs = torch.tensor(ids, dtype=torch.int64)
             ep.pieces.append((obs, False, torch.zeros(obs.numel())))
             ep.context = torch.cat([rec.sequences, obs])

@@ -431,6 +431,65 @@ class RetryEnvironment:
         return self.task.feedback, 0.0, False
 
 
+class EnvironmentTask(FileTask):
+    """`environment`: the user's multi-turn task. `prompts_path` is a JSONL of `{"prompt": str,
+    ...}`; `environment` a class `module:Class` (or the class) with the `Environment` protocol,
+    built as `Class(**environment_options)` once per sample; its `reset` receives the line (every
+    key) and must return the first turn as messages (`[{"role": "user", "content":
+    line["prompt"]}]` renders to the prompt's ids), its `step` the reply text. The episode's
+    reward is the sum of its turns' (`task.reward` is not used). `heldout_path`: an optional
+    second JSONL, played greedily for `eval.every` (the first `eval.num_prompts` lines).
+    `max_observation_len`: the longest environment answer, in tokens (start-up sizes every
+    sample with it; a longer one is an error naming the environment)."""
+
+    def __init__(self, prompts_path: str | os.PathLike, tokenizer_path: str | os.PathLike, *,
+                 environment: str | type | None = None, environment_options: dict | None = None,
+                 max_turns: int = 2, max_observation_len: int = 64, heldout_path: str | os.PathLike | None = None,
+                 chat_template: str | None = "tokenizer", system_prompt: str | None = None,
+                 vocab_size: int | None = None, stop_token_id: int | None = None) -> None:
+        if environment is None:
+            raise ValueError("task=environment needs task.options.environment: the class 'module:Class' "
+                             "(an Environment: reset(prompt) -> messages, step(reply) -> (observation, reward, done))")
+        if max_turns < 1 or max_observation_len < 1:
+            raise ValueError(f"task.options.max_turns={max_turns}, task.options.max_observation_len="
+                             f"{max_observation_len}: expected >= 1 each")
+        self.env_class = load_callable(environment, "task.options.environment") if isinstance(environment, str) \
+            else environment
+        self.env_options = dict(environment_options or {})
+        self.reward_name = f"{getattr(self.env_class, '__module__', '?')}:{self.env_class.__qualname__}.step"
+        self.max_turns, self.max_observation_len = max_turns, max_observation_len
+        self.tokenizer = tokenizer = load_tokenizer(tokenizer_path)
+        self.encode_messages = _chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path)
+        self.observation_ids = _observation_encoder(tokenizer, chat_template)
+        encode = lambda text: self.encode_messages(_user(text))  # noqa: E731
+        read = lambda path, key: _read_prompts(path, encode, vocab_size, required=("prompt",), key=key,  # noqa: E731
+                                               keep_prompt=True)
+        self.items = read(prompts_path, "task.prompts_path")
+        self.heldout_items = read(heldout_path, "task.options.heldout_path") if heldout_path is not None else None
+        self.stop_token_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
+        every = self.items + (self.heldout_items or [])
+        self.min_vocab_size = 1 + max(max(max(ids) for ids, _ in every), self.stop_token_id or 0)
+        self.max_prompt_len = max(len(ids) for ids, _ in every)
+
+    def environment(self) -> Environment:
+        return self.env_class(**self.env_options)
+
+    def heldout(self, n: int) -> list[Prompt]:
+        """The first n lines of `heldout_path`."""
+        if self.heldout_items is None:
+            raise ValueError("eval.every > 0 with task=environment needs task.options.heldout_path (a JSONL of "
+                             "held-out prompts), or eval.every=0")
+        if n > len(self.heldout_items):
+            raise ValueError(f"eval.num_prompts={n}: task.options.heldout_path holds {len(self.heldout_items)} prompts")
+        return [(torch.tensor(ids, dtype=torch.int64), dict(meta)) for ids, meta in self.heldout_items[:n]]
+
+    def decode(self, ids: Any) -> str:
+        return self.tokenizer.decode(_ids(ids), skip_special_tokens=True)
+
+    def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> float:
+        raise TypeError("task=environment: the environment's `step` rewards an episode (rl/rollout/episodes.py)")
+
+
 def arithmetic_value(problem: str) -> int:
     """The value of "a op b op c ..." (integers, `+ - *`, single spaces), `*` binding tighter."""
     tokens = problem.split()
@@ -579,31 +638,33 @@ def _reward_callable(reward_fn: str | Callable) -> tuple[Callable, str]:
     return reward_fn, name
 
 
-def load_callable(spec: str) -> Callable:
+def load_callable(spec: str, key: str = "reward_fn") -> Callable:
     """`"package.module:function"` -> the function (the repo root is importable under torchrun)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr or ":" in attr:
-        raise ValueError(f"reward_fn '{spec}' is not of the form 'module:function' (e.g. 'my_rewards:exact_match')")
+        raise ValueError(f"{key} '{spec}' is not of the form 'module:function' (e.g. 'my_rewards:exact_match')")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ImportError(f"reward_fn '{spec}': cannot import module '{module_name}' ({e})") from e
+        raise ImportError(f"{key} '{spec}': cannot import module '{module_name}' ({e})") from e
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise AttributeError(f"reward_fn '{spec}': module '{module_name}' has no attribute '{attr}'")
+            raise AttributeError(f"{key} '{spec}': module '{module_name}' has no attribute '{attr}'")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise TypeError(f"reward_fn '{spec}': '{attr}' is a {type(obj).__name__}, not a callable")
+        raise TypeError(f"{key} '{spec}': '{attr}' is a {type(obj).__name__}, not a callable")
     return obj
 
 
 def _read_prompts(path: str | os.PathLike, encode: Callable[[str], list[int]] | None, vocab_size: int | None, *,
-                  required: Sequence[str] = (), reserved: Sequence[str] = ()) -> list[tuple[list[int], dict]]:
+                  required: Sequence[str] = (), reserved: Sequence[str] = (),
+                  key: str = "task.prompts_path", keep_prompt: bool = False) -> list[tuple[list[int], dict]]:
     """[(prompt ids, meta)] from a JSONL file; `encode` tokenizes a `prompt` text (None: no
-    tokenizer). Every line must hold the `required` keys and none of the `reserved` ones."""
+    tokenizer; `keep_prompt`: the text stays in the meta). Every line must hold the `required`
+    keys and none of the `reserved` ones."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"task.prompts_path: prompts file '{path}' does not exist")
+        raise FileNotFoundError(f"{key}: prompts file '{path}' does not exist")
     items = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -625,7 +686,7 @@ def _read_prompts(path: str | os.PathLike, encode: Callable[[str], list[int]] | 
                 if not isinstance(ids, list) or not ids or not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
                     raise ValueError(f"FileTask: {where}: 'prompt_ids' must be a non-empty list of ints")
             elif "prompt" in obj:
-                text = obj.pop("prompt")
+                text = obj["prompt"] if keep_prompt else obj.pop("prompt")
                 if encode is None:
                     raise ValueError(
                         f"FileTask: {where} gives 'prompt' text but no tokenizer was given; set "
@@ -662,6 +723,7 @@ class TaskName(Choice):
     MATH = "math"
     ARITHMETIC = "arithmetic"
     ARITHMETIC_RETRY = "arithmetic_retry"
+    ENVIRONMENT = "environment"
 
 
 TASKS: dict[TaskName, Callable[..., Task]] = {
@@ -672,6 +734,7 @@ TASKS: dict[TaskName, Callable[..., Task]] = {
     TaskName.MATH: MathTask,
     TaskName.ARITHMETIC: ArithmeticTask,
     TaskName.ARITHMETIC_RETRY: ArithmeticRetryTask,
+    TaskName.ENVIRONMENT: EnvironmentTask,
 }
 
 
