@@ -6,8 +6,9 @@ Flow of one step (the engine never sees the task; rl/rollout/episodes.py is the 
     records = engine.generate([p for p, _ in prompts], prompt_indices=..., ...)
     assign_rewards(task, records, [m for _, m in prompts])  # sets rec.rewards (0-d fp32)
 
-A multi-turn task (`MultiTurnTask`: `arithmetic_retry`) instead hands out an `Environment`
-per sample, and `run_episodes` calls `generate` once per turn (rl/rollout/episodes.py).
+A multi-turn task (`MultiTurnTask`: `arithmetic_retry`; `environment`, the user's class named
+in the config) instead hands out an `Environment` per sample, and `run_episodes` calls
+`generate` once per turn (rl/rollout/episodes.py).
 
 A `Task` gives `prompts(n, seed)`, `reward(prompt_ids, response_ids, meta) -> float`,
 `min_vocab_size` (the smallest vocabulary its ids fit in), `stop_token_id` (None: every
