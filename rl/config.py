@@ -417,8 +417,9 @@ def _check_rollout_mode(cfg: Config) -> None:
     if mode is RolloutMode.SYNC:
         return
     if mode is RolloutMode.ASYNC:
-        raise ValueError("rollout.mode=async is not implemented: use rollout.mode=one_step_off (step k+1's rollout "
-                         "generated while step k trains, staleness 1) or sync")
+        raise ValueError("rollout.mode=async is not implemented (it needs dedicated rollout ranks: with the one "
+                         "colocated engine it would step like one_step_off, staler): use rollout.mode=one_step_off "
+                         "(step k+1's rollout generated while step k trains, staleness 1) or sync")
     if r.max_staleness < 1:
         raise ValueError(f"rollout.max_staleness={r.max_staleness} with rollout.mode=one_step_off: every buffered "
                          "rollout is 1 policy version old, so each would be dropped and generated again; expected "

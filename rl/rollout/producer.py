@@ -70,7 +70,10 @@ class RolloutMode(Choice):
 
     SYNC = "sync"  # at the step's start, with the policy the step starts from
     ONE_STEP_OFF = "one_step_off"  # during the previous step's training, with the policy one update older
-    ASYNC = "async"  # several steps ahead, continuously: not implemented (validate refuses it)
+    # several steps ahead, continuously: not implemented (validate refuses it). With the one colocated
+    # engine the weight sync needs the engine idle, so a deeper queue gives one_step_off's steady-state
+    # step with more staleness; what async buys (continuous batching across steps) needs rollout ranks
+    ASYNC = "async"
 
 
 @dataclass
