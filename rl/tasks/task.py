@@ -259,7 +259,17 @@ class FileTask:
 
 
 # ------------------------------------------------------------------- text tasks
-class MathTask(FileTask):
+class TextDecoding:
+    """`decode(ids) -> text` for a task holding a `tokenizer`: the ids as its reward (and an
+    environment) reads them, special tokens skipped."""
+
+    tokenizer: Any
+
+    def decode(self, ids: Any) -> str:
+        return self.tokenizer.decode(_ids(ids), skip_special_tokens=True)
+
+
+class MathTask(TextDecoding, FileTask):
     """`math`: text prompts with a reference answer, rewarded on the decoded response text.
 
     `prompts_path` is a JSONL of `{"prompt": str, "answer": str | number, ...}` (every key
@@ -287,11 +297,10 @@ class MathTask(FileTask):
         self.max_prompt_len = max(len(ids) for ids, _ in self.items)
 
     def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> Any:
-        text = self.tokenizer.decode(_ids(response_ids), skip_special_tokens=True)
-        return self.reward_fn(text, **meta)
+        return self.reward_fn(self.decode(response_ids), **meta)
 
 
-class ArithmeticTask:
+class ArithmeticTask(TextDecoding):
     """`arithmetic`: problems such as "What is 38 + 17?" generated in code, answered in text.
 
     A problem is `operands` integers drawn from [low, high] joined by operators drawn from
@@ -386,10 +395,6 @@ class ArithmeticTask:
                              f"at most {limit // 2}, or widen the operands")
         return [self._prompt(p) for p in self._problems(n, seed=-1 & 0xFFFF_FFFF, heldout=True)]
 
-    def decode(self, ids: Any) -> str:
-        """Response ids -> the text the reward reads (special tokens skipped)."""
-        return self.tokenizer.decode(_ids(ids), skip_special_tokens=True)
-
     def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> float:
         return math_reward(self.decode(response_ids), meta["answer"])
 
@@ -432,7 +437,7 @@ class RetryEnvironment:
         return self.task.feedback, 0.0, False
 
 
-class EnvironmentTask(FileTask):
+class EnvironmentTask(TextDecoding, FileTask):
     """`environment`: the user's multi-turn task. `prompts_path` is a JSONL of `{"prompt": str,
     ...}`; `environment` a class `module:Class` (or the class) with the `Environment` protocol,
     built as `Class(**environment_options)` once per sample; its `reset` receives the line (every
@@ -483,9 +488,6 @@ class EnvironmentTask(FileTask):
         if n > len(self.heldout_items):
             raise ValueError(f"eval.num_prompts={n}: task.options.heldout_path holds {len(self.heldout_items)} prompts")
         return [(torch.tensor(ids, dtype=torch.int64), dict(meta)) for ids, meta in self.heldout_items[:n]]
-
-    def decode(self, ids: Any) -> str:
-        return self.tokenizer.decode(_ids(ids), skip_special_tokens=True)
 
     def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> float:
         raise TypeError("task=environment: the environment's `step` rewards an episode (rl/rollout/episodes.py)")
@@ -683,7 +685,8 @@ def _read_prompts(path: str | os.PathLike, encode: Callable[[str], list[int]] | 
                 raise ValueError(f"FileTask: {where} has no {missing} (keys: {sorted(obj)})")
             if "prompt_ids" in obj:
                 ids = obj.pop("prompt_ids")
-                obj.pop("prompt", None)
+                if not keep_prompt:
+                    obj.pop("prompt", None)
                 if not isinstance(ids, list) or not ids or not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
                     raise ValueError(f"FileTask: {where}: 'prompt_ids' must be a non-empty list of ints")
             elif "prompt" in obj:
