@@ -14,6 +14,7 @@ the model a tiny random Llama of its vocabulary: nothing is downloaded.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -243,15 +244,16 @@ def test_a_users_environment_trains_and_evaluates_from_the_config(tiny_llama, to
                    "+task.options.environment_options.hint='Wrong, say it.'")
     tr = trainer(*run)
     assert tr.task.environment().hint == "Wrong, say it."  # the option reaches the class
-    records, prompts = tr._records(0, 0), tr.task.prompts(2, seed=tr.cfg.seed * 1_000_003)
+    records = tr._records(0, 0)
     hint = tr.task.observation_ids("Wrong, say it.")
-    for k, rec in enumerate(records):
+    for rec in records:
         replies = _replies(rec)
         assert len(replies) == int(rec.turns)
         if len(replies) == 2:  # the hint's tokens sit between the replies, outside the action mask
             gap = replies[1][0] - replies[0][-1] - 1
             assert gap in (len(hint), len(hint) - 1)  # less the end-of-turn the first reply stopped on
-        number = str(prompts[k // 4][1]["number"])
+        prompt = tr.task.decode(rec.sequences[:rec.sequences.numel() - int(rec.response_length)])
+        number = str(sum(int(v) for v in re.fullmatch(r"What is (\d+) plus (\d+)\?", prompt.strip()).groups()))
         said = [number in tr.task.decode(rec.sequences[torch.tensor(r)]) for r in replies]
         assert float(rec.rewards) == float(any(said)) and not any(said[:-1])  # the class's reward; a hit ends it
     assert any(int(r.turns) == 2 for r in records)  # a random model mostly misses: second turns happen
