@@ -172,9 +172,11 @@ class RolloutConfig:
     max_model_len: Optional[int] = None  # None = the longest prompt of the task + task.max_new_tokens
     # when a step's rollout is generated (rl/rollout/producer.py): sync = at the step's start, with the policy the
     # step starts from; one_step_off = during the previous step's training, with the policy before that step's
-    # update (one version old: needs algo.tis_cap or algo.old_log_probs=rollout to correct for it)
+    # update (one version old: needs algo.tis_cap or algo.old_log_probs=rollout to correct for it); async = a
+    # rollout thread generating step after step, rollout j with the policy of version j - max_staleness
     mode: RolloutMode = RolloutMode.SYNC
-    max_staleness: int = 1  # policy versions a buffered rollout may lag the step that trains on it; older: dropped
+    # policy versions a rollout may lag the step that trains on it (older: dropped); async generates this far ahead
+    max_staleness: int = 1
 
 
 @dataclass
@@ -416,26 +418,23 @@ def _check_rollout_mode(cfg: Config) -> None:
         raise ValueError(f"rollout.max_staleness={r.max_staleness}: expected >= 0 (policy versions)")
     if mode is RolloutMode.SYNC:
         return
-    if mode is RolloutMode.ASYNC:
-        raise ValueError("rollout.mode=async is not implemented (it needs dedicated rollout ranks: with the one "
-                         "colocated engine it would step like one_step_off, staler): use rollout.mode=one_step_off "
-                         "(step k+1's rollout generated while step k trains, staleness 1) or sync")
+    m = f"rollout.mode={mode.value}"
     if r.max_staleness < 1:
-        raise ValueError(f"rollout.max_staleness={r.max_staleness} with rollout.mode=one_step_off: every buffered "
-                         "rollout is 1 policy version old, so each would be dropped and generated again; expected "
+        raise ValueError(f"rollout.max_staleness={r.max_staleness} with {m}: a rollout generated during training "
+                         "is at least 1 policy version old, so each would be dropped and generated again; expected "
                          ">= 1 (or rollout.mode=sync)")
     if ReplicaMode(r.replica) is ReplicaMode.SHARDED:
-        raise ValueError("rollout.mode=one_step_off with rollout.replica=sharded: generation would use the training "
-                         "policy's shards while they train; set rollout.replica=keep (or auto)")
+        raise ValueError(f"{m} with rollout.replica=sharded: generation would use the training policy's shards "
+                         "while they train; set rollout.replica=keep (or auto)")
     if RolloutEngineName(r.engine) is not RolloutEngineName.HF:
-        raise ValueError(f"rollout.mode=one_step_off with rollout.engine={RolloutEngineName(r.engine).value}: only "
-                         "rollout.engine=hf generates in the background thread so far")
+        raise ValueError(f"{m} with rollout.engine={RolloutEngineName(r.engine).value}: only rollout.engine=hf "
+                         "generates in the background thread so far")
     if algo.dynamic_sampling:
-        raise ValueError("rollout.mode=one_step_off with algo.dynamic_sampling=true: its extra rounds depend on the "
-                         "step's gathered rewards; use rollout.mode=sync with dynamic sampling")
+        raise ValueError(f"{m} with algo.dynamic_sampling=true: its extra rounds depend on the step's gathered "
+                         "rewards; use rollout.mode=sync with dynamic sampling")
     if algo.tis_cap is None and OldLogProbs(algo.old_log_probs) is not OldLogProbs.ROLLOUT:
-        raise ValueError("rollout.mode=one_step_off with algo.tis_cap=null and algo.old_log_probs=policy: the samples "
-                         "are one policy version old and nothing would correct for it; set algo.tis_cap (truncated "
+        raise ValueError(f"{m} with algo.tis_cap=null and algo.old_log_probs=policy: the samples are policy "
+                         "versions old and nothing would correct for it; set algo.tis_cap (truncated "
                          "importance sampling against the behaviour log-probs, e.g. 2.0) or algo.old_log_probs=rollout")
 
 

@@ -24,9 +24,10 @@ from rl.trainer.export import main as export_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"tokens_per_s", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "step_s", "weight_sync_s",
-          "rollout_generate_s", "rollout_wait_s", "rollout_overlap"}
+          "rollout_generate_s", "rollout_wait_s", "rollout_overlap", "rollout_publish_wait_s", "rollout_queue"}
 RUN = ["trainer.max_steps=8", "trainer.plot=false", "trainer.progress=false"]
 OFF = ["rollout.mode=one_step_off", "algo.tis_cap=2.0"]  # step k+1's rollout generated while step k trains
+ASYNC = ["rollout.mode=async", "rollout.max_staleness=2", "algo.tis_cap=2.0"]  # rollout j: policy version j - 2
 FOUR = ["parallel=cp2_ep2", "task.prompts_per_step=8", "task.samples_per_prompt=4"]  # dp2 x cp2, ep2
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -191,7 +192,7 @@ def test_one_step_off_killed_with_a_rollout_in_flight_resumes_on_the_same_sample
     control = launch(tmp_path / "control", *RUN, *OFF, "rollout.mode=sync", f"resume={four}", kill="after_step:5",
                      trace=tmp_path / "control.jsonl")  # killed once step 4 is done
     assert control.returncode == -signal.SIGKILL
-    assert "buffered rollout (rollout.mode=one_step_off) is let go" in control.stdout + control.stderr
+    assert "buffered rollouts (rollout.mode=one_step_off or async) are let go" in control.stdout + control.stderr
     (step4,) = trained(tmp_path / "control.jsonl")
     assert step4["prompts"] == want_trace[4]["prompts"] and step4["tokens"] != want_trace[4]["tokens"]
     (got,) = metrics(tmp_path / "control")
@@ -200,6 +201,42 @@ def test_one_step_off_killed_with_a_rollout_in_flight_resumes_on_the_same_sample
     resumed = launch(out, *RUN, *OFF, "checkpoint.every=2", "resume=auto", trace=tmp_path / "resumed.jsonl")
     ok(resumed)
     assert trained(tmp_path / "resumed.jsonl") == want_trace[4:]  # steps 4..7: the same prompts, the same tokens
+    assert metrics(out) == want
+
+
+@pytest.mark.slow
+def test_async_killed_with_rollouts_in_flight_resumes_on_the_same_samples(tmp_path):
+    """rollout.mode=async, max_staleness=2, one process: SIGKILL as step 7's rollout begins (it
+    needs version 5: during step 5, after the step-4 checkpoint, before the step-6 one). That
+    checkpoint holds the rollouts generated ahead with versions older than its own (steps 4 and 5,
+    versions 2 and 3): the resumed run trains on them and goes on with the uninterrupted run's
+    samples (every step's prompts once, the same tokens) and metrics. The control: the same
+    checkpoint resumed with max_staleness=1 drops them (counted), so step 4 trains on its prompts
+    generated again by version 4: other tokens, other metrics."""
+    ok(launch(tmp_path / "one", *RUN, *ASYNC, trace=tmp_path / "one.jsonl"))
+    want, want_trace = metrics(tmp_path / "one"), trained(tmp_path / "one.jsonl")
+    prompts = [set(t["prompts"]) for t in want_trace]
+    assert len(prompts) == 8 and len(set().union(*prompts)) == sum(map(len, prompts))
+    assert [m["rollout_staleness_max"] for m in want] == [0.0, 1.0] + [2.0] * 6
+    out = tmp_path / "run"
+    killed = launch(out, *RUN, *ASYNC, "checkpoint.every=2", kill="in_rollout:7", trace=tmp_path / "killed.jsonl")
+    assert killed.returncode == -signal.SIGKILL
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")][-1] == "step_00000004"
+    assert trained(tmp_path / "killed.jsonl")[:4] == want_trace[:4]
+    four = out / "checkpoints" / "step_00000004"
+    control = launch(tmp_path / "control", *RUN, *ASYNC, "rollout.max_staleness=1", f"resume={four}",
+                     kill="after_step:5", trace=tmp_path / "control.jsonl")
+    assert control.returncode == -signal.SIGKILL
+    (step4,) = trained(tmp_path / "control.jsonl")
+    assert step4["prompts"] == want_trace[4]["prompts"] and step4["tokens"] != want_trace[4]["tokens"]
+    (got,) = metrics(tmp_path / "control")
+    per_step = len(want_trace[4]["prompts"])  # samples (one process: all of them)
+    assert got["rollout_stale_dropped"] in (2 * per_step, 3 * per_step)  # 4, 5 (and 6, if generated before the save)
+    assert got["loss"] != want[4]["loss"]
+
+    resumed = launch(out, *RUN, *ASYNC, "checkpoint.every=2", "resume=auto", trace=tmp_path / "resumed.jsonl")
+    ok(resumed)
+    assert trained(tmp_path / "resumed.jsonl") == want_trace[4:]
     assert metrics(out) == want
 
 
@@ -227,16 +264,18 @@ def test_four_ranks_killed_after_four_of_eight_steps_restart_resume_and_finish_a
 
 
 @pytest.mark.slow
-def test_four_ranks_one_step_off_killed_with_a_rollout_in_flight_restart_on_the_same_samples(tmp_path):
-    """rollout.mode=one_step_off on 4 ranks (dp2 x cp2, ep2), MAX_RESTARTS=1: rank 1 SIGKILLs
-    itself while generating step 6's rollout (in the background, during step 5's training);
-    torchrun restarts the group from the step-4 checkpoint, whose buffered rollout every rank
-    gets back: each rank trains on the samples (prompts and tokens) of the uninterrupted run,
-    no step's prompts skipped or repeated, and the metrics are the uninterrupted run's."""
-    ok(launch(tmp_path / "one", *RUN, *FOUR, *OFF, nproc=4, trace=tmp_path / "one.jsonl"))
+@pytest.mark.parametrize("mode, kill", [(OFF, "in_rollout:6:1"), (ASYNC, "in_rollout:7:1")], ids=["one_step_off", "async"])
+def test_four_ranks_killed_with_a_rollout_in_flight_restart_on_the_same_samples(mode, kill, tmp_path):
+    """4 ranks (dp2 x cp2, ep2), MAX_RESTARTS=1: rank 1 SIGKILLs itself as a rollout begins in the
+    background after the step-4 checkpoint (one_step_off: step 6's, during step 5's training;
+    async at max_staleness=2: step 7's, which needs version 5); torchrun restarts the group from
+    the step-4 checkpoint, whose buffered rollouts every rank gets back: each rank trains on the
+    samples (prompts and tokens) of the uninterrupted run, no step's prompts skipped or repeated,
+    and the metrics are the uninterrupted run's."""
+    ok(launch(tmp_path / "one", *RUN, *FOUR, *mode, nproc=4, trace=tmp_path / "one.jsonl"))
     want, want_trace = metrics(tmp_path / "one"), trained(tmp_path / "one.jsonl")
     runs = tmp_path / "outputs"
-    proc = launch(runs / "${run_id:}", *RUN, *FOUR, *OFF, "checkpoint.every=2", nproc=4, kill="in_rollout:6:1",
+    proc = launch(runs / "${run_id:}", *RUN, *FOUR, *mode, "checkpoint.every=2", nproc=4, kill=kill,
                   restarts=1, trace=tmp_path / "two.jsonl")
     ok(proc)
     (out,) = list(runs.iterdir())

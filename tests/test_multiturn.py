@@ -177,7 +177,7 @@ def test_the_trainer_trains_on_episodes_and_evaluates_both_turns(tiny_llama, tok
     assert first["action_tokens"] < first["response_length"] * 8
 
 
-def test_packed_and_padded_and_one_step_off_train_on_episodes(tiny_llama, tokenizer_dir):
+def test_packed_and_padded_one_step_off_and_async_train_on_episodes(tiny_llama, tokenizer_dir):
     run = _run(tiny_llama, tokenizer_dir, "eval.every=0")
     packed = [trainer(*run).step(s) for s in range(2)]
     padded = [trainer(*run, "batch=padded").step(s) for s in range(2)]
@@ -189,6 +189,16 @@ def test_packed_and_padded_and_one_step_off_train_on_episodes(tiny_llama, tokeni
     got = [off.step(s) for s in range(3)]
     assert all(math.isfinite(m["loss"]) for m in got) and got[-1]["rollout_staleness_max"] == 1.0
     assert got[0]["reward_mean"] == packed[0]["reward_mean"]  # step 0's rollout is generated now, as in sync
+
+    # async, two steps ahead: episodes from the thread; the held-out evaluation from the policy itself
+    asy = trainer(*_run(tiny_llama, tokenizer_dir, "eval.every=1", "eval.num_prompts=6"), "rollout.mode=async",
+                  "algo.tis_cap=2.0", "rollout.max_staleness=2")
+    before = trainer(*_run(tiny_llama, tokenizer_dir, "eval.every=1", "eval.num_prompts=6")).evaluate()
+    got = [asy.step(s) for s in range(3)]
+    assert [m["rollout_staleness_max"] for m in got] == [0.0, 1.0, 2.0] and all(math.isfinite(m["loss"]) for m in got)
+    assert got[0]["reward_mean"] == packed[0]["reward_mean"]
+    assert got[0]["eval_accuracy"] == before["eval_accuracy"]  # version 0 on the policy = version 0 on the copy
+    assert got[0]["eval_accuracy_turn1"] == before["eval_accuracy_turn1"]
 
 
 @pytest.mark.slow

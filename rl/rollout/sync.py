@@ -222,3 +222,33 @@ def _gather_dim0(locals_: list[torch.Tensor], shapes: list[tuple[int, ...]], gro
     for out, inp in zip(outs, ins):
         dist.all_gather_single(out, inp, group=group)
     return [out[:math.prod(shape)].view(shape) for out, shape in zip(outs, shapes)]
+
+
+class StagedWeights:
+    """A host copy of the policy's full weights between the trainer and a rollout thread
+    (`rollout.mode=async`, rl/rollout/producer.py): `sync_weights(stage, model)` writes it like
+    an engine (`needs_sync`, `sync_bucket_bytes`, `load_weights`), the thread hands `items()` to
+    the real engine's `load_weights` when it is idle. The buffers are allocated on the first load
+    and written in place after (pinned on CUDA, so the copies in and out run at full bus speed);
+    `load_weights` returns with the copy complete, so the thread may read it at once."""
+
+    needs_sync = True
+
+    def __init__(self, sync_bucket_bytes: int | None, *, pin: bool = False) -> None:
+        self.sync_bucket_bytes, self.pin = sync_bucket_bytes, pin
+        self._host: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights) -> None:
+        pairs = weights.items() if isinstance(weights, dict) else weights
+        device = None
+        for name, tensor in pairs:
+            buf = self._host.get(name)
+            if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+                buf = self._host[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin)
+            buf.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+            device = tensor.device if tensor.is_cuda else device
+        if device is not None:
+            torch.cuda.current_stream(device).synchronize()  # the device->host copies are done before the hand-over
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._host.items())

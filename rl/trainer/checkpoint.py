@@ -31,16 +31,16 @@ What a checkpoint holds (`Trainer.state_dict` plus the two entries added here):
   actor     policy weights + AdamW state      critic    the same, when the algorithm has one
   scheduler the LR schedule                   kl_coef   the (adaptive) KL coefficient
   step      steps completed                   rng       every rank's RNG states (torch CPU/CUDA, python)
-  rollout   rollout.mode=one_step_off only: the buffered rollout, generated and not yet trained
-            (its step, policy version, and every rank's records: rl/rollout/producer.py)
+  rollout   rollout.mode=one_step_off or async: the buffered rollouts, generated and not yet trained
+            (their steps, policy versions, and every rank's records: rl/rollout/producer.py)
 The reference model is frozen and rebuilt from the same seed or pretrained path, so it is not
 saved. A step's prompts and samples come from generators seeded by (seed, step, prompt index)
-(rl/trainer/trainer.py `_records`), so the step is the prompt cursor; what one_step_off has
-generated ahead of it is `rollout`, so a resumed run trains on exactly the samples the
+(rl/trainer/trainer.py `_records`), so the step is the prompt cursor; what one_step_off or async
+has generated ahead of it is `rollout`, so a resumed run trains on exactly the samples the
 uninterrupted one would have. A `rollout` entry that does not apply is let go, with a log line,
 and the step's prompts are generated again (none skipped, none repeated): a checkpoint without
-one (a sync run's) resumed with one_step_off, one resumed with rollout.mode=sync, or one saved on
-another world size (the records are per rank).
+one (a sync run's) resumed with one_step_off or async, one resumed with rollout.mode=sync, or one
+saved on another world size (the records are per rank).
 
 Resharding: with world_size > 1 every entry is a DTensor, and DCP stores each shard at its
 global offsets, so any layout loads any other's checkpoint (RNG states only load on the same
@@ -247,8 +247,8 @@ def load_checkpoint(trainer: Checkpointable, path: str | Path, dims: ParallelDim
                  f"its buffered rollout was saved on {info.get('world_size')} ranks, not restored on {dims.world_size}")
         del state["rollout"]
     elif buffered and "rollout" not in state:
-        log.info("checkpoint %s: its buffered rollout (rollout.mode=one_step_off) is let go; the first step's "
-                 "rollout is generated again", path)
+        log.info("checkpoint %s: its buffered rollouts (rollout.mode=one_step_off or async) are let go; the "
+                 "first step's rollout is generated again", path)
     with quiet_single_process():
         dcp.load(state, storage_reader=reader, no_dist=not dims.distributed)
     trainer.load_state_dict(state)

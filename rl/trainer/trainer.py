@@ -3,7 +3,8 @@
     rollout    step -> Rollouts: this DP rank's prompts generated and rewarded (the records
                stay on this rank), every rank's samples gathered as metadata (stand-ins);
                `rollout.mode` says where they come from (rl/rollout/producer.py): generated
-               now (sync), or generated during the previous step's training (one_step_off)
+               now (sync), during the previous step's training (one_step_off), or by a rollout
+               thread up to `rollout.max_staleness` steps ahead (async)
     plan       stand-ins -> StepPlan: `algo.mini_batches` mini-batches, each planned into
                microbatches balanced over DP, and the ranks each sample goes to
     collate    Rollouts, StepPlan -> [MiniBatch]: each sample sent once, from the rank that
@@ -15,7 +16,8 @@
     train      [MiniBatch] -> Stats: for each epoch, for each mini-batch, forward/backward per
                microbatch, then one optimizer step (global-norm clipping)
     sync       the producer's background generation (one_step_off) is waited for, then the rollout
-               copy gets the new weights, bucket by bucket (none with rollout.replica=sharded)
+               copy gets the new weights, bucket by bucket (none with rollout.replica=sharded;
+               async: a staged host copy, which the rollout thread loads between two rollouts)
     metrics    Stats -> every metric, reduced in one collective
 
 Data flow across ranks: each DP rank rolls out its slice of the step's prompts (CP peers
@@ -58,7 +60,8 @@ from rl.trainer.guard import DivergenceGuard, poison
 from rl.algos.losses import LossAgg, aggregate, build_kl_controller, kl_penalty, loss_normalizer, policy_loss, value_loss
 from rl.algos.schedule import make_lr_scheduler
 from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups
-from rl.rollout.producer import make_producer
+from rl.rollout.engine import PolicyRolloutEngine
+from rl.rollout.producer import RolloutMode, make_producer
 from rl.rollout.sync import sync_weights
 from rl.rollout.build import build_engine
 from rl.tasks.evaluate import evaluate, heldout_problems
@@ -178,6 +181,7 @@ class Trainer:
                                       generate=lambda step: self._records(step, 0),
                                       share=lambda records, seconds, generated_s: Rollouts(
                                           *self._share(records, 0), {}, seconds, generated_s))
+        self._policy_engine = None  # rollout.mode=async: the held-out evaluation's (`_eval_engine`)
 
     def _kl(self, log_probs: torch.Tensor, ref: torch.Tensor, estimator=None) -> torch.Tensor:
         algo = self.cfg.algo
@@ -191,9 +195,20 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Greedy pass@1 of the current policy on the held-out problems (rl/tasks/evaluate.py)."""
         e = self.cfg.eval
-        return evaluate(self.engine, self.task, self.heldout, self.dims, batch_size=e.batch_size,
+        return evaluate(self._eval_engine(), self.task, self.heldout, self.dims, batch_size=e.batch_size,
                         max_new_tokens=e.max_new_tokens or self.cfg.task.max_new_tokens,
                         progress=self.cfg.trainer.progress and self.dims.rank == 0)
+
+    def _eval_engine(self):
+        """The rollout engine, idle between steps and holding the policy the step starts from;
+        with rollout.mode=async it is the rollout thread's (and holds an older policy), so the
+        policy itself generates (PolicyRolloutEngine: its FSDP shards, gathered layer by layer)."""
+        if RolloutMode(self.cfg.rollout.mode) is not RolloutMode.ASYNC:
+            return self.engine
+        if self._policy_engine is None:
+            self._policy_engine = PolicyRolloutEngine(self.actor, stop_token_id=getattr(self.task, "stop_token_id", None),
+                                                      group=dist.group.WORLD if self.dims.distributed else None)
+        return self._policy_engine
 
     def step(self, step: int) -> dict[str, float]:
         """One step, stage by stage (the module docstring); the held-out evaluation of the
@@ -213,11 +228,12 @@ class Trainer:
         stats = self.train(minibatches)
         produced = self.producer.settle()  # one_step_off: step+1's generation is done, the engine is free
         t_sync = time.perf_counter()
-        sync_weights(self.engine, self.actor.model)  # in buckets; vLLM: wakes, reloads in place, resets its cache
+        # in buckets; vLLM: wakes, reloads in place, resets its cache; async: into the stage the thread loads from
+        produced |= self.producer.sync(self.engine, self.actor.model)
         t_sync = time.perf_counter() - t_sync
         metrics = self.metrics(step, rollouts, minibatches, stats, elapsed=time.perf_counter() - t0)
         metrics["weight_sync_s"] = t_sync  # trainer -> rollout engine, after the step's last update
-        metrics.update(produced)  # staleness and overlap (one_step_off); nothing for sync
+        metrics.update(produced)  # staleness and overlap (one_step_off, async); nothing for sync
         kl = metrics.get("kl", 0.0)
         if self.cfg.algo.kl_coef and math.isfinite(kl):  # a bad step (rl/trainer/guard.py) leaves it as is
             self.kl_ctl.update(kl, len(rollouts.samples))

@@ -5,8 +5,8 @@ SIGKILLs that rank (default 0) at `point`, in a run's first attempt only (torchr
 TORCHELASTIC_RESTART_COUNT is 0 or unset):
   in_save     the checkpoint of `step` steps has its shards written, not yet published
   after_step  `step` steps are done (and saved when due)
-  in_rollout  rollout.mode=one_step_off: the background generation of `step`'s rollout has begun
-              (it runs while step - 1 trains: a rollout in flight)
+  in_rollout  rollout.mode=one_step_off or async: the background generation of `step`'s rollout
+              has begun (while an earlier step trains: a rollout in flight)
 `RL_TEST_TRACE=<file>` (every attempt) appends one JSON line per trained step and rank: the
 attempt (torchrun's restart count), the rank, the prompt indices of the samples this rank
 generated for it and a digest of their tokens.
@@ -31,7 +31,8 @@ if SPEC and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
 
     from rl.rollout import producer
 
-    save, after_step, run = dcp.save, checkpoint.Checkpointer.after_step, producer.OneStepOffProducer._run
+    save, after_step = dcp.save, checkpoint.Checkpointer.after_step
+    run_off, run_async = producer.OneStepOffProducer._run, producer.AsyncProducer._run
 
     def _save(state, *args, **kwargs):
         out = save(state, *args, **kwargs)
@@ -43,11 +44,14 @@ if SPEC and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         _maybe_kill("after_step", step)
         return path
 
-    def _run(self, step, *args):
-        _maybe_kill("in_rollout", step)
-        return run(self, step, *args)
+    def _in_rollout(run):
+        def _run(self, step, *args):
+            _maybe_kill("in_rollout", step)
+            return run(self, step, *args)
+        return _run
 
-    dcp.save, checkpoint.Checkpointer.after_step, producer.OneStepOffProducer._run = _save, _after_step, _run
+    dcp.save, checkpoint.Checkpointer.after_step = _save, _after_step
+    producer.OneStepOffProducer._run, producer.AsyncProducer._run = _in_rollout(run_off), _in_rollout(run_async)
 
 TRACE = os.environ.get("RL_TEST_TRACE")
 if TRACE:
