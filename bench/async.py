@@ -1,11 +1,15 @@
-"""What does rollout.mode=one_step_off buy? Overlap, staleness, and a step-time simulator for GPU ratios.
+"""What do rollout.mode=one_step_off and async buy? Overlap, staleness, and a step-time simulator for GPU ratios.
 
-The same short job runs in two modes side by side in one process, their steps interleaved
-(sync step k, one_step_off step k, ...: a slow spell of the shared machine hits both alike):
+The same short job runs in three modes in one process, sync and one_step_off side by side with
+their steps interleaved (sync step k, one_step_off step k, ...: a slow spell of the shared
+machine hits both alike), then async alone (its thread generates whenever it may: interleaved,
+it would also generate during the other arms' steps):
 
     sync          `rollout.mode=sync algo.tis_cap=2.0`
     one_step_off  `rollout.mode=one_step_off algo.tis_cap=2.0` (step k+1's rollout generated in a
                   thread while step k trains; rl/rollout/producer.py)
+    async         `rollout.mode=async rollout.max_staleness=2 algo.tis_cap=2.0` (a rollout thread
+                  two versions ahead, weights through a staged copy)
 
 The arms differ in `rollout.mode` only (TIS in both, so the training work is the same); the
 default job is train.py's own (tiny random MoE, target_token task, 16 prompts x 8 samples),
@@ -50,6 +54,13 @@ are 0. The check: the prediction at the CPU ratio against the measured one_step_
 the overlap (`sim_error_contended`: what is left is the model's own error; the difference
 between the two is contention).
 
+`simulate` is the same hand-over as an event simulation over a list of per-step generation
+seconds (one_step_off; async at a given staleness, whose thread also loads each version: `sync`
+seconds again). With constant phases every mode steps at `predict`'s one_step_off step; the
+deeper queue pays when rollouts vary from step to step (a long-answer job): the JSON's
+`spread_<r>x_async_vs_off` is one_step_off's simulated step over async's (max_staleness=2)
+with lognormal generation seconds (sigma 0.5, seeded) of mean r x the measured train.
+
 On this 2-core CPU the overlap cannot buy the predicted wall-clock time in full: the thread's
 generation and the main thread's training share the cores (and the machine's other jobs), so
 both phases run slower while they overlap (`gen_slowdown`, `train_slowdown`). With one OpenMP
@@ -84,8 +95,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+ASYNC_K = 2  # the async arm's rollout.max_staleness
 MODES = {"sync": ("rollout.mode=sync", "algo.tis_cap=2.0"),
-         "one_step_off": ("rollout.mode=one_step_off", "algo.tis_cap=2.0")}
+         "one_step_off": ("rollout.mode=one_step_off", "algo.tis_cap=2.0"),
+         "async": ("rollout.mode=async", f"rollout.max_staleness={ASYNC_K}", "algo.tis_cap=2.0")}
+SPREAD_SIGMA, SPREAD_SEED = 0.5, 0  # the simulator's varying-rollout case: lognormal generation seconds
 GPU_RATIOS = (3.0, 1.0, 0.5)  # generation seconds / training seconds
 QUICK = ("task.prompts_per_step=4", "task.samples_per_prompt=4")
 NOTE = ("2-core CPU: the background generation and the training share the cores, so the overlap cannot buy "
@@ -109,12 +123,60 @@ def predict(generate: float, train: float, sync: float = 0.0, exposed: float = 0
             "hidden": min(generate, train) / generate if generate > 0 else 0.0}
 
 
+def simulate(generate: list[float], train: float, sync: float = 0.0, *, staleness: int | None = None,
+             exposed: float = 0.0) -> float:
+    """Mean step seconds over len(generate) steps whose rollouts take `generate[j]` seconds (an
+    event simulation of rl/rollout/producer.py's hand-over; phases do not slow each other).
+
+    staleness=None, one_step_off: step s starts when step s-1 is done and rollout s is; rollout
+    s+1 starts with it; the sync (the engine's) waits for the training and for rollout s+1.
+    staleness=k, async: rollout j starts when rollout j-1 is done and version j-k is published
+    (the sync after step j-k-1), and first loads it into the engine (`sync` seconds again, in the
+    thread); the sync after step s writes the stage (`sync` seconds) once rollout s+k has begun."""
+    n = len(generate)
+    if n == 0 or min([train, sync, exposed, *generate]) < 0 or (staleness is not None and staleness < 1):
+        raise ValueError(f"simulate: expected steps, seconds >= 0 and staleness >= 1 or None, got {n} steps, "
+                         f"train={train}, sync={sync}, exposed={exposed}, staleness={staleness}")
+    step_end = [0.0] * n
+    if staleness is None:
+        r_end, prev = generate[0], 0.0  # step 0 generates in the foreground
+        for s in range(n):
+            start = max(prev, r_end) + exposed
+            nxt = start + generate[s + 1] if s + 1 < n else start
+            prev = step_end[s] = max(start + train, nxt) + sync
+            r_end = nxt
+        return step_end[-1] / n
+    k, r_start, r_end = staleness, [0.0] * n, [0.0] * n
+    published = lambda v: 0.0 if v <= 0 else step_end[v - 1]  # noqa: E731  (version v: after step v-1's sync)
+    made, prev = 0, 0.0
+
+    def rollouts_until(j: int) -> None:  # generate rollouts made..j (each needs only earlier steps' syncs)
+        nonlocal made
+        while made <= min(j, n - 1):
+            v = max(0, made - k)
+            r_start[made] = max(r_end[made - 1] if made else 0.0, published(v))
+            r_end[made] = r_start[made] + (sync if v > 0 and made - k >= 0 else 0.0) + generate[made]
+            made += 1
+
+    for s in range(n):
+        rollouts_until(s)
+        start = max(prev, r_end[s]) + exposed
+        trained = start + train
+        if s + k < n:
+            rollouts_until(s + k)  # rollout s+k needs version s: published after step s-1
+            trained = max(trained, r_start[s + k])
+        prev = step_end[s] = trained + sync
+    return step_end[-1] / n
+
+
 def steady(mode: str, steps: list[dict]) -> list[dict]:
     """The steps that show the mode's steady state: sync drops step 0 (warm-up); one_step_off
     also keeps only steps that generated the next rollout in the background (not step 0, whose
     rollout was generated in the foreground, nor the last)."""
     if mode == "sync":
         return steps[1:]
+    if mode == "async":  # staleness at its bound, the thread still generating ahead (not the last steps)
+        return [m for m in steps[:-ASYNC_K] if m["rollout_staleness_max"] == ASYNC_K]
     return [m for m in steps[1:] if "rollout_generate_s" in m]
 
 
@@ -124,6 +186,10 @@ def phases(mode: str, m: dict) -> dict[str, float]:
     if mode == "sync":
         return {"generate": m["rollout_s"], "train": m["step_s"] - m["rollout_s"] - m["weight_sync_s"],
                 "sync": m["weight_sync_s"], "step": m["step_s"], **cores}
+    if mode == "async":  # rollout_s: the take's wait for the thread; weight_sync_s: into the stage
+        return {"generate": m["rollout_generate_s"], "wait": m["rollout_s"], "sync": m["weight_sync_s"],
+                "publish_wait": m["rollout_publish_wait_s"], "train": m["step_s"] - m["rollout_s"] - m["weight_sync_s"],
+                "step": m["step_s"], "overlap": m.get("rollout_overlap", 0.0), **cores}
     return {"generate": m["rollout_generate_s"], "exposed": m["rollout_s"], "wait": m["rollout_wait_s"],
             "train": m["step_s"] - m["rollout_s"] - m["rollout_wait_s"] - m["weight_sync_s"],
             "sync": m["weight_sync_s"], "step": m["step_s"], "overlap": m["rollout_overlap"], **cores}
@@ -150,6 +216,24 @@ def staleness_histogram(steps: list[dict], samples_per_step: int) -> dict[str, i
     return dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
 
 
+def spread_case(train: float, sync: float, exposed: float, steps: int = 400) -> dict[str, dict[str, float]]:
+    """`simulate` at each GPU ratio with rollouts whose seconds vary from step to step (lognormal,
+    sigma SPREAD_SIGMA, seeded; mean = ratio x train: a long-answer job's rollouts differ by step):
+    mean step seconds of sync, one_step_off and async at max_staleness 1 and ASYNC_K."""
+    import random
+
+    rng = random.Random(SPREAD_SEED)
+    draws = [rng.lognormvariate(0.0, SPREAD_SIGMA) for _ in range(steps)]
+    out = {}
+    for r in GPU_RATIOS:
+        gen = [r * train * x / statistics.mean(draws) for x in draws]
+        out[f"{r:g}x"] = {"sync": statistics.mean(gen) + train + sync,
+                          "one_step_off": simulate(gen, train, sync, exposed=exposed),
+                          "async_k1": simulate(gen, train, sync, staleness=1, exposed=exposed),
+                          "async": simulate(gen, train, sync, staleness=ASYNC_K, exposed=exposed)}
+    return out
+
+
 # ------------------------------------------------------------------------------------- the run
 def run(steps: int, overrides: list[str]) -> tuple[dict[str, list[dict]], int]:
     """Both modes' metrics of every step (steps interleaved) and the samples per step."""
@@ -174,13 +258,16 @@ def run(steps: int, overrides: list[str]) -> tuple[dict[str, list[dict]], int]:
         torch.manual_seed(cfg.seed)
         trainers[mode] = build_trainer(cfg, dims)
     metrics: dict[str, list[dict]] = {mode: [] for mode in trainers}
-    for step in range(steps):
-        for mode, tr in trainers.items():
-            c0 = time.process_time()
-            m = tr.step(step)
-            metrics[mode].append(m | {"process_cpu_s": time.process_time() - c0})  # every thread's CPU time
-        print(f"bench/async.py: step {step}: " + ", ".join(f"{mode} {metrics[mode][-1]['step_s']:.3f} s"
-                                                           for mode in trainers), file=sys.stderr, flush=True)
+    # sync and one_step_off interleaved; async after them, alone: its thread generates whenever it may,
+    # so interleaved it would also generate during the other arms' steps (free time no run of its own has)
+    for arms in (("sync", "one_step_off"), ("async",)):
+        for step in range(steps):
+            for mode in arms:
+                c0 = time.process_time()
+                m = trainers[mode].step(step)
+                metrics[mode].append(m | {"process_cpu_s": time.process_time() - c0})  # every thread's CPU time
+            print(f"bench/async.py: step {step}: " + ", ".join(f"{mode} {metrics[mode][-1]['step_s']:.3f} s"
+                                                               for mode in arms), file=sys.stderr, flush=True)
     return metrics, cfg.task.prompts_per_step * cfg.task.samples_per_prompt
 
 
@@ -196,6 +283,8 @@ def summarize(metrics: dict[str, list[dict]], samples_per_step: int) -> tuple[di
     contended = predict(o["generate"], o["train"], o["sync"], o["exposed"])
     gpu = {f"{r:g}x": {**predict(r * s["train"], s["train"], s["sync"], o["exposed"]),
                        "bound": predict(r, 1.0)["speedup"]} for r in GPU_RATIOS}
+    a, async_steps = medians(per["async"]), metrics["async"]
+    spread = spread_case(s["train"], s["sync"], o["exposed"])
     r4 = lambda x: round(x, 4) + 0.0  # noqa: E731  (+ 0.0: no -0.0 in the JSON)
     summary = {
         "steps": len(off_steps), "samples_per_step": samples_per_step,
@@ -216,9 +305,16 @@ def summarize(metrics: dict[str, list[dict]], samples_per_step: int) -> tuple[di
         "gen_slowdown": r4(o["generate"] / s["generate"]), "train_slowdown": r4(o["train"] / s["train"]),
         "sync_cores_busy": r4(s["cores_busy"]), "off_cores_busy": r4(o["cores_busy"]),
         **{f"gpu_speedup_{k}": r4(v["speedup"]) for k, v in gpu.items()},
+        "async_staleness": ASYNC_K, "async_step_s": r4(a["step"]), "async_generate_s": r4(a["generate"]),
+        "async_train_s": r4(a["train"]), "async_wait_s": r4(a["wait"]), "async_weight_sync_s": r4(a["sync"]),
+        "async_publish_wait_s": r4(a["publish_wait"]), "async_overlap_mean": r4(statistics.mean(
+            p["overlap"] for p in per["async"])), "measured_async_speedup": r4(s["step"] / a["step"]),
+        "async_staleness_histogram": staleness_histogram(async_steps, samples_per_step),
+        "async_stale_dropped": int(sum(m["rollout_stale_dropped"] for m in async_steps)),
+        **{f"spread_{k}_async_vs_off": r4(v["one_step_off"] / v["async"]) for k, v in spread.items()},
         "note": NOTE,
     }
-    details = {"sync": s, "one_step_off": o, "predicted_cpu": cpu, "predicted_contended": contended,
+    details = {"sync": s, "one_step_off": o, "async": a, "simulated_spread": spread, "predicted_cpu": cpu, "predicted_contended": contended,
                "predicted_gpu": gpu, "per_step": per, "metrics": metrics}
     return summary, details
 
@@ -243,6 +339,15 @@ def table(summary: dict, details: dict) -> str:
     for k, v in details["predicted_gpu"].items():
         rows.append(f"  GPU-like ratio generate = {k} train: sync {v['sync_step_s']:.4f} s, one_step_off "
                     f"{v['one_step_off_step_s']:.4f} s, speed-up {v['speedup']:.3f}x (bound {v['bound']:.3f}x)")
+    a = details["async"]
+    rows.append(f"async (max_staleness={ASYNC_K}): step {a['step']:.4f} s, generate {a['generate']:.4f}, train "
+                f"{a['train']:.4f}, wait {a['wait']:.4f}, sync into the stage {a['sync']:.4f} (publish wait "
+                f"{a['publish_wait']:.4f}), overlap {summary['async_overlap_mean']:.3f}; staleness "
+                f"{summary['async_staleness_histogram']} samples, {summary['async_stale_dropped']} dropped")
+    for k, v in details["simulated_spread"].items():
+        rows.append(f"  varying rollouts (lognormal sigma {SPREAD_SIGMA}), generate = {k} train: sync {v['sync']:.4f} s, "
+                    f"one_step_off {v['one_step_off']:.4f} s, async k=1 {v['async_k1']:.4f} s, async k={ASYNC_K} "
+                    f"{v['async']:.4f} s")
     rows.append(NOTE)
     return "\n".join(rows)
 
@@ -256,9 +361,10 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="Hydra overrides for both modes (e.g. model=dense_tiny)")
     args = p.parse_args()
     steps = args.steps or (5 if args.quick else 10)
-    if steps < 3:
-        p.error(f"--steps {steps}: one_step_off needs >= 3 steps for a steady-state step (step 0 generates in the "
-                "foreground, the last generates nothing ahead)")
+    if steps < ASYNC_K + 3:
+        p.error(f"--steps {steps}: expected >= {ASYNC_K + 3} for a steady-state step of every arm (one_step_off's step 0 "
+                f"generates in the foreground, async reaches staleness {ASYNC_K} at step {ASYNC_K}; the last steps "
+                "generate nothing ahead)")
     # before torch is imported (libgomp reads them when it loads): see the module docstring
     if args.threads == 1:
         os.environ["OMP_NUM_THREADS"] = "1"

@@ -78,3 +78,25 @@ def test_the_staleness_histogram_counts_samples_and_refuses_a_mixed_rollout():
     mixed = [{"step": 3, "rollout_staleness_mean": 0.5, "rollout_staleness_max": 1.0}]  # control
     with pytest.raises(ValueError, match="step 3: rollout_staleness_mean=0.5"):
         b.staleness_histogram(mixed, 16)
+
+
+def test_the_event_simulator_agrees_with_the_formula_and_a_deeper_queue_absorbs_varying_rollouts():
+    """Constant phases: one_step_off and async at either staleness step at max(generate, train) +
+    sync (the thread loads each version as long as the sync writes it), as `predict` says, up to
+    the first step's warm-up over n steps. Rollouts alternating long and short at equal mean
+    (the control for the queue): one_step_off and async at max_staleness=1 wait for every long
+    one; at max_staleness=2 a long rollout runs beside two steps' training, so it steps faster."""
+    b = bench()
+    n = 400
+    for g, t, sync in [(3.0, 1.0, 0.2), (0.5, 1.0, 0.2), (1.0, 1.0, 0.0)]:
+        want = b.predict(g, t, sync)["one_step_off_step_s"]
+        for staleness in (None, 1, 2):
+            assert b.simulate([g] * n, t, sync, staleness=staleness) == pytest.approx(want, rel=2 * g / n)
+    varying = [1.8, 0.2] * (n // 2)  # mean 1.0 = train
+    off = b.simulate(varying, 1.0, 0.1)
+    assert b.simulate(varying, 1.0, 0.1, staleness=1) == pytest.approx(off, rel=1e-9)
+    assert off == pytest.approx((1.8 + 1.0) / 2 + 0.1, rel=0.01)  # a long rollout stalls its step
+    # ahead by two: generation and training each take their mean, plus the sync (the load, in the thread)
+    assert b.simulate(varying, 1.0, 0.1, staleness=2) == pytest.approx(1.0 + 0.1, rel=0.01)
+    with pytest.raises(ValueError, match="staleness=0"):
+        b.simulate(varying, 1.0, staleness=0)
