@@ -24,6 +24,10 @@ next section still runs; the exit code is 1 when any section failed):
           (2 GPUs: parallel=ep2): reward, loss and grad_norm of the first 3 steps.
   train   the 20-step `make train` (torchrun, parallel=cp2_ep2 on 4 or 8 GPUs) on CUDA:
           reward of the first and last step.
+  async   the rollout thread on its own CUDA stream (rl/rollout/producer.py), 4 steps of the
+          default job: rollout.mode=async at max_staleness=1 vs one_step_off (the same samples:
+          reward, loss, grad_norm within the layout tolerance), async at max_staleness=2 (its
+          staleness 0, 1, 2, 2), and the overlap each measured.
 
 Every run folder and log lands in --work (default outputs/gpu_check/<time>).
 """
@@ -46,8 +50,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-SECTIONS = ("parity", "shared", "cp", "grads", "layout", "train")
-LIMIT_S = {"parity": 150, "shared": 120, "cp": 150, "grads": 240, "layout": 240, "train": 300}  # per section
+SECTIONS = ("parity", "shared", "cp", "grads", "layout", "async", "train")  # async before train: never run on CUDA yet
+LIMIT_S = {"parity": 150, "shared": 120, "cp": 150, "grads": 240, "layout": 240, "train": 300, "async": 90}  # per run
 BUDGET_S = 460  # all sections together: the check stays under 8 minutes
 LENGTHS = [5, 200, 37, 120, 9, 64]  # uneven samples, longer than scripts/parity_check.py's CPU ones
 MODELS = {"dense": "qwen3", "moe": "qwen3_moe"}
@@ -241,6 +245,18 @@ def compare_layouts(one: list[dict], many: list[dict], steps: int = 3) -> dict:
     return {"ok": max(out.values()) <= LAYOUT_TOL, "tolerance": LAYOUT_TOL, **out}
 
 
+def summarize_async(runs: dict[str, list[dict]], steps: int = 4) -> dict:
+    """async at max_staleness=1 steps as one_step_off (`compare_layouts` over every step);
+    max_staleness=2 reaches staleness 2 at step 2; every run's mean overlap."""
+    same = compare_layouts(runs["one_step_off"], runs["async_k1"], steps)
+    staleness = [float(m["rollout_staleness_max"]) for m in runs["async_k2"]]
+    want = [float(min(s, 2)) for s in range(steps)]
+    overlap = {name: sum(float(m.get("rollout_overlap", 0.0)) for m in rows) / max(len(rows), 1)
+               for name, rows in runs.items()}
+    return {"ok": same["ok"] and staleness == want, "k1_vs_one_step_off": same, "k2_staleness": staleness,
+            "overlap": overlap}
+
+
 def summarize_train(rows: list[dict], steps: int) -> dict:
     """`make train` learns: all steps logged, reward rises by > 0.2 (issue 11's bar)."""
     if not rows:
@@ -340,11 +356,19 @@ def section_train(c: Check) -> dict:
     return {"ranks": nproc, "parallel": parallel, **summarize_train(rows, 20)}
 
 
+def section_async(c: Check) -> dict:
+    modes = {"one_step_off": ("rollout.mode=one_step_off",),
+             "async_k1": ("rollout.mode=async", "rollout.max_staleness=1"),
+             "async_k2": ("rollout.mode=async", "rollout.max_staleness=2")}
+    return summarize_async({name: c.train("async", c.work / f"async_{name}", 4, None, (*extra, "algo.tis_cap=2.0"))
+                            for name, extra in modes.items()})
+
+
 def needs_gpus(name: str, ngpu: int, device: str) -> str | None:
     """Why a section cannot run here (None: it can)."""
     if device == "cpu":
         return None
-    need = {"parity": 1, "shared": 1, "cp": 2, "grads": 2, "layout": 2, "train": 1}[name]
+    need = {"parity": 1, "shared": 1, "cp": 2, "grads": 2, "layout": 2, "train": 1, "async": 1}[name]
     return f"needs {need} GPUs, found {ngpu}" if ngpu < need else None
 
 

@@ -247,6 +247,28 @@ def test_gpu_check_compares_layouts_and_summarizes_training(gpu_check):
     assert gpu_check.summarize_train(rows[:5], 20)["ok"] is False
 
 
+def test_gpu_check_async_section_wants_one_step_off_samples_at_staleness_1(gpu_check):
+    off = [{"reward_mean": 0.1 * i, "loss": 1.0, "grad_norm": 2.0, "rollout_staleness_max": min(i, 1),
+            "rollout_overlap": 0.9} for i in range(4)]
+    k2 = [{**r, "rollout_staleness_max": min(i, 2)} for i, r in enumerate(off)]
+    got = gpu_check.summarize_async({"one_step_off": off, "async_k1": off, "async_k2": k2})
+    assert got["ok"] is True and got["k2_staleness"] == [0.0, 1.0, 2.0, 2.0]
+    assert got["overlap"]["async_k1"] == pytest.approx(0.9)
+    other = [{**r, "loss": 1.1} for r in off]  # the control: other samples at max_staleness=1
+    assert gpu_check.summarize_async({"one_step_off": off, "async_k1": other, "async_k2": k2})["ok"] is False
+    assert gpu_check.summarize_async({"one_step_off": off, "async_k1": off, "async_k2": off})["ok"] is False
+
+
+@pytest.mark.slow
+def test_gpu_check_rehearsal_on_cpu_async(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "launch/gpu_check.py"), "--device", "cpu",
+                           "--sections", "async", "--work", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 0 and report["ok"] is True, json.dumps(report, indent=1)
+    assert report["async"]["k1_vs_one_step_off"]["loss"] <= report["async"]["k1_vs_one_step_off"]["tolerance"]
+
+
 @pytest.mark.slow
 def test_gpu_check_rehearsal_on_cpu_parity_and_cp_over_gloo(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "launch/gpu_check.py"), "--device", "cpu",

@@ -116,8 +116,8 @@ class Rollouts:
     global order, the same list on every rank); the records this rank generated, by
     `StandIn.source[1]` (they stay here until `collate` moves each to the ranks that run it);
     dynamic sampling's counts; the seconds the rollout stage took; and, when the samples were
-    generated off the step (rollout.mode=one_step_off: during the previous step's training),
-    the seconds their generation took."""
+    generated off the step (rollout.mode=one_step_off: during the previous step's training;
+    async: by the rollout thread), the seconds their generation took."""
 
     samples: list[StandIn]
     records: dict[Hashable, Experience]
@@ -243,7 +243,8 @@ class Trainer:
     # ----------------------------------------------------------------- rollout
     def rollout(self, step: int) -> Rollouts:
         """The step's samples, from `rollout.mode`'s producer (rl/rollout/producer.py): `_sample`
-        now (sync), or the rollout generated while the previous step trained (one_step_off)."""
+        now (sync), the rollout generated while the previous step trained (one_step_off), or the
+        rollout thread's (async)."""
         with self.guard.rollout(step):  # non-finite logits: a DivergenceError naming the step
             return self.producer.take(step)
 
@@ -275,7 +276,7 @@ class Trainer:
 
     def _records(self, step: int, round_: int) -> list[Experience]:
         """This rank's records of one rollout round, rewarded; no collective (the one_step_off
-        producer runs it in its thread). Every rank draws the round's global prompt list from
+        and async producers run it in their thread). Every rank draws the round's global prompt list from
         the same seed and takes its DP slice, so which prompt a sample comes from (and its
         seed) never depends on the layout; prompt indices are unique within the step."""
         task, dims, algo = self.cfg.task, self.dims, self.cfg.algo
@@ -515,8 +516,8 @@ class Trainer:
         """What a checkpoint holds of the trainer (rl/trainer/checkpoint.py): the policy and critic,
         each `{"weights", "optimizer"}` as sharded DTensors of their global shapes, the LR
         schedule, the KL coefficient, the divergence guard's count of bad steps in a row, and
-        with rollout.mode=one_step_off the producer's buffered rollout (`rollout`: the samples
-        generated and not yet trained, rl/rollout/producer.py). The reference is frozen (rebuilt
+        with rollout.mode=one_step_off or async the producer's buffered rollouts (`rollout`: the
+        samples generated and not yet trained, rl/rollout/producer.py). The reference is frozen (rebuilt
         from the seed or pretrained path), so it is not part of the state. `dcp.load` fills this
         dict in place; `load_state_dict` puts it back."""
         state = {"actor": sharded_state(self.actor, self.optimizer, self.dims),
