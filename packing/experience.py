@@ -66,6 +66,9 @@ class Experience:
     total_length: torch.Tensor | None = _field(Kind.EPISODE, "prompt + response tokens")
     prompt_index: torch.Tensor | None = _field(Kind.EPISODE, "which prompt (GRPO group id)")
     turns: torch.Tensor | None = _field(Kind.EPISODE, "model turns of a multi-turn episode (rl/rollout/episodes.py)")
+    policy_version: torch.Tensor | None = _field(
+        Kind.EPISODE, "the policy version that generated the sample: how many steps' updates its weights held "
+        "(rl/rollout/producer.py); a step's staleness is its step minus this")
     # media
     pixel_values: torch.Tensor | list | None = _field(Kind.MEDIA, "image patches")
     image_grid_thw: torch.Tensor | list | None = _field(Kind.MEDIA, "image grid sizes")

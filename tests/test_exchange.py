@@ -50,6 +50,7 @@ def _records(dp_rank: int, n: int, experts: int | None, seed: int = 0, long: boo
                           actions=None if i % 4 else torch.arange(R) % 3 != 1)
         rec.rewards = torch.rand((), generator=gen).round(decimals=1).to(torch.float32)
         rec.turns = torch.tensor(1 if i % 4 else 2)  # an episode field: the holey ones took two turns
+        rec.policy_version = torch.tensor(7 - i % 3)  # rollouts of several policy versions (rollout.mode=async)
         rec.values = torch.randn(P + R - 1, generator=gen).to(torch.bfloat16)
         out.append(rec)
     return out
@@ -89,7 +90,7 @@ def exchange_rank(rank: int, world_size: int, cp: int, experts: int | None, n: i
             torch.equal(v.advantages, f.advantages) and torch.equal(v.returns, f.returns) for v, f in zip(via, full))
     scalars = all(torch.equal(getattr(s, k), getattr(f, k)) and getattr(s, k).dtype == getattr(f, k).dtype
                   for s, f in zip(standins, full) for k in ("rewards", "prompt_index", "response_length", "total_length",
-                                                                        "turns"))
+                                                                        "turns", "policy_version"))
     scalars &= all(s.action_tokens == f.action_tokens for s, f in zip(standins, full))
     # n == 2: one sample per microbatch, 6 per mini-batch over dp 4: two ranks run an empty microbatch
     dest = _dest(standins, dp, 47 if n == 2 else max_tokens)
@@ -229,8 +230,9 @@ def _old_path(tr) -> None:
         assign_rewards(tr.task, records, [m for _, m in prompts for _ in range(task.samples_per_prompt)])
         if algo.overlong_buffer is not None:
             apply_overlong_penalty(records, task.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
-        if not algo.routing_replay:
-            for rec in records:
+        for rec in records:
+            rec.policy_version = torch.tensor(step)  # sync: the policy the step starts from (issue 26)
+            if not algo.routing_replay:
                 rec.routed_experts = None
         if not dims.distributed:
             return records

@@ -164,7 +164,7 @@ def _run(tiny_llama, tokenizer_dir, *extra):
 
 def test_the_trainer_trains_on_episodes_and_evaluates_both_turns(tiny_llama, tokenizer_dir):
     tr = trainer(*_run(tiny_llama, tokenizer_dir, "eval.every=2", "eval.num_prompts=8"))
-    records = tr._records(0, 0)
+    records = tr._records(0, 0, 0)
     assert any(int(r.turns) == 2 and not r.action_mask[int(r.action_mask.nonzero()[0]):].all() for r in records)
     metrics = [tr.step(s) for s in range(2)]
     assert all(math.isfinite(m["loss"]) for m in metrics)
@@ -254,7 +254,7 @@ def test_a_users_environment_trains_and_evaluates_from_the_config(tiny_llama, to
                    "+task.options.environment_options.hint='Wrong, say it.'")
     tr = trainer(*run)
     assert tr.task.environment().hint == "Wrong, say it."  # the option reaches the class
-    records = tr._records(0, 0)
+    records = tr._records(0, 0, 0)
     hint = tr.task.observation_ids("Wrong, say it.")
     for rec in records:
         replies = _replies(rec)
@@ -298,4 +298,4 @@ def test_a_users_environment_is_checked_by_name(tiny_llama, tokenizer_dir, tmp_p
     short = trainer(*run, "task.options.max_observation_len=4")  # the hint is longer: found at its first answer
     with pytest.raises(ValueError, match=r"SayNumber.step answered sample \d+ .* with \d+ tokens, more than the "
                                          r"task's max_observation_len=4"):
-        short._records(0, 0)
+        short._records(0, 0, 0)

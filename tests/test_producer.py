@@ -51,10 +51,10 @@ def test_one_step_off_generates_the_next_rollout_during_training_with_the_previo
     seen = []
     generate, train = tr.producer._generate, tr.train
 
-    def generate_when_training(step):
+    def generate_when_training(step, version):
         if step > 0:
             seen.append((step, training.wait(timeout=120)))  # True only if the train stage began meanwhile
-        return generate(step)
+        return generate(step, version)
 
     def train_and_signal(minibatches):
         training.set()
@@ -65,15 +65,17 @@ def test_one_step_off_generates_the_next_rollout_during_training_with_the_previo
     assert seen == [(1, True)]
     buffered = tr.producer.buffer
     assert (buffered.step, buffered.version) == (1, 0)
+    assert all(int(r.policy_version) == 0 for r in buffered.records)  # every sample records its version
     assert first["rollout_staleness_max"] == 0.0 and 0.0 <= first["rollout_overlap"] <= 1.0
 
     fresh = trainer(*SMALL, *OFF, "trainer.max_steps=3")  # policy version 0
-    same = fresh._records(1, 0)
+    same = fresh._records(1, 0, 0)
     assert _tokens(same) == _tokens(buffered.records)
     assert all(torch.equal(a.rollout_log_probs, b.rollout_log_probs) for a, b in zip(same, buffered.records))
     sync = trainer(*SMALL, "algo.tis_cap=2.0", "eval.every=0", "trainer.max_steps=3")
-    sync.step(0)  # the control: version 1 generates step 1's prompts otherwise
-    newer = sync._records(1, 0)
+    assert sync.step(0)["rollout_staleness_max"] == 0.0  # sync: every sample by the policy the step starts from
+    # the control: version 1 generates step 1's prompts otherwise
+    newer = sync._records(1, 0, 1)
     assert [int(r.prompt_index) for r in newer] == [int(r.prompt_index) for r in buffered.records]
     assert not all(torch.equal(a.rollout_log_probs, b.rollout_log_probs) for a, b in zip(newer, buffered.records))
 
@@ -88,12 +90,13 @@ class _Stub:
     """A producer's generate/share pair that records what it was asked."""
 
     def __init__(self, fail_at: int | None = None):
-        self.generated, self.fail_at = [], fail_at
+        self.generated, self.versions, self.fail_at = [], [], fail_at
 
-    def generate(self, step):
+    def generate(self, step, version):
         if step == self.fail_at:
             raise FloatingPointError("non-finite logits")
         self.generated.append(step)
+        self.versions.append(version)
         return [Experience(sequences=torch.tensor([step, 1, 2]), prompt_index=torch.tensor(step))]
 
     def share(self, records, seconds, generated_s):
@@ -113,9 +116,9 @@ def test_a_stale_rollout_is_dropped_counted_and_its_prompts_generated_again():
     assert p.take(3) == [3] and stub.generated == [] and p.settle()["rollout_stale_dropped"] == 0
     p = _producer(stub, max_staleness=1)
     p.load_state_dict(_state(step=3, version=1), step=3)  # 2 behind: dropped, step 3's prompts generated now
-    assert p.take(3) == [3] and stub.generated[0] == 3
+    assert p.take(3) == [3] and stub.generated[0] == 3 and stub.versions[0] == 3  # by the resumed policy
     out = p.settle()
-    assert out["rollout_stale_dropped"] == 4 and out["rollout_staleness_max"] == 0.0
+    assert out["rollout_stale_dropped"] == 4
     assert p.buffer.step == 4 and p.buffer.version == 3  # the next one, generated meanwhile
 
 
@@ -152,10 +155,10 @@ def test_a_background_rollout_failure_is_the_divergence_error_of_the_step_that_t
     tr = trainer(*SMALL, *OFF, "trainer.max_steps=3")
     generate = tr.producer._generate
 
-    def diverge(step):
+    def diverge(step, version):
         if step == 1:
             raise FloatingPointError("non-finite logits at decode step 0")
-        return generate(step)
+        return generate(step, version)
 
     tr.producer._generate = diverge
     tr.step(0)
@@ -227,11 +230,11 @@ def test_async_at_staleness_1_trains_as_one_step_off_and_at_2_on_rollouts_two_ve
 
     v1 = trainer(*SMALL, "algo.tis_cap=2.0", "eval.every=0", "trainer.max_steps=4")
     v1.step(0)  # version 1 in its engine
-    want = v1._records(3, 0)
+    want = v1._records(3, 0, 1)
     assert _tokens(want) == _tokens(taken[3])
     assert all(torch.equal(a.rollout_log_probs, b.rollout_log_probs) for a, b in zip(want, taken[3]))
     v1.step(1)  # the control: version 2 generates step 3's prompts otherwise
-    assert not all(torch.equal(a.rollout_log_probs, b.rollout_log_probs) for a, b in zip(v1._records(3, 0), taken[3]))
+    assert not all(torch.equal(a.rollout_log_probs, b.rollout_log_probs) for a, b in zip(v1._records(3, 0, 2), taken[3]))
 
 
 class _Engine:
@@ -248,9 +251,10 @@ class _Engine:
 
 
 def _async(engine, seen, *, max_steps=6, max_staleness=2, fail_at=None):
-    def generate(step):
+    def generate(step, version):
         if step == fail_at:
             raise FloatingPointError("non-finite logits")
+        assert version == engine.version  # the producer names the version the engine holds (raised in take)
         seen.append((step, engine.version))
         return [Experience(sequences=torch.tensor([step, engine.version]), prompt_index=torch.tensor(step))]
 

@@ -30,22 +30,25 @@
                   the samples are a function of (seed, step, max_staleness), whatever the timing.
 
 Policy version: the number of steps whose update the weights hold (the engine holds version k
-during step k, until the sync after it). Every sample of a rollout has the version its rollout
-was generated with; a rollout whose version is more than `rollout.max_staleness` behind the
-step that takes it is dropped whole (its sample count reported as `rollout_stale_dropped`) and
-the step's prompts generated again (one_step_off: in the foreground; async: by the thread, with
-the resumed policy): the prompts of a step are a function of (seed, step)
-(rl/trainer/trainer.py), so a drop never skips or repeats a prompt. With max_staleness >= 1
-(what `validate` allows) a drop only happens after a resume that lowered the setting.
+during step k, until the sync after it). Every sample records the version that generated it
+(`Experience.policy_version`, stamped by `generate`; the trainer's metrics stage reports
+`rollout_staleness_mean/max`, step minus version, over every rank's samples, in every mode);
+all samples of one rollout share it. A rollout whose version is more than
+`rollout.max_staleness` behind the step that takes it is dropped whole (its sample count
+reported as `rollout_stale_dropped`) and the step's prompts generated again (one_step_off: in
+the foreground; async: by the thread, with the resumed policy): the prompts of a step are a
+function of (seed, step) (rl/trainer/trainer.py), so a drop never skips or repeats a prompt.
+With max_staleness >= 1 (what `validate` allows) a drop only happens after a resume that
+lowered the setting.
 
-What runs in the thread: `generate(step)` only (the engine's `generate` and the rewards, on
-this rank's prompts: no collective; async also copies the stage into the engine); the all-gather of the samples' metadata (`share`) runs
-on the main thread in `take`, so the collectives of every rank keep one order. On CUDA the
-thread issues its kernels on its own stream, which first waits for the main stream (the last
-weight sync) and is synchronized before the records are handed over, so generation kernels
-run beside the training kernels on the device. On CPU the two threads' ops run at the same
-time (torch releases the GIL inside ops) but share the cores: the measured overlap is of
-wall-clock intervals, not of free compute.
+What runs in the thread: `generate(step, version)` only (the engine's `generate` and the
+rewards, on this rank's prompts: no collective; async also copies the stage into the engine);
+the all-gather of the samples' metadata (`share`) runs on the main thread in `take`, so the
+collectives of every rank keep one order. On CUDA the thread issues its kernels on its own
+stream, which first waits for the main stream (the last weight sync) and is synchronized before
+the records are handed over, so generation kernels run beside the training kernels on the
+device. On CPU the two threads' ops run at the same time (torch releases the GIL inside ops)
+but share the cores: the measured overlap is of wall-clock intervals, not of free compute.
 
 Checkpoint (`state_dict`, saved by rl/trainer/checkpoint.py): the buffered rollouts, i.e. the
 samples generated and not yet trained: `buffered_step` (the prompt cursor: the step whose
@@ -55,11 +58,10 @@ records). async first waits for the rollouts that need a policy older than the c
 (a resumed run could not generate them again). A resumed run trains on exactly those samples,
 so at one process it continues with the uninterrupted run's metrics.
 
-Metrics (one_step_off and async; sync's metrics are unchanged): `rollout_staleness_mean` /
-`rollout_staleness_max` over the step's samples, `rollout_stale_dropped`; one_step_off, for the
-background generation started during the step (absent on the last step): `rollout_generate_s`,
-`rollout_overlap` (the fraction of it that ran while the step's collate..train stages ran)
-and `rollout_wait_s` (how long `settle` waited for it: the generation not hidden); async:
+The producers' metrics (one_step_off and async; sync has none): `rollout_stale_dropped`;
+one_step_off, for the background generation started during the step (absent on the last
+step): `rollout_generate_s`, `rollout_overlap` (the fraction of it that ran while the step's
+collate..train stages ran) and `rollout_wait_s` (how long `settle` waited for it: the generation not hidden); async:
 `rollout_wait_s` (how long `take` waited for the step's rollout), `rollout_generate_s` (its
 generation), `rollout_queue` (rollouts ready beyond it), `rollout_overlap` (the fraction of
 the thread's generation during the step that ran while it trained) and
@@ -135,14 +137,15 @@ class SyncProducer:
 class OneStepOffProducer:
     """`rollout.mode=one_step_off` (see the module docstring).
 
-    `generate(step) -> [Experience]`: this rank's records of the step's prompts (thread-safe:
-    no collective); `share(records, seconds, generated_s) -> Rollouts`: every rank's samples
-    as metadata (a collective, main thread only), with the seconds the step waited for them
-    and the seconds their generation took."""
+    `generate(step, version) -> [Experience]`: this rank's records of the step's prompts, each
+    stamped with the policy version the engine holds (thread-safe: no collective);
+    `share(records, seconds, generated_s) -> Rollouts`: every rank's samples as metadata (a
+    collective, main thread only), with the seconds the step waited for them and the seconds
+    their generation took."""
 
     generates_during_training = True  # step+1 is generated on the engine while the step trains: no sleep
 
-    def __init__(self, generate: Callable[[int], list[Experience]], share: Callable[..., Any],
+    def __init__(self, generate: Callable[[int, int], list[Experience]], share: Callable[..., Any],
                  *, max_steps: int, max_staleness: int, samples_per_step: int, rank: int,
                  device: torch.device) -> None:
         self._generate, self._share = generate, share
@@ -177,12 +180,10 @@ class OneStepOffProducer:
             dropped, buffered = self.samples_per_step, None
         if buffered is None:  # in the foreground: the engine holds version `step`
             g0 = time.perf_counter()
-            buffered = Buffered(step, step, self._generate(step))
+            buffered = Buffered(step, step, self._generate(step, step))
             buffered.seconds = time.perf_counter() - g0
         rollouts = self._share(buffered.records, time.perf_counter() - t0, buffered.seconds)
-        staleness = float(step - buffered.version)
-        self._taken = {"rollout_staleness_mean": staleness, "rollout_staleness_max": staleness,
-                       "rollout_stale_dropped": float(dropped)}
+        self._taken = {"rollout_stale_dropped": float(dropped)}
         if step + 1 < self.max_steps:
             self._start(step + 1, version=step)
         self._train_start = time.perf_counter()
@@ -219,12 +220,12 @@ class OneStepOffProducer:
         try:
             t0 = time.perf_counter()
             if self._stream is None:
-                records = self._generate(step)
+                records = self._generate(step, version)
             else:
                 torch.cuda.set_device(self._stream.device)  # the current device is per thread
                 self._stream.wait_stream(main)  # the weights of the last sync are written
                 with torch.cuda.stream(self._stream):
-                    records = self._generate(step)
+                    records = self._generate(step, version)
                 self._stream.synchronize()  # the records are complete before the main thread reads them
             self._times = (t0, time.perf_counter())
             self.buffer = Buffered(step, version, records, seconds=self._times[1] - t0)
@@ -272,7 +273,7 @@ class AsyncProducer:
 
     generates_during_training = True
 
-    def __init__(self, generate: Callable[[int], list[Experience]], share: Callable[..., Any], engine,
+    def __init__(self, generate: Callable[[int, int], list[Experience]], share: Callable[..., Any], engine,
                  *, max_steps: int, max_staleness: int, samples_per_step: int, rank: int,
                  device: torch.device) -> None:
         self._generate, self._share, self.engine = generate, share, engine
@@ -314,9 +315,7 @@ class AsyncProducer:
             dropped, self._dropped = self._dropped, 0
         waited = time.perf_counter() - t0
         rollouts = self._share(buffered.records, waited, buffered.seconds)
-        staleness = float(step - buffered.version)
-        self._taken = {"rollout_staleness_mean": staleness, "rollout_staleness_max": staleness,
-                       "rollout_stale_dropped": float(dropped), "rollout_wait_s": waited,
+        self._taken = {"rollout_stale_dropped": float(dropped), "rollout_wait_s": waited,
                        "rollout_generate_s": buffered.seconds, "rollout_queue": float(ready)}
         self._train_start = time.perf_counter()
         return rollouts
@@ -394,7 +393,7 @@ class AsyncProducer:
                 with self._cv:
                     self._loaded = version
                     self._cv.notify_all()
-            records = self._generate(step)
+            records = self._generate(step, version)
         if self._stream is not None:
             self._stream.synchronize()  # the records are complete before the main thread reads them
         t1 = time.perf_counter()
@@ -483,8 +482,8 @@ def unpack_rollouts(state: dict[str, Any] | None, rank: int, step: int) -> list[
                      seconds=float(b["seconds"])) for b in torch.load(io.BytesIO(blob), weights_only=True)]
 
 
-def make_producer(cfg, dims, engine, *, sample: Callable[[int], Any], generate: Callable[[int], list[Experience]],
-                  share: Callable[..., Any]):
+def make_producer(cfg, dims, engine, *, sample: Callable[[int], Any],
+                  generate: Callable[[int, int], list[Experience]], share: Callable[..., Any]):
     """The producer `rollout.mode` names (the mode's config checks are `validate`'s; what only
     the built engine tells is checked here)."""
     r = cfg.rollout

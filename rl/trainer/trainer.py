@@ -178,7 +178,7 @@ class Trainer:
         self.cost = flop_cost(self.hf_config) if cfg.batch.balance is Balance.FLOPS else None
         # where the rollout stage's samples come from (rollout.mode, rl/rollout/producer.py)
         self.producer = make_producer(cfg, dims, engine, sample=self._sample,
-                                      generate=lambda step: self._records(step, 0),
+                                      generate=lambda step, version: self._records(step, 0, version),
                                       share=lambda records, seconds, generated_s: Rollouts(
                                           *self._share(records, 0), {}, seconds, generated_s))
         self._policy_engine = None  # rollout.mode=async: the held-out evaluation's (`_eval_engine`)
@@ -272,10 +272,11 @@ class Trainer:
 
     def _generate(self, step: int, round_: int) -> tuple[list[StandIn], dict[Hashable, Experience]]:
         """One rollout round: every rank's samples as stand-ins, and this rank's records by key."""
-        return self._share(self._records(step, round_), round_)
+        return self._share(self._records(step, round_, version=step), round_)  # the engine holds version `step`
 
-    def _records(self, step: int, round_: int) -> list[Experience]:
-        """This rank's records of one rollout round, rewarded; no collective (the one_step_off
+    def _records(self, step: int, round_: int, version: int) -> list[Experience]:
+        """This rank's records of one rollout round, rewarded, each stamped with the policy
+        `version` the engine holds (the producer knows it); no collective (the one_step_off
         and async producers run it in their thread). Every rank draws the round's global prompt list from
         the same seed and takes its DP slice, so which prompt a sample comes from (and its
         seed) never depends on the layout; prompt indices are unique within the step."""
@@ -294,8 +295,9 @@ class Trainer:
         )
         if algo.overlong_buffer is not None:
             apply_overlong_penalty(records, task.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
-        if not algo.routing_replay:
-            for rec in records:
+        for rec in records:
+            rec.policy_version = torch.tensor(version)
+            if not algo.routing_replay:
                 rec.routed_experts = None
         return records
 
@@ -500,6 +502,9 @@ class Trainer:
         )
         if records and records[0].turns is not None:  # a multi-turn task: model turns per episode
             metrics["turns_mean"] = float(torch.stack([r.turns for r in records]).float().mean())
+        if records and records[0].policy_version is not None:  # policy versions behind the step, per sample
+            staleness = [step - int(r.policy_version) for r in records]
+            metrics.update(rollout_staleness_mean=sum(staleness) / len(staleness), rollout_staleness_max=max(staleness))
         metrics.update(expert_load_metrics(self.actor.model, dims))
         metrics.update(rollouts.sampling)
         if self.cfg.algo.kl_coef:
