@@ -259,23 +259,25 @@ def test_gpu_check_async_section_wants_one_step_off_samples_at_staleness_1(gpu_c
     assert gpu_check.summarize_async({"one_step_off": off, "async_k1": off, "async_k2": off})["ok"] is False
 
 
-@pytest.mark.slow
-def test_gpu_check_rehearsal_on_cpu_async(tmp_path):
+def _rehearse(tmp_path, sections: str) -> dict:
+    """launch/gpu_check.py's `sections` on the CPU: its report (the last stdout line), checked ok."""
     done = subprocess.run([sys.executable, str(ROOT / "launch/gpu_check.py"), "--device", "cpu",
-                           "--sections", "async", "--work", str(tmp_path)],
+                           "--sections", sections, "--work", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert done.returncode == 0 and report["ok"] is True, json.dumps(report, indent=1)
+    return report
+
+
+@pytest.mark.slow
+def test_gpu_check_rehearsal_on_cpu_async(tmp_path):
+    report = _rehearse(tmp_path, "async")
     assert report["async"]["k1_vs_one_step_off"]["loss"] <= report["async"]["k1_vs_one_step_off"]["tolerance"]
 
 
 @pytest.mark.slow
 def test_gpu_check_rehearsal_on_cpu_parity_and_cp_over_gloo(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "launch/gpu_check.py"), "--device", "cpu",
-                           "--sections", "parity,shared,cp", "--work", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert done.returncode == 0 and report["ok"] is True, json.dumps(report, indent=1)
+    report = _rehearse(tmp_path, "parity,shared,cp")
     for kind in ("dense", "moe"):
         assert report["parity"][kind]["logp_rel"] <= report["parity"]["tolerance"] < report["parity"][kind]["control_rel"]
     assert report["cp"]["backend"] == "gloo" and report["cp"]["dense_float32"]["packed"] <= 1e-5

@@ -504,7 +504,7 @@ class Trainer:
             metrics["turns_mean"] = float(torch.stack([r.turns for r in records]).float().mean())
         if records and records[0].policy_version is not None:  # policy versions behind the step, per sample
             staleness = [step - int(r.policy_version) for r in records]
-            metrics.update(rollout_staleness_mean=sum(staleness) / len(staleness), rollout_staleness_max=max(staleness))
+            metrics.update(rollout_staleness_mean=sum(staleness) / len(staleness), rollout_staleness_max=float(max(staleness)))
         metrics.update(expert_load_metrics(self.actor.model, dims))
         metrics.update(rollouts.sampling)
         if self.cfg.algo.kl_coef:
