@@ -59,13 +59,13 @@ records). async first waits for the rollouts that need a policy older than the c
 so at one process it continues with the uninterrupted run's metrics.
 
 The producers' metrics (one_step_off and async; sync has none): `rollout_stale_dropped`;
-one_step_off, for the background generation started during the step (absent on the last
-step): `rollout_generate_s`, `rollout_overlap` (the fraction of it that ran while the step's
-collate..train stages ran) and `rollout_wait_s` (how long `settle` waited for it: the generation not hidden); async:
-`rollout_wait_s` (how long `take` waited for the step's rollout), `rollout_generate_s` (its
-generation), `rollout_queue` (rollouts ready beyond it), `rollout_overlap` (the fraction of
-the thread's generation during the step that ran while it trained) and
-`rollout_publish_wait_s`.
+one_step_off, for the background generation started during the step (absent on the last step):
+`rollout_generate_s`, `rollout_overlap` (the fraction of it that ran while the step's
+collate..train stages ran) and `rollout_wait_s` (how long `settle` waited for it: the
+generation not hidden); async: `rollout_wait_s` (how long `take` waited for the step's
+rollout), `rollout_generate_s` (its generation), `rollout_queue` (rollouts ready beyond it),
+`rollout_overlap` (the fraction of the thread's generation during the step that ran while it
+trained) and `rollout_publish_wait_s`.
 """
 
 from __future__ import annotations

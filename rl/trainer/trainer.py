@@ -276,8 +276,8 @@ class Trainer:
 
     def _records(self, step: int, round_: int, version: int) -> list[Experience]:
         """This rank's records of one rollout round, rewarded, each stamped with the policy
-        `version` the engine holds (the producer knows it); no collective (the one_step_off
-        and async producers run it in their thread). Every rank draws the round's global prompt list from
+        `version` the engine holds (the producer knows it); no collective (the one_step_off and
+        async producers run it in their thread). Every rank draws the round's global prompt list from
         the same seed and takes its DP slice, so which prompt a sample comes from (and its
         seed) never depends on the layout; prompt indices are unique within the step."""
         task, dims, algo = self.cfg.task, self.dims, self.cfg.algo
@@ -504,7 +504,8 @@ class Trainer:
             metrics["turns_mean"] = float(torch.stack([r.turns for r in records]).float().mean())
         if records and records[0].policy_version is not None:  # policy versions behind the step, per sample
             staleness = [step - int(r.policy_version) for r in records]
-            metrics.update(rollout_staleness_mean=sum(staleness) / len(staleness), rollout_staleness_max=float(max(staleness)))
+            metrics.update(rollout_staleness_mean=sum(staleness) / len(staleness),
+                           rollout_staleness_max=float(max(staleness)))
         metrics.update(expert_load_metrics(self.actor.model, dims))
         metrics.update(rollouts.sampling)
         if self.cfg.algo.kl_coef:
