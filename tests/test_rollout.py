@@ -252,6 +252,52 @@ def test_batch_of_varying_lengths_equals_each_prompt_alone(kind, request):
             assert torch.equal(alone.routed_experts, batch[i].routed_experts)
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_stopped_rows_leave_the_batch_and_no_sample_changes(kind, request, monkeypatch):
+    """At each check the rows that stopped leave the decode batch (cache, logits, seeds):
+    the later forwards run fewer rows, and every sample (tokens, log-probs, routing) equals
+    the one decoded in a batch that never shrinks (checked only at the last step). Control:
+    with noise drawn by batch position instead of the sample's own stream, shrinking changes
+    samples, so the comparison sees a sample that depends on its neighbours."""
+    model = request.getfixturevalue(kind).model
+    prompts = make_prompts(8, seed=3)
+    new = 24
+    free = generate(HFRolloutEngine(model), prompts, new=new)
+    first = {}  # token -> the first step each row draws it
+    for r, p in zip(free, prompts):
+        for j, t in enumerate(r.sequences[p.numel():].tolist()):
+            first.setdefault(t, {}).setdefault(id(r), j)
+    stop = max(first, key=lambda t: (len(set(first[t].values())), len(first[t])))  # rows stop at many steps
+    assert len(set(first[stop].values())) >= 3
+
+    def run(check_every):
+        engine = HFRolloutEngine(model, stop_token_id=stop)
+        engine.check_every = check_every
+        sizes, forward = [], engine._forward
+        engine._forward = lambda ids, *a: sizes.append(ids.shape[0]) or forward(ids, *a)
+        return generate(engine, prompts, new=new), sizes[1:]  # the decode forwards' rows
+
+    def same(a, b):
+        return all(torch.equal(x.sequences, y.sequences) for x, y in zip(a, b))
+
+    shrunk, sizes = run(2)
+    whole, whole_sizes = run(new)
+    assert set(whole_sizes) == {len(prompts)} and sizes == sorted(sizes, reverse=True) and sizes[-1] < len(prompts)
+    assert sum(sizes) < sum(whole_sizes[:len(sizes)])
+    assert same(shrunk, whole)
+    for a, b in zip(shrunk, whole):
+        assert (a.rollout_log_probs - b.rollout_log_probs).abs().max() <= 1e-5
+        if kind == "moe":
+            assert torch.equal(a.routed_experts, b.routed_experts)
+
+    from rl.rollout import engine as engine_module
+
+    by_position = engine_module.uniform_noise
+    monkeypatch.setattr(engine_module, "uniform_noise",
+                        lambda seeds, step: by_position(torch.arange(len(seeds), device=seeds.device), step))
+    assert not same(run(2)[0], run(new)[0])
+
+
 def test_chunking_does_not_change_samples():
     prompts = make_prompts()
     whole = generate(HFRolloutEngine(dense_model()), prompts)

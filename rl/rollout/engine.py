@@ -287,10 +287,63 @@ def _reserved_layer():
             return self.keys, self.values
 
         def batch_select_indices(self, indices):
-            self._k = self._v = None
-            super().batch_select_indices(indices)
+            """Keep the rows `indices` (the rows still decoding), with their reserved room."""
+            if self.__dict__.get("_k") is None:
+                return super().batch_select_indices(indices)
+            n = self.keys.shape[-2]
+            self._k, self._v = self._k[indices], self._v[indices]
+            self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
 
     return ReservedLayer
+
+
+class _Decoded:
+    """What a chunk's decode loop produced, for a batch that shrinks as rows stop: per segment
+    (a run of steps over the same rows) the rows `[b]` and their tokens and log-probs `[b]`
+    per step, and (MoE) the routing its forwards recorded `[b, L, K, t]`. `result()` lays them
+    on the chunk's rows: tokens `[B, S]` (`fill` where a row had left), log-probs `[B, S]`,
+    routing `[B, L, K, P + S']` (-1 where a row had left) or None, all on the host."""
+
+    def __init__(self, rows: int, fill: int, device: torch.device) -> None:
+        self.rows, self.fill, self.device = rows, fill, device
+        self.segments: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = []  # rows, first step, tokens, lp
+        self.routing: list[tuple[torch.Tensor, torch.Tensor]] = []  # rows, routed experts of the segment's forwards
+        self.tokens: list[torch.Tensor] = []  # the open segment's [b] per step
+        self.log_probs: list[torch.Tensor] = []
+        self.steps = 0  # steps of the closed segments
+
+    def add(self, tokens: torch.Tensor, log_probs: torch.Tensor) -> None:
+        self.tokens.append(tokens)
+        self.log_probs.append(log_probs)
+
+    def close_segment(self, rows: torch.Tensor, rec) -> None:
+        """The open segment ran over `rows` (the chunk's row of each batch row); `rec`: the
+        loop's RoutingRecord (None: dense), emptied into the segment."""
+        if self.tokens:
+            self.segments.append((rows, self.steps, torch.stack(self.tokens, 1), torch.stack(self.log_probs, 1)))
+            self.steps += len(self.tokens)
+            self.tokens, self.log_probs = [], []
+        if rec is not None and rec.per_layer[0]:
+            self.routing.append((rows, rec.routed_experts))
+            for steps in rec.per_layer:
+                steps.clear()  # in place: the MoE blocks append to these very lists
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        tokens = torch.full((self.rows, self.steps), self.fill, dtype=torch.int64, device=self.device)
+        log_probs = torch.zeros(self.rows, self.steps, dtype=torch.float32, device=self.device)
+        for rows, start, tok, lp in self.segments:
+            tokens[rows, start:start + tok.shape[1]] = tok
+            log_probs[rows, start:start + lp.shape[1]] = lp
+        routing = None
+        if self.routing:
+            first = self.routing[0][1]
+            routing = first.new_full((self.rows, *first.shape[1:3], sum(r.shape[-1] for _, r in self.routing)), -1)
+            t = 0
+            for rows, r in self.routing:
+                routing[rows.to(r.device), :, :, t:t + r.shape[-1]] = r
+                t += r.shape[-1]
+            routing = routing.cpu()
+        return tokens.cpu(), log_probs.cpu(), routing
 
 
 # ------------------------------------------------------------ HF embedded engine
@@ -422,15 +475,16 @@ class HFRolloutEngine(RolloutEngine):
                 records[i] = make_record(prompts[i], response, log_probs, prompt_indices[i], routing)
         return records  # type: ignore[return-value]
 
-    def _agree(self, values: list[int] | torch.Tensor) -> list[int]:
-        """The element-wise max of `values` over the lockstep group (one all-reduce; `values`
-        itself without a group) as host ints: what every rank of a collective generation must
-        agree on. A device tensor is reduced where it lies and read once (one host sync)."""
+    def _agree(self, values: list[int] | torch.Tensor, reduced: int | None = None) -> list[int]:
+        """The element-wise max of `values` (of its first `reduced` entries; None: all) over the
+        lockstep group (one all-reduce; `values` itself without a group) as host ints: what every
+        rank of a collective generation must agree on, read with what it need not. A device
+        tensor is reduced where it lies and read once (one host sync)."""
         t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64, device=self.device)
         if self.group is not None:
             import torch.distributed as dist
 
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(t[:reduced], op=dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
     def _check_prompt(self, i: int, prompt: torch.Tensor) -> torch.Tensor:
@@ -450,12 +504,20 @@ class HFRolloutEngine(RolloutEngine):
         The decode loop keeps everything on the model's device and reads nothing back per
         step (a GPU's host would otherwise wait for the device at every token): sampling,
         the stop bookkeeping and the non-finite check are device ops; the host reads one
-        small tensor every `check_every` steps (have all rows stopped? did a row's logits
+        small tensor every `check_every` steps (which rows have stopped? did a row's logits
         go non-finite, and at which step?). A chunk whose rows all stop runs at most
         `check_every - 1` steps more than it needs; those steps feed the stop token to
         stopped rows, and their tokens are dropped, so the samples do not depend on it.
         The attention mask of a decode step is known on the host (the left padding is fixed
-        at prefill): `_decode_masks` hands it to the model built, not for it to inspect."""
+        at prefill): `_decode_masks` hands it to the model built, not for it to inspect.
+
+        The batch shrinks as rows stop: at each check the rows that stopped are dropped
+        from the batch (cache, logits, positions, masks, seeds), so a long answer does not
+        keep every finished row decoding. A row's draws come from its own counter stream
+        (`uniform_noise(seed, step)`), so dropping its neighbours changes none of its
+        tokens. A row stays in the batch for the forward that feeds its last token (MoE:
+        that forward records the token's routing); in lockstep a rank whose rows have all
+        stopped keeps one, since its peers' forwards are collectives."""
         from transformers import DynamicCache  # local: the module imports without transformers
 
         device, B = self.device, len(prompts)
@@ -465,7 +527,8 @@ class HFRolloutEngine(RolloutEngine):
         lens = [p.numel() for p in prompts]
         P = max(lens)
         cache = DynamicCache(config=self.model.config)
-        if not all(hasattr(layer, "batch_select_indices") for layer in cache.layers):
+        shrinks = all(hasattr(layer, "batch_select_indices") for layer in cache.layers)
+        if not shrinks:
             distinct, inverse = prompts, torch.arange(B)  # a cache whose rows cannot be copied: prefill every row
         ids, mask = _left_pad(distinct, P)
         position = padded_positions(mask)
@@ -473,12 +536,12 @@ class HFRolloutEngine(RolloutEngine):
         decode_masks = self._decode_masks(lens, P, max_new_tokens)
         seeds_t = torch.tensor([_signed(s) for s in seeds], dtype=torch.int64, device=device)
 
-        tokens: list[torch.Tensor] = []  # [B] per step, on the device
-        log_probs: list[torch.Tensor] = []  # [B] per step, on the device
-        n_new = torch.full((B,), max_new_tokens, device=device)  # response length per row
-        done = torch.zeros(B, dtype=torch.bool, device=device)
-        bad_at = torch.full((B,), max_new_tokens, device=device)  # first step with non-finite logits per row
-        fill = self.stop_token_id if self.stop_token_id is not None else 0
+        live = list(range(B))  # the chunk's rows still in the batch, in batch order (host)
+        rows = torch.arange(B, device=device)  # the same on the device
+        decoded = _Decoded(B, self.stop_token_id if self.stop_token_id is not None else 0, device)
+        n_new = torch.full((B,), max_new_tokens, device=device)  # response length per row [B]
+        done = torch.zeros(B, dtype=torch.bool, device=device)  # [B]
+        bad_at = torch.full((B,), max_new_tokens, device=device)  # first step with non-finite logits per row [B]
         record = record_routing(self.model) if self.is_moe else contextlib.nullcontext()
         with record as rec:
             logits = self._forward(ids, mask, position, cache, device)
@@ -493,30 +556,33 @@ class HFRolloutEngine(RolloutEngine):
             _reserve(cache, max_new_tokens)
             cdf = torch.empty(B, self.vocab_size, dtype=torch.float64, device=device) if temperature else None
             for step in range(max_new_tokens):
-                logp = logits.float()  # [B, V]; the forward's own output (or a copy): changed in place
+                logp = logits.float()  # [b, V]; the forward's own output (or a copy): changed in place
                 if temperature not in (0, 1):
                     logp.div_(temperature)
                 logp = torch.log_softmax(logp, dim=-1, out=logp)
-                bad = torch.isnan(logp.sum(-1)) & ~done  # inf/NaN logits: raised at the next check
-                bad_at = torch.where(bad & (bad_at > step), step, bad_at)
+                was_done = done[rows]
+                bad = torch.isnan(logp.sum(-1)) & ~was_done  # inf/NaN logits: raised at the next check
+                bad_at[rows] = torch.where(bad & (bad_at[rows] > step), step, bad_at[rows])
                 if temperature == 0:  # greedy (evaluation): log-probs are of softmax(logits)
                     drawn = logp.argmax(-1)
                 else:
-                    drawn = sample_inverse_cdf(logp, uniform_noise(seeds_t, step), out=cdf)
-                tok = torch.where(done, torch.full_like(drawn, fill), drawn)
-                tokens.append(tok)
-                log_probs.append(logp.gather(-1, tok[:, None])[:, 0])
+                    drawn = sample_inverse_cdf(logp, uniform_noise(seeds_t, step), out=cdf[: len(live)])
+                tok = torch.where(was_done, torch.full_like(drawn, decoded.fill), drawn)
+                decoded.add(tok, logp.gather(-1, tok[:, None])[:, 0])
                 if self.stop_token_id is not None:
-                    stopped = ~done & (tok == self.stop_token_id)
-                    n_new = torch.where(stopped, step + 1, n_new)
-                    done |= stopped
-                last = step == max_new_tokens - 1
+                    stopped = ~was_done & (tok == self.stop_token_id)
+                    n_new[rows] = torch.where(stopped, step + 1, n_new[rows])
+                    done[rows] = was_done | stopped
+                last, keep = step == max_new_tokens - 1, None
                 if last or (step + 1) % self.check_every == 0:
                     # one read (one all-reduce in lockstep): every rank raises, or stops, at the same step
-                    first_bad, going = self._agree(torch.stack([max_new_tokens - bad_at.min(), (~done).any().long()]))
+                    flags = torch.cat([torch.stack([max_new_tokens - bad_at.min(), (~done).any().long()]),
+                                       done.long()])
+                    first_bad, going, *stopped_rows = self._agree(flags, reduced=2)
                     if first_bad:
                         raise _diverged(max_new_tokens - first_bad)
                     last = last or not going
+                    keep = [k for k, i in enumerate(live) if not stopped_rows[i]] if shrinks else None
                 if last and not self.is_moe:
                     break  # dense: the last token needs no forward
                 # feed the sampled tokens: logits for the next step, routing for these tokens
@@ -525,10 +591,18 @@ class HFRolloutEngine(RolloutEngine):
                 logits = self._forward(tok[:, None], mask, position, cache, device)
                 if last:
                     break  # MoE: that extra forward only recorded the last tokens' routing
+                if keep is not None and len(keep) < len(live):  # drop the stopped rows (keep one in lockstep)
+                    keep = keep or [0]
+                    sel = torch.tensor(keep, device=device)
+                    decoded.close_segment(rows, rec)
+                    live, rows = [live[k] for k in keep], rows[sel]
+                    logits, position, seeds_t = logits[sel], position[sel], seeds_t[sel]
+                    mask = None if mask is None else mask[sel]
+                    _select_rows(cache, sel)
+                    decode_masks = self._decode_masks([lens[i] for i in live], P, max_new_tokens)
 
-        tokens_bt = torch.stack(tokens, dim=1).cpu()  # [B, S]
-        log_probs_bt = torch.stack(log_probs, dim=1).cpu()  # [B, S]
-        routing_all = rec.routed_experts.cpu() if self.is_moe else None  # [B, L, K, P + S]
+        decoded.close_segment(rows, rec)
+        tokens_bt, log_probs_bt, routing_all = decoded.result()  # [B, S], [B, S], [B, L, K, P + S'] or None
         out = []
         for i, n in enumerate(n_new.tolist()):
             p = lens[i]
