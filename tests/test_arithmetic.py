@@ -71,7 +71,7 @@ def test_bad_options_name_the_field(tokenizer_dir, tmp_path):
     plain.chat_template = None
     plain.save_pretrained(tmp_path / "plain")
     (tmp_path / "plain" / "chat_template.jinja").unlink(missing_ok=True)
-    with pytest.raises(ValueError, match="task.chat_template='tokenizer' but the tokenizer at .* has no chat template"):
+    with pytest.raises(ValueError, match="task.options.chat_template='tokenizer' but the tokenizer at .* has no chat template"):
         build_task("arithmetic", tokenizer_path=str(tmp_path / "plain"))
 
 

@@ -96,8 +96,12 @@ def test_math_task_tokenizes_prompts_and_rewards_the_decoded_text(tmp_path, toke
     assert isinstance(task, MathTask) and isinstance(task, Task) and len(task) == 2
     assert task.stop_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<eos>")
     by_ids = {tuple(ids.tolist()): meta for ids, meta in task.prompts(2, seed=0)}
-    assert by_ids == {tuple(tokenizer.encode(ROWS[0]["prompt"])): {"answer": "7"},
-                      tuple(tokenizer.encode(ROWS[1]["prompt"])): {"answer": 42, "level": 2}}
+    # the default chat template is the tokenizer's, as for the other text tasks
+    chat = [tokenizer.encode(f"<|user|>{row['prompt']}<|end|><|assistant|>", add_special_tokens=False) for row in ROWS]
+    assert by_ids == {tuple(chat[0]): {"answer": "7"}, tuple(chat[1]): {"answer": 42, "level": 2}}
+    plain = MathTask(path, tokenizer_dir, chat_template=None)  # the control: the prompt text as is
+    assert sorted(tuple(ids.tolist()) for ids, _ in plain.prompts(2, seed=0)) == sorted(
+        tuple(tokenizer.encode(row["prompt"])) for row in ROWS)
     right = tokenizer.encode("3 plus 4 is \\boxed{7}") + [tokenizer.eos_token_id]
     wrong = tokenizer.encode("The answer is 8")
     assert task.reward([1], right, {"answer": "7"}) == 1.0  # eos is not part of the text
@@ -139,8 +143,8 @@ def test_math_task_errors(tmp_path, tokenizer_dir):
     no_answer = write_jsonl(tmp_path / "na.jsonl", [ROWS[0], {"prompt": "2 plus 2?"}])
     with pytest.raises(ValueError, match=r"na.jsonl:2 has no \['answer'\] \(keys: \['prompt'\]\)"):
         MathTask(no_answer, tokenizer_dir)
-    with pytest.raises(ValueError, match="task.system_prompt needs task.chat_template"):
-        MathTask(good, tokenizer_dir, system_prompt="hi")
+    with pytest.raises(ValueError, match="task.options.system_prompt needs task.options.chat_template"):
+        MathTask(good, tokenizer_dir, system_prompt="hi", chat_template=None)
     with pytest.raises(FileNotFoundError, match=r"task.prompts_path: prompts file '.*nope.jsonl' does not exist"):
         MathTask(tmp_path / "nope.jsonl", tokenizer_dir)
     with pytest.raises(ValueError, match="vocabulary"):

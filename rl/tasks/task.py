@@ -274,16 +274,17 @@ class MathTask(TextDecoding, FileTask):
 
     `prompts_path` is a JSONL of `{"prompt": str, "answer": str | number, ...}` (every key
     but `prompt` goes to the reward). `tokenizer_path` is a local tokenizer folder (as
-    written by `save_pretrained`; nothing is downloaded). `chat_template`: None = the
-    prompt text is tokenized as is; "tokenizer" = wrapped as one user message (after
+    written by `save_pretrained`; nothing is downloaded). `chat_template`: "tokenizer" (the
+    default, as for the other text tasks) = wrapped as one user message (after
     `system_prompt`, if any) with the tokenizer's own chat template and its generation
-    prompt; any other string = a Jinja chat template used the same way.
+    prompt; any other string = a Jinja chat template used the same way; None = the prompt
+    text is tokenized as is.
     The reward is `fn(response_text, **meta) -> float` on the response decoded without
     special tokens; `reward_fn` (a callable or "module:function") defaults to `math_reward`.
     """
 
     def __init__(self, prompts_path: str | os.PathLike, tokenizer_path: str | os.PathLike, *,
-                 reward_fn: str | Callable | None = None, chat_template: str | None = None,
+                 reward_fn: str | Callable | None = None, chat_template: str | None = "tokenizer",
                  system_prompt: str | None = None, vocab_size: int | None = None,
                  stop_token_id: int | None = None) -> None:
         self.reward_fn, self.reward_name = _reward_callable(reward_fn if reward_fn is not None else math_reward)
@@ -512,10 +513,12 @@ def _chat_encoder(tokenizer: Any, chat_template: str | None, system_prompt: str 
     template ("tokenizer") or a Jinja template, with the generation prompt; or, with
     `chat_template=None`, the messages' texts as is (one message: its text)."""
     if chat_template == "tokenizer" and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"task.chat_template='tokenizer' but the tokenizer at '{tokenizer_path}' "
-                         f"has no chat template")
+        raise ValueError(f"task.options.chat_template='tokenizer' but the tokenizer at '{tokenizer_path}' "
+                         f"has no chat template; give a Jinja template instead (plain text: "
+                         f"task.options.chat_template=\"{{{{ messages[-1]['content'] }}}}\")")
     if chat_template is None and system_prompt is not None:
-        raise ValueError("task.system_prompt needs task.chat_template (a system message only exists in a chat)")
+        raise ValueError("task.options.system_prompt needs task.options.chat_template (a system message only "
+                         "exists in a chat)")
 
     def encode(messages: list[dict]) -> list[int]:
         if chat_template is None:
