@@ -8,6 +8,7 @@ The work lives in packing/, model/ and rl/.
 
 import logging
 import os
+import sys
 
 from model.allocator import configure_allocator
 
@@ -21,10 +22,9 @@ from omegaconf import DictConfig  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from model.parallel_dims import init_distributed  # noqa: E402
-from rl.trainer.checkpoint import Checkpointer  # noqa: E402
-from rl.config import Config, load, register, validate  # noqa: E402
-from rl.trainer.metrics import MetricsWriter  # noqa: E402
-from rl.trainer.trainer import build_trainer  # noqa: E402
+from rl.trainer.checkpoint import Checkpointer, run_to_continue  # noqa: E402
+from rl.config import Config, check_command_line, load, register, validate  # noqa: E402
+from rl.trainer.metrics import MetricsWriter, run_failed  # noqa: E402
 
 register()
 log = logging.getLogger("train")
@@ -32,6 +32,17 @@ log = logging.getLogger("train")
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> dict:
+    out_dir = HydraConfig.get().runtime.output_dir
+    try:
+        return run(dict_cfg, out_dir)
+    except (Exception, KeyboardInterrupt) as error:  # the error and its traceback in train.log, the folder FAILED
+        run_failed(out_dir, error)
+        raise
+
+
+def run(dict_cfg: DictConfig, out_dir: str) -> dict:
+    from rl.trainer.trainer import build_trainer  # transformers and the model code: after the config is checked
+
     cfg: Config = load(dict_cfg)
     validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     # model.param_dtype is FSDP2's mixed precision: one process gets a one-rank group to apply it
@@ -42,7 +53,6 @@ def main(dict_cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1 if dims.world_size > 1 else torch.get_num_threads())
 
-    out_dir = HydraConfig.get().runtime.output_dir
     ckpt = Checkpointer(cfg, dims, out_dir)  # checkpoint.* and resume checked before any model is built
 
     trainer = build_trainer(cfg, dims)
@@ -82,4 +92,10 @@ def _accuracy(metrics: dict) -> str:
 
 
 if __name__ == "__main__":
+    try:  # the command line checked in seconds, before the heavy imports and before a run folder exists
+        checked = check_command_line(sys.argv[1:])
+    except ValueError as e:
+        sys.exit(f"config error: {e}")
+    if checked is not None and (folder := run_to_continue(*checked)) is not None:
+        sys.argv.append(f"hydra.run.dir={folder}")  # resume=auto: this experiment's newest run, continued in place
     main()

@@ -5,15 +5,16 @@ built, each message naming the key."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from model.families import FAMILIES
 from model.parallel_dims import ParallelDims, resolve_device
@@ -208,7 +209,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    resume: str = "never"  # never | auto (newest complete checkpoint of checkpoint.dir) | a checkpoint path
+    resume: str = "never"  # never | auto (this experiment's newest run, continued in its folder) | a checkpoint path
     seed: int = 0
 
 
@@ -241,6 +242,157 @@ def run_id() -> str:
     return f"{datetime.now():%Y-%m-%d_%H-%M-%S}_{uuid.uuid4().hex[:6]}"
 
 
+# ------------------------------------------------------------- the command line
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose(overrides: list[str] | tuple[str, ...] = (), *, hydra_node: bool = False) -> Any:
+    """conf/config.yaml with Hydra `overrides`, as train.py's Hydra composes it (no run folder,
+    nothing resolved): the untyped DictConfig `load` takes (with the `hydra` node when
+    `hydra_node`). A key that does not exist is a ValueError naming it, the closest valid keys
+    (difflib) and the keys of its section; a value of the wrong type, or outside a closed
+    choice, names the key and what it expects."""
+    dict_cfg, error = _hydra_compose(overrides, hydra_node)
+    if error is None:
+        return dict_cfg
+    cause = _omegaconf_cause(error)
+    if cause is None:  # an unknown config group option (Hydra lists the options) or a malformed override
+        raise ValueError(str(error).split("\nConfig search path:")[0]) from None
+    key = cause.full_key
+    if "not in" in str(cause):  # an unknown key: ConfigKeyError / ConfigAttributeError
+        others = [o for o in overrides if not _within(_override_key(o), key) and not _within(_override_key(o), "hydra")]
+        base, failed = _hydra_compose(others, False)
+        raise ValueError(_unknown_key(key, base if failed is None else _hydra_compose((), False)[0])) from None
+    given = [o.split("=", 1)[1] for o in overrides if "=" in o and _override_key(o) == key]
+    choice = _schema_type(key)
+    expected = (f"expected one of {', '.join(choice.values())}" if isinstance(choice, type) and issubclass(choice, Choice)
+                else str(cause).splitlines()[0])
+    raise ValueError(f"{key}={given[-1] if given else '?'}: {expected}") from None
+
+
+def check_command_line(argv: list[str]) -> tuple[Config, str | None] | None:
+    """train.py's command line, checked before Hydra makes a run folder and before the heavy
+    imports (a config error in seconds): composed, loaded and validated as the run will be.
+    Returns the typed config and `hydra.run.dir` as written (unresolved; None for a sweep,
+    -m, which is checked at the first value of each swept key); None for a command line with
+    other Hydra flags (--help, --cfg, ...: Hydra's own business)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
+        return None
+    overrides = [a for a in argv if not a.startswith("-")]
+    first = []
+    for text, parsed in zip(overrides, OverridesParser.create().parse_overrides(overrides)):
+        if parsed.is_sweep_override():
+            try:
+                text = f"{text.split('=', 1)[0]}={next(iter(parsed.sweep_string_iterator()))}"
+            except Exception:  # an interval sweep (for an optimizing sweeper): no first value to check
+                return None
+        first.append(text)
+    dict_cfg = compose(first, hydra_node=True)
+    run_dir = OmegaConf.to_container(dict_cfg.hydra.run, resolve=False)["dir"]
+    with open_dict(dict_cfg):
+        del dict_cfg["hydra"]
+    cfg = load(dict_cfg)
+    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    return cfg, None if len(overrides) < len(argv) else run_dir
+
+
+def _hydra_compose(overrides: Any, hydra_node: bool) -> tuple[Any, Exception | None]:
+    """Hydra's compose API on conf/: (config, None) or (None, the error)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        try:
+            return hydra_compose("config", overrides=list(overrides), return_hydra_config=hydra_node), None
+        except (HydraException, OmegaConfBaseException) as e:
+            return None, e
+
+
+def _within(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(prefix + ".")
+
+
+def _omegaconf_cause(e: BaseException | None) -> Any:
+    """The OmegaConf error behind a Hydra composition error (it carries the full key), or None."""
+    while e is not None:
+        if getattr(e, "full_key", None):
+            return e
+        e = e.__cause__
+    return None
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _unknown_key(key: str, base: Any) -> str:
+    """The message for a `key` the config `base` does not have (or should not): the closest
+    valid keys, the keys of its section, and for a free-form dict (`model.overrides`,
+    `task.options`) how to add one."""
+    import difflib
+
+    keys = [k for k in _dotted_keys(base) if not _within(key, k) and not _within(k, key)]
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(base, parent) if parent else base
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.75)
+    message = f"{key}: no such key"
+    if close:
+        message += f"; did you mean {' or '.join(close)}?"
+    if node is not None and OmegaConf.is_dict(node):
+        siblings = sorted(str(k) for k in node.keys() if str(k) != name)
+        message += f" The keys of {parent or 'the config'}: {', '.join(siblings) or '(none yet)'}."
+        if OmegaConf.get_type(node) is dict:  # a free-form dict of the schema: new keys are allowed
+            message += f" {parent} takes keys of your own: add one with +{key}=..."
+    return message
+
+
+def _dotted_keys(node: Any, prefix: str = "") -> list[str]:
+    out = []
+    for k in node.keys():
+        full = f"{prefix}{k}"
+        out.append(full)
+        child = node._get_node(k)
+        if OmegaConf.is_dict(child) and not child._is_missing() and not child._is_none():
+            out += _dotted_keys(child, f"{full}.")
+    return out
+
+
+def _extra_keys(node: Any, cls: Any = None, prefix: str = "") -> list[str]:
+    """Keys of `node` that its schema dataclass does not have (`+trainer.max_step=1` composes:
+    Hydra adds the key, and the typed config would silently drop it)."""
+    cls = cls or Config
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out = []
+    for k in node.keys():
+        if k not in fields:
+            out.append(f"{prefix}{k}")
+            continue
+        sub = _schema_type(f"{prefix}{k}")
+        child = node._get_node(k)
+        if dataclasses.is_dataclass(sub) and OmegaConf.is_dict(child) and not child._is_none():
+            out += _extra_keys(child, sub, f"{prefix}{k}.")
+    return out
+
+
+def _schema_type(key: str) -> Any:
+    """The schema's type of the dotted `key` (Optional unwrapped), or None when it has none."""
+    import typing
+
+    cls: Any = Config
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return None
+        hint = typing.get_type_hints(cls).get(part)
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        cls = args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+    return cls
+
+
 # ----------------------------------------------------------------- validation
 def load(dict_cfg: Any) -> Config:
     """The Hydra config as a typed `Config`; a key left unset (`${required:}` from the chosen
@@ -249,6 +401,9 @@ def load(dict_cfg: Any) -> Config:
     if missing:
         raise ValueError(f"{', '.join(missing)}: required but not set (the chosen config group needs it); "
                          f"pass {missing[0]}=...")
+    extra = _extra_keys(dict_cfg)
+    if extra:
+        raise ValueError(_unknown_key(extra[0], dict_cfg))
     return OmegaConf.to_object(dict_cfg)
 
 
@@ -267,23 +422,7 @@ def _unset_required(node: Any, prefix: str = "") -> list[str]:
 def validate(cfg: Config, world_size: int) -> ParallelDims:
     """Everything checkable before a model is built; each error names its key. Returns the
     run's `ParallelDims` (sizes only: `init_distributed` joins the group and builds the meshes)."""
-    positive = {
-        "task.prompts_per_step": cfg.task.prompts_per_step, "task.samples_per_prompt": cfg.task.samples_per_prompt,
-        "task.max_new_tokens": cfg.task.max_new_tokens, "batch.max_tokens": cfg.batch.max_tokens,
-        "algo.mini_batches": cfg.algo.mini_batches, "algo.epochs": cfg.algo.epochs,
-        "trainer.max_steps": cfg.trainer.max_steps, "trainer.max_bad_steps": cfg.trainer.max_bad_steps,
-        "algo.max_sampling_rounds": cfg.algo.max_sampling_rounds, "model.temperature": cfg.model.temperature,
-        "eval.num_prompts": cfg.eval.num_prompts, "eval.batch_size": cfg.eval.batch_size,
-    }
-    if cfg.eval.every < 0:
-        raise ValueError(f"eval.every={cfg.eval.every}: expected >= 0 (0 = no evaluation)")
-    if cfg.eval.max_new_tokens is not None and cfg.eval.max_new_tokens <= 0:
-        raise ValueError(f"eval.max_new_tokens={cfg.eval.max_new_tokens}: expected a positive number or null")
-    for key, value in positive.items():
-        if value <= 0:
-            raise ValueError(f"{key}={value}: expected a positive number")
-    if cfg.batch.micro_batch_size is not None and cfg.batch.micro_batch_size <= 0:
-        raise ValueError(f"batch.micro_batch_size={cfg.batch.micro_batch_size}: expected a positive number or null")
+    _check_ranges(cfg)
     # the one check of the parallel sizes (cp, dp, ep against the world): ParallelDims' own
     dims = ParallelDims(dp=cfg.parallel.dp, cp=cfg.parallel.cp, ep=cfg.parallel.ep, world_size=world_size)
     dp, cp = dims.dp, dims.cp
@@ -340,6 +479,57 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
     return dims
 
 
+def _positive(x: Any) -> bool:
+    return x > 0
+
+
+def _non_negative(x: Any) -> bool:
+    return x >= 0
+
+
+def _fraction(x: Any) -> bool:
+    return 0 <= x <= 1
+
+
+# every numeric field of the schema and the range it must lie in (a None value, where the schema
+# allows it, means "off" and is not checked); algo's policy-loss fields are check_policy_loss_config's,
+# parallel's ParallelDims'
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **{key: (_positive, "a positive number") for key in (
+        "model.temperature", "model.logprob_chunk_bytes", "batch.max_tokens", "batch.micro_batch_size",
+        "algo.mini_batches", "algo.epochs", "algo.max_sampling_rounds", "algo.kl_target", "algo.kl_horizon",
+        "algo.kl_clamp", "algo.kl_log_ratio_clamp", "algo.value_clip", "task.prompts_per_step",
+        "task.samples_per_prompt", "task.max_new_tokens", "trainer.max_steps", "trainer.max_bad_steps",
+        "rollout.kv_cache_gb", "rollout.memory_budget_gb", "rollout.max_model_len", "eval.num_prompts",
+        "eval.max_new_tokens", "eval.batch_size", "checkpoint.keep")},
+    **{key: (_non_negative, ">= 0") for key in (
+        "algo.entropy_coef", "algo.vf_coef", "algo.critic_lr", "algo.router_aux_loss_coef", "algo.kl_coef",
+        "algo.overlong_penalty_factor", "trainer.lr", "trainer.warmup_steps", "trainer.weight_decay",
+        "trainer.grad_clip", "trainer.min_entropy", "rollout.max_staleness", "eval.every", "checkpoint.every",
+        "seed")},
+    **{key: (_fraction, "in [0, 1]") for key in ("algo.gamma", "algo.lam")},
+}
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Each `RANGES` field in its range, named by its key (trainer.lr=-1 would otherwise reach
+    torch's "Invalid learning rate" once the model is built)."""
+    for key, (ok, expected) in RANGES.items():
+        section, name = key.split(".") if "." in key else (None, key)
+        value = getattr(getattr(cfg, section) if section else cfg, name)
+        if value is not None and not ok(value):
+            raise ValueError(f"{key}={value!r}: expected {expected}"
+                             + (" or null" if _optional(type(getattr(cfg, section) if section else cfg), name) else ""))
+
+
+def _optional(cls: type, name: str) -> bool:
+    """The schema field `cls.name` may be None."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    return type(None) in typing.get_args(hints[name])
+
+
 def _check_experts(cfg: Config, ep: int) -> None:
     """ep divides the expert count (what model.moe.shard_experts would refuse later, named by
     config key here); the sizes against the world are ParallelDims' check."""
@@ -392,13 +582,9 @@ def _check_rollout(cfg: Config, world_size: int) -> None:
         raise ValueError(f"rollout.sync_bucket_bytes={r.sync_bucket_bytes}: expected >= 1 MiB (1048576)")
     if not 0 < r.gpu_memory_utilization < 1:
         raise ValueError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: expected a fraction in (0, 1)")
-    if r.kv_cache_gb <= 0:
-        raise ValueError(f"rollout.kv_cache_gb={r.kv_cache_gb}: expected > 0")
     if r.tensor_parallel_size < 1 or world_size % r.tensor_parallel_size:
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: expected >= 1 dividing "
                          f"world_size={world_size}")
-    if r.memory_budget_gb is not None and r.memory_budget_gb <= 0:
-        raise ValueError(f"rollout.memory_budget_gb={r.memory_budget_gb}: expected > 0 (or null: the device's)")
     _check_rollout_mode(cfg)
     if ReplicaMode(r.replica) is ReplicaMode.SHARDED:
         check_sharded(cfg)
@@ -414,8 +600,6 @@ def _check_rollout_mode(cfg: Config) -> None:
     engine tells (rollout.replica=auto resolving to sharded) is `make_producer`'s check."""
     r, algo = cfg.rollout, cfg.algo
     mode = RolloutMode(r.mode)
-    if r.max_staleness < 0:
-        raise ValueError(f"rollout.max_staleness={r.max_staleness}: expected >= 0 (policy versions)")
     if mode is RolloutMode.SYNC:
         return
     m = f"rollout.mode={mode.value}"

@@ -8,24 +8,18 @@ Trainer for one process. The `*_rank` functions are rank bodies for `run_distrib
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
 
-from rl.config import Config, load, register, validate
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from rl.config import Config, load, validate
+from rl.config import compose as compose_config
 # a small step: 4 prompts x 4 samples of the default tiny MoE, a few hundred ms on CPU
 SMALL = ("task.prompts_per_step=4", "task.samples_per_prompt=4", "trainer.progress=false")
 
 
 def compose(*overrides: str, world_size: int = 1, check: bool = True) -> Config:
     """`load` (and `validate`, when `check`) of conf/config.yaml with `overrides`."""
-    register()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = load(hydra_compose("config", overrides=list(overrides)))
+    cfg = load(compose_config(overrides))  # train.py's composition, its errors explained
     if check:
         validate(cfg, world_size=world_size)
     return cfg

@@ -21,6 +21,7 @@ from model.models import build_model
 from model.parallel_dims import ParallelDims
 from rl.trainer.checkpoint import Checkpointer, check_config, complete_checkpoints, find_checkpoint, load_checkpoint
 from rl.trainer.export import main as export_main
+from rl.config import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"tokens_per_s", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "step_s", "weight_sync_s",
@@ -101,7 +102,7 @@ def test_only_complete_checkpoints_are_found(tmp_path):
         Checkpointer(cfg, ParallelDims(), tmp_path)
     for bad, key in [("checkpoint.keep=0", "checkpoint.keep"), ("checkpoint.every=-1", "checkpoint.every")]:
         with pytest.raises(ValueError, match=key):
-            Checkpointer(config(bad), ParallelDims(), tmp_path)
+            validate(config(bad), world_size=1)
     fresh = Checkpointer(config("resume=auto", f"checkpoint.dir={tmp_path / 'empty'}"), ParallelDims(), tmp_path)
     assert fresh.resume_from is None  # nothing saved yet: start fresh
     never = Checkpointer(config("resume=never", f"checkpoint.dir={tmp_path}"), ParallelDims(), tmp_path)
@@ -146,6 +147,40 @@ def test_killed_run_resumes_with_the_uninterrupted_metrics(uninterrupted, tmp_pa
     ok(launch(out, *RUN, "checkpoint.every=2", "resume=auto"))
     assert metrics(out) == uninterrupted  # step 4 re-run once, not duplicated; 5..7 bit for bit
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step_00000006", "step_00000008"]
+
+
+def readme(cwd: Path, *args: str, kill: str | None = None):
+    """`python train.py <args>` run from `cwd` (its runs go to cwd/outputs/<run id>), as a user types it."""
+    hook = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fault"), str(ROOT)]), "RL_TEST_KILL": kill}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env={**ENV, **(hook if kill else {})},
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_the_readme_resume_command_continues_the_killed_run_in_its_own_folder(tmp_path):
+    """`python train.py resume=auto checkpoint.every=5`, verbatim, after a SIGKILL: it finds the
+    newest run of the same experiment under outputs/ (not a newer run of another seed) and
+    continues it in place: one folder holds the checkpoints and the uninterrupted run's
+    metrics.jsonl, bit for bit. Then `resume=auto checkpoint.dir=<run>/checkpoints` extends it
+    in that folder too."""
+    (alone := tmp_path / "alone").mkdir()
+    ok(readme(alone, "checkpoint.every=5"))
+    (uninterrupted,) = (alone / "outputs").iterdir()
+    (here := tmp_path / "here").mkdir()
+    killed = readme(here, "checkpoint.every=5", kill="after_step:7")
+    assert killed.returncode == -signal.SIGKILL
+    (run,) = (here / "outputs").iterdir()
+    ok(readme(here, "seed=1", "checkpoint.every=5", "trainer.max_steps=5"))  # another experiment, saved later
+    resumed = readme(here, "resume=auto", "checkpoint.every=5")
+    ok(resumed)
+    assert f"resume=auto: continuing {run.relative_to(here)}" in resumed.stderr, resumed.stderr[-2000:]
+    assert len(list((here / "outputs").iterdir())) == 2  # no third folder
+    assert metrics(run) == metrics(uninterrupted) and len(metrics(run)) == 20
+    assert "resumed from " + str(run / "checkpoints" / "step_00000005") in (run / "train.log").read_text()
+    assert (run / "curves.png").is_file() and not (run / "FAILED").exists()
+    ok(readme(here, "resume=auto", "checkpoint.every=5", f"checkpoint.dir={run / 'checkpoints'}", "trainer.max_steps=22"))
+    assert len(list((here / "outputs").iterdir())) == 2 and [m["step"] for m in metrics(run)] == list(range(22))
+    assert metrics(run)[:20] == metrics(uninterrupted)
 
 
 @pytest.mark.slow

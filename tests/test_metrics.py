@@ -55,3 +55,40 @@ def test_the_curves_draw_evaluations_only_where_they_were_made(tmp_path, monkeyp
     assert plot_curves(history, tmp_path / "curves.png").stat().st_size > 0
     assert drawn["eval_accuracy"] == ([0, 5, 10], [0.5, 0.5, 0.5])  # no gaps, no NaN
     assert drawn["reward_mean"][0] == list(range(11))
+
+
+def test_metrics_jsonl_is_never_left_empty(tmp_path):
+    """A run that fails before its first step leaves no metrics.jsonl, not an empty one; the
+    first line makes it. Control: a run with one step has exactly that line."""
+    failed = MetricsWriter(tmp_path)
+    failed.close(plot=False)
+    assert not (tmp_path / "metrics.jsonl").exists()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')  # a run resumed from step 0
+    MetricsWriter(tmp_path, resume_step=0).close(plot=False)
+    assert not (tmp_path / "metrics.jsonl").exists()
+    one = MetricsWriter(tmp_path)
+    one.log({"step": 0, "reward_mean": 0.5})
+    one.close(plot=False)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0, "reward_mean": 0.5}\n'
+
+
+def test_a_failed_run_writes_its_error_to_the_log_and_a_failed_file(tmp_path):
+    import logging
+
+    from rl.trainer.metrics import FAILED, run_failed
+
+    handler = logging.FileHandler(tmp_path / "train.log")
+    logging.getLogger().addHandler(handler)
+    try:
+        try:
+            raise RuntimeError("the reward server is down")
+        except RuntimeError as e:
+            run_failed(tmp_path, e)
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    log = (tmp_path / "train.log").read_text()
+    assert "the run failed" in log and "Traceback" in log and "RuntimeError: the reward server is down" in log
+    assert "RuntimeError: the reward server is down" in (tmp_path / FAILED).read_text()
+    MetricsWriter(tmp_path).close(plot=False)  # the run continued in its folder (resume): no longer failed
+    assert not (tmp_path / FAILED).exists()

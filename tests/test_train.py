@@ -164,3 +164,39 @@ def test_run_ids_taken_in_the_same_second_differ(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     ids = [run_id() for _ in range(20)]
     assert len(set(ids)) == 20 and len({i.rsplit("_", 1)[0] for i in ids}) <= 2  # same timestamp, new suffix
+
+
+def test_a_config_error_names_the_key_before_the_heavy_imports_and_leaves_no_folder(tmp_path):
+    """`trainer.max_step=1` (misspelt) and `trainer.lr=-1` stop before transformers or any
+    model code is imported (python -X importtime lists every import) and before Hydra makes a
+    run folder. Control: a valid command imports transformers and makes its folder."""
+    for bad, says in [("trainer.max_step=1", "did you mean trainer.max_steps"),
+                      ("trainer.lr=-1", "trainer.lr=-1.0: expected >= 0")]:
+        proc = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "train.py"), bad], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 1 and f"config error: " in proc.stderr and says in proc.stderr, proc.stderr[-2000:]
+        assert "transformers" not in proc.stderr and not (tmp_path / "outputs").exists()
+    ok = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "train.py"), "trainer.max_steps=1",
+                         "task.prompts_per_step=2", "task.samples_per_prompt=2", "trainer.progress=false",
+                         "trainer.plot=false", "checkpoint.final=false"], cwd=tmp_path, capture_output=True, text=True,
+                        timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert ok.returncode == 0 and "transformers" in ok.stderr and len(list((tmp_path / "outputs").iterdir())) == 1
+
+
+def test_a_run_that_fails_writes_its_error_to_train_log_and_marks_its_folder(tmp_path):
+    """A reward that raises during the first rollout: the message and traceback reach
+    train.log (not only the terminal), the folder holds FAILED, and no empty metrics.jsonl."""
+    (tmp_path / "flaky.py").write_text("calls = []\n\ndef reward(prompt_ids, response_ids):\n    calls.append(1)\n"
+                                       "    if len(calls) > 1:\n        raise RuntimeError('the grader is down')\n"
+                                       "    return 0.0\n")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [5, 6, 7]}\n')
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={out}", "task=file",
+                           "task.prompts_path=prompts.jsonl", "task.reward_fn=flaky:reward", "trainer.progress=false"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 1 and "the grader is down" in proc.stderr, proc.stderr[-2000:]
+    log = (out / "train.log").read_text()
+    assert "the run failed" in log and "Traceback" in log and "RuntimeError: the grader is down" in log, log
+    assert "RuntimeError: the grader is down" in (out / "FAILED").read_text()
+    assert not (out / "metrics.jsonl").exists()

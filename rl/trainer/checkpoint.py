@@ -17,7 +17,9 @@ One folder per save, named by the steps it completed, under `checkpoint.dir` (de
         COMPLETE                       written last (JSON: step, layout); a folder without it is never loaded
 
 `resume`: `never` (the default) starts fresh, `auto` takes the newest complete checkpoint
-of `checkpoint.dir`, a path takes that checkpoint (or the newest in that folder). A group
+of `checkpoint.dir`, a path takes that checkpoint (or the newest in that folder). With `auto`
+train.py first picks the run folder (`run_to_continue`): the newest run of the same experiment
+under `outputs/` (or the run whose `checkpoints/` `checkpoint.dir` names), continued in place. A group
 that torchrun restarted after a failure (`--max-restarts`, TORCHELASTIC_RESTART_COUNT > 0)
 always continues from its run's newest checkpoint when there is one, whatever `resume` says:
 restarting from scratch would overwrite the run it is meant to continue.
@@ -62,6 +64,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -314,7 +317,7 @@ def check_config(path: Path, cfg: "Config") -> None:
     log the other settings that changed since it was saved."""
     saved = _flat(yaml.safe_load((path / "config.yaml").read_text()))
     now = _flat(config_dict(cfg))
-    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k, "<unset>") != now.get(k, "<unset>"))
+    changed = _changed(saved, now)
     for key in changed:
         if any(key == m or key.startswith(m + ".") for m in MODEL_KEYS):
             raise ValueError(f"resume={str(path)!r}: the checkpoint was saved with "
@@ -348,16 +351,66 @@ def _check_model_shape(path: Path, cfg: "Config") -> None:
                              f"has {key}={now.get(key)!r} (from {source}): a checkpoint of another model")
 
 
+# ---------------------------------------------------------- the run to continue
+# settings that say how long and how a run goes, not what it trains: `resume=auto` continues a
+# run whose checkpoint differs from this command's config in these only (evaluation does not
+# change training: tests/test_train.py)
+RUN_CONTROL = ("resume", "trainer.max_steps", "trainer.progress", "trainer.plot", "trainer.tensorboard",
+               "checkpoint", "eval")
+
+
+def run_to_continue(cfg: "Config", run_dir: str | None) -> Path | None:
+    """`resume=auto`: the run folder this run continues in place (checkpoints, metrics.jsonl,
+    TensorBoard, curves and train.log of one run stay in one folder), decided before Hydra makes
+    a new one. With `checkpoint.dir=<run>/checkpoints`, that run; with the default run folder
+    (`hydra.run.dir` ending in `${run_id:}`), the newest folder beside it (`outputs/`) with a
+    complete checkpoint of the same experiment (its config.yaml equals this config but for
+    `RUN_CONTROL`). None: a new folder (nothing to continue, another resume, a folder named
+    on the command line, a sweep, or a group torchrun restarted, which keeps its run id)."""
+    if cfg.resume != "auto" or run_dir is None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0:
+        return None
+    if cfg.checkpoint.dir:
+        root = Path(cfg.checkpoint.dir)
+        return root.parent if root.name == "checkpoints" and (root.parent / ".hydra").is_dir() else None
+    head, sep, _ = run_dir.partition("${run_id:}")
+    outputs = Path(head or ".")
+    if not sep or not outputs.is_dir():
+        return None
+    now, found, others = _flat(config_dict(cfg)), [], []
+    for folder in outputs.iterdir():
+        saved = complete_checkpoints(folder / "checkpoints")
+        if not saved:
+            continue
+        differ = [k for k in _changed(_flat(yaml.safe_load((saved[-1] / "config.yaml").read_text())), now)
+                  if not any(k == c or k.startswith(c + ".") for c in RUN_CONTROL)]
+        (others if differ else found).append(((saved[-1] / MARKER).stat().st_mtime, folder, differ))
+    if found:
+        _, folder, _ = max(found, key=lambda f: f[0])
+        _say(f"resume=auto: continuing {folder}, the newest run of this experiment under {outputs}")
+        return folder
+    if others:
+        _, folder, differ = max(others, key=lambda f: f[0])
+        _say(f"resume=auto: no run under {outputs} has a checkpoint of this experiment (the newest, {folder}, "
+             f"differs in {', '.join(differ[:5])}); starting a new run")
+    return None
+
+
+def _say(line: str) -> None:
+    """A line on stderr from rank 0 before Hydra has set up logging (the run folder is not chosen yet)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+
+
+def _changed(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    return sorted(k for k in saved.keys() | now.keys() if saved.get(k, "<unset>") != now.get(k, "<unset>"))
+
+
 # ------------------------------------------------------------------ checkpointer
 class Checkpointer:
     """When to save, where, and which checkpoint a run resumes from (see the module docstring)."""
 
     def __init__(self, cfg: "Config", dims: ParallelDims, run_dir: str | Path) -> None:
-        c = cfg.checkpoint
-        if c.every < 0:
-            raise ValueError(f"checkpoint.every={c.every}: expected >= 0 (0 = only the final checkpoint)")
-        if c.keep < 1:
-            raise ValueError(f"checkpoint.keep={c.keep}: expected >= 1")
+        c = cfg.checkpoint  # its ranges are rl.config.validate's
         self.cfg, self.dims = cfg, dims
         self.root = Path(c.dir) if c.dir else Path(run_dir) / "checkpoints"
         self.resume_from = self._resume_path(cfg.resume)
@@ -371,10 +424,10 @@ class Checkpointer:
             return complete_checkpoints(self.root)[-1]
         if resume == "never":
             return None
-        if resume == "auto":
+        if resume == "auto":  # the run folder is this experiment's newest run (`run_to_continue`)
             found = complete_checkpoints(self.root)
             if not found:
-                log.info("resume=auto: no complete checkpoint under %s, starting fresh", self.root)
+                log.warning("resume=auto: no complete checkpoint under %s, starting fresh", self.root)
             return found[-1] if found else None
         try:
             return find_checkpoint(resume)

@@ -1,10 +1,17 @@
-"""Run output on rank 0: metrics.jsonl (one JSON object per step), optional TensorBoard,
-and curves.png at the end of the run: the panels a run is read by (`CURVES`)."""
+"""Run output on rank 0: metrics.jsonl (one JSON object per step, made with the first step's
+line: never left empty), optional TensorBoard, and curves.png at the end of the run: the
+panels a run is read by (`CURVES`). A run that fails writes its error to train.log and a
+`FAILED` file (`run_failed`), on any rank."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import traceback
 from pathlib import Path
+
+FAILED = "FAILED"
 
 
 class MetricsWriter:
@@ -19,13 +26,16 @@ class MetricsWriter:
         self._tb = None
         if enabled:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            path = self.out_dir / "metrics.jsonl"
+            (self.out_dir / FAILED).unlink(missing_ok=True)  # a failed run continued in its folder (resume)
+            self.path = path = self.out_dir / "metrics.jsonl"
             if resume_step > 0 and path.exists():
                 self.history = [m for m in _read_lines(path) if m["step"] < resume_step]
-            tmp = path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(m) + "\n" for m in self.history))
-            tmp.replace(path)  # a kill here leaves either the old file or the kept lines, never half
-            self._file = open(path, "a")
+            if self.history:
+                tmp = path.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(json.dumps(m) + "\n" for m in self.history))
+                tmp.replace(path)  # a kill here leaves either the old file or the kept lines, never half
+            else:
+                path.unlink(missing_ok=True)  # made by the first line
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -36,6 +46,8 @@ class MetricsWriter:
         self.history.append(metrics)
         if not self.enabled:
             return
+        if self._file is None:
+            self._file = open(self.path, "a")
         self._file.write(json.dumps(metrics) + "\n")
         self._file.flush()  # nothing lost if the run dies mid-way
         if self._tb is not None:
@@ -46,12 +58,27 @@ class MetricsWriter:
     def close(self, plot: bool = True) -> Path | None:
         if not self.enabled:
             return None
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
         if plot and self.history:
             return plot_curves(self.history, self.out_dir / "curves.png")
         return None
+
+
+def run_failed(out_dir: str | Path, error: BaseException) -> None:
+    """A run stopped by `error`: its message and traceback go to the run's log file (train.log,
+    Hydra's file handler; the terminal gets them from Hydra) and to `out_dir/FAILED`, which
+    marks the folder (removed again when a resumed run continues in it)."""
+    text = "".join(traceback.format_exception(error))
+    rank = os.environ.get("RANK", "0")
+    record = logging.LogRecord("train", logging.ERROR, __file__, 0, "rank %s: the run failed:\n%s", (rank, text), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+    with open(Path(out_dir) / FAILED, "a") as f:
+        f.write(f"rank {rank}: {text}")
 
 
 def _read_lines(path: Path) -> list[dict]:
