@@ -473,6 +473,7 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
         if limit is not None and cfg.task.max_new_tokens >= limit:
             raise ValueError(f"task.max_new_tokens={cfg.task.max_new_tokens} leaves no room for a prompt within "
                              f"model.overrides.max_position_embeddings={limit}")
+    _check_imports(cfg)
     _check_experts(cfg, dims.ep)
     _check_device(cfg)
     _check_rollout(cfg, world_size)
@@ -528,6 +529,20 @@ def _optional(cls: type, name: str) -> bool:
 
     hints = typing.get_type_hints(cls)
     return type(None) in typing.get_args(hints[name])
+
+
+def _check_imports(cfg: Config) -> None:
+    """The user's code the config names (`task.reward_fn`, `task.options.environment`) imports,
+    before any model is built; the error says where the module was looked for."""
+    from rl.tasks.task import load_callable
+
+    for key, spec in (("task.reward_fn", cfg.task.reward_fn), ("task.options.environment",
+                                                                cfg.task.options.get("environment"))):
+        if isinstance(spec, str):
+            try:
+                load_callable(spec, key)
+            except (ImportError, AttributeError, TypeError) as e:
+                raise ValueError(str(e)) from e
 
 
 def _check_experts(cfg: Config, ep: int) -> None:
@@ -640,7 +655,7 @@ def check_task_fits(cfg: Config, task: Any) -> None:
     prompt = getattr(task, "max_prompt_len", None)
     turns = getattr(task, "max_turns", 1)
     if turns > 1 and cfg.algo.overlong_buffer is not None:
-        raise ValueError(f"algo.overlong_buffer shapes the reward by one reply's length; task {cfg.task.name!r} is "
+        raise ValueError(f"algo.overlong_buffer shapes the reward by one reply's length; task {cfg.task.name.value!r} is "
                          f"multi-turn (task.options.max_turns={turns}): set algo.overlong_buffer=null")
     if prompt is None:
         return
@@ -651,4 +666,4 @@ def check_task_fits(cfg: Config, task: Any) -> None:
                 f"plus {turns} replies of task.max_new_tokens={cfg.task.max_new_tokens} and {turns - 1} "
                 f"observations of up to {observation} tokens")
         raise ValueError(f"batch.max_tokens={cfg.batch.max_tokens} is below the longest possible sample: task "
-                         f"{cfg.task.name!r} has prompts of up to {prompt} tokens, {what} = {longest}")
+                         f"{cfg.task.name.value!r} has prompts of up to {prompt} tokens, {what} = {longest}")

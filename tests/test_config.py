@@ -121,12 +121,36 @@ def test_a_reward_that_is_not_a_number_names_the_function_the_prompt_and_the_val
     module = f"bad_rewards_{tmp_path.name}"  # one module per case (imports are cached)
     (tmp_path / f"{module}.py").write_text(f"def reward(prompt_ids, response_ids):\n    return {value}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    tr = trainer(*SMALL, "task=file", f"task.prompts_path={prompts}", f"task.reward_fn={module}:reward")
-    with pytest.raises(ValueError) as e:
-        tr.step(0)
+    cfg = compose(*SMALL, "task=file", f"task.prompts_path={prompts}", f"task.reward_fn={module}:reward")
+    with pytest.raises(ValueError) as e:  # building the task: before any model, not after the first rollout
+        build_task(cfg.task.name, prompts_path=cfg.task.prompts_path, reward_fn=cfg.task.reward_fn, vocab_size=64)
     message = str(e.value)
-    assert f"reward function {module}:reward returned" in message and "prompt index 0" in message, message
+    assert f"reward function {module}:reward (called once at start-up on a probe sample) returned" in message, message
     assert repr(eval(value)) in message
+
+
+def test_a_reward_that_raises_is_caught_at_start_up(tmp_path, monkeypatch):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [4, 5, 6], "answer": 3}\n')
+    (tmp_path / "strict_rewards.py").write_text("def reward(prompt_ids, response_ids, answer):\n"
+                                               "    return 1.0 / (len(response_ids) - 1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"strict_rewards:reward raised ZeroDivisionError: .* on a probe sample at "
+                                         r"start-up \(a prompt of the task, response ids \[4\], keywords \['answer'\]\)"):
+        build_task("file", prompts_path=str(prompts), reward_fn="strict_rewards:reward", vocab_size=64)
+
+
+def test_a_custom_import_is_resolved_at_start_up_saying_where_it_was_looked_for(tmp_path, monkeypatch):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [4, 5, 6]}\n')
+    message = refused("task=file", f"task.prompts_path={prompts}", "task.reward_fn=my_missing_rewards:score")
+    assert message.startswith("task.reward_fn 'my_missing_rewards:score': cannot import module 'my_missing_rewards': "
+                              "no my_missing_rewards.py in the working directory") and "PYTHONPATH" in message, message
+    (tmp_path / "my_found_rewards.py").write_text("def score(prompt_ids, response_ids):\n    return 0.0\n")
+    monkeypatch.chdir(tmp_path)  # the control: the working directory is searched (train.py's folder is sys.path[0])
+    compose("task=file", f"task.prompts_path={prompts}", "task.reward_fn=my_found_rewards:score")
+    assert "has no attribute 'scor'" in refused("task=file", f"task.prompts_path={prompts}",
+                                                "task.reward_fn=my_found_rewards:scor")
 
 
 # ---------------------------------------------------------------- end to end

@@ -290,7 +290,7 @@ def test_a_users_environment_is_checked_by_name(tiny_llama, tokenizer_dir, tmp_p
         trainer(*without)
     with pytest.raises(ValueError, match=r"task.options.environment 'SayNumber' is not of the form 'module:"):
         trainer(*without, "task.options.environment=SayNumber")
-    with pytest.raises(AttributeError, match=r"task.options.environment 'tests.test_multiturn:Nope': module"):
+    with pytest.raises(ValueError, match=r"task.options.environment 'tests.test_multiturn:Nope': module"):  # at validate
         trainer(*without, "task.options.environment=tests.test_multiturn:Nope")
     no_heldout = [a for a in run if not a.startswith("task.options.heldout_path=")]
     with pytest.raises(ValueError, match=r"eval.every > 0 with task=environment needs task.options.heldout_path"):

@@ -48,6 +48,7 @@ import math
 import numbers
 import os
 import re
+import sys
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -644,23 +645,52 @@ def _reward_callable(reward_fn: str | Callable) -> tuple[Callable, str]:
     return reward_fn, name
 
 
-def load_callable(spec: str, key: str = "reward_fn") -> Callable:
-    """`"package.module:function"` -> the function (the repo root is importable under torchrun)."""
+def load_callable(spec: str, key: str = "task.reward_fn") -> Callable:
+    """`"package.module:function"` (or `module:Class`) -> the object. The module is looked up on
+    sys.path, with the working directory added at its end (`python train.py` puts train.py's
+    folder on sys.path, not the folder it is run from); an error names `key`, the spec and
+    where the module was looked for."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr or ":" in attr:
         raise ValueError(f"{key} '{spec}' is not of the form 'module:function' (e.g. 'my_rewards:exact_match')")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ImportError(f"{key} '{spec}': cannot import module '{module_name}' ({e})") from e
+    except ModuleNotFoundError as e:
+        if e.name is None or not module_name.startswith(e.name):
+            raise ImportError(f"{key} '{spec}': importing module '{module_name}' failed ({e})") from e
+        places = ", ".join(p or "." for p in sys.path)
+        raise ImportError(f"{key} '{spec}': cannot import module '{module_name}': no {module_name.replace('.', '/')}.py "
+                          f"in the working directory ({os.getcwd()}) or on sys.path ({places}); put it in the "
+                          f"working directory or add its folder to PYTHONPATH") from e
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise AttributeError(f"{key} '{spec}': module '{module_name}' has no attribute '{attr}'")
+            raise AttributeError(f"{key} '{spec}': module '{module_name}' ({getattr(module, '__file__', '?')}) "
+                                 f"has no attribute '{attr}'")
         obj = getattr(obj, part)
     if not callable(obj):
         raise TypeError(f"{key} '{spec}': '{attr}' is a {type(obj).__name__}, not a callable")
     return obj
+
+
+def probe_reward(task: Task) -> None:
+    """Call the task's reward once, at start-up, on a probe sample (its first prompt and a
+    one-token response: the stop token, else the prompt's first token), so a reward function
+    that raises or returns no number stops the run before a model is built, not after the first
+    rollout. A multi-turn task's reward is its environment's (played in the rollout): not probed."""
+    if isinstance(task, MultiTurnTask) or not hasattr(task, "reward"):
+        return
+    (prompt_ids, meta), = task.prompts(1, seed=0)
+    response = [task.stop_token_id if task.stop_token_id is not None else int(prompt_ids[0])]
+    who = f"the reward function {reward_name(task)}"
+    try:
+        value = task.reward(prompt_ids, torch.tensor(response), dict(meta))
+    except Exception as e:
+        raise ValueError(f"{who} raised {type(e).__name__}: {e} on a probe sample at start-up (a prompt of the "
+                         f"task, response ids {response}, keywords {sorted(meta)})") from e
+    check_reward(value, f"{who} (called once at start-up on a probe sample)", 0, None)
 
 
 def _read_prompts(path: str | os.PathLike, encode: Callable[[str], list[int]] | None, vocab_size: int | None, *,
@@ -680,42 +710,42 @@ def _read_prompts(path: str | os.PathLike, encode: Callable[[str], list[int]] | 
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"FileTask: {where} is not valid JSON ({e.msg})") from e
+                raise ValueError(f"{key}: {where} is not valid JSON ({e.msg})") from e
             if not isinstance(obj, dict):
-                raise ValueError(f"FileTask: {where} is a JSON {type(obj).__name__}, expected an object")
+                raise ValueError(f"{key}: {where} is a JSON {type(obj).__name__}, expected an object")
             missing = [k for k in required if k not in obj]
             if missing:
-                raise ValueError(f"FileTask: {where} has no {missing} (keys: {sorted(obj)})")
+                raise ValueError(f"{key}: {where} has no {missing} (keys: {sorted(obj)})")
             if "prompt_ids" in obj:
                 ids = obj.pop("prompt_ids")
                 if not keep_prompt:
                     obj.pop("prompt", None)
                 if not isinstance(ids, list) or not ids or not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
-                    raise ValueError(f"FileTask: {where}: 'prompt_ids' must be a non-empty list of ints")
+                    raise ValueError(f"{key}: {where}: 'prompt_ids' must be a non-empty list of ints")
             elif "prompt" in obj:
                 text = obj["prompt"] if keep_prompt else obj.pop("prompt")
                 if encode is None:
                     raise ValueError(
-                        f"FileTask: {where} gives 'prompt' text but no tokenizer was given; set "
+                        f"{key}: {where} gives 'prompt' text but no tokenizer was given; set "
                         f"task.tokenizer_path=<local tokenizer folder> or give 'prompt_ids'"
                     )
                 if not isinstance(text, str):
-                    raise ValueError(f"FileTask: {where}: 'prompt' must be a string, got {type(text).__name__}")
+                    raise ValueError(f"{key}: {where}: 'prompt' must be a string, got {type(text).__name__}")
                 ids = encode(text)
                 if not ids:
-                    raise ValueError(f"FileTask: {where}: 'prompt' tokenizes to no tokens")
+                    raise ValueError(f"{key}: {where}: 'prompt' tokenizes to no tokens")
             else:
-                raise ValueError(f"FileTask: {where} has neither 'prompt_ids' nor 'prompt' (keys: {sorted(obj)})")
-            for key in reserved:
-                if key in obj:
-                    raise ValueError(f"FileTask: {where}: '{key}' is reserved "
+                raise ValueError(f"{key}: {where} has neither 'prompt_ids' nor 'prompt' (keys: {sorted(obj)})")
+            for name in reserved:
+                if name in obj:
+                    raise ValueError(f"{key}: {where}: '{name}' is reserved "
                                      f"(the reward receives the response under that name)")
             bad = [v for v in ids if v < 0 or (vocab_size is not None and v >= vocab_size)]
             if bad:
-                raise ValueError(f"FileTask: {where}: prompt id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+                raise ValueError(f"{key}: {where}: prompt id {bad[0]} is outside the vocabulary [0, {vocab_size})")
             items.append((ids, obj))
     if not items:
-        raise ValueError(f"FileTask: prompts file '{path}' holds no prompts")
+        raise ValueError(f"{key}: prompts file '{path}' holds no prompts")
     return items
 
 
@@ -753,11 +783,13 @@ def build_task(name: TaskName | str, **kwargs: Any) -> Task:
     params = _params(cls)
     unknown = sorted(set(kwargs) - params)
     if unknown:
-        raise TypeError(f"task '{name}' got unknown options {unknown}; it takes {sorted(params)}")
+        raise TypeError(f"task '{name.value}' got unknown options {unknown}; it takes {sorted(params)}")
     task = cls(**kwargs)
     vocab = kwargs.get("vocab_size")
     if vocab is not None and task.min_vocab_size > vocab:
-        raise ValueError(f"task '{name}' needs a vocabulary of at least {task.min_vocab_size} ids, the model has {vocab}")
+        raise ValueError(f"task '{name.value}' needs a vocabulary of at least {task.min_vocab_size} ids, the model "
+                         f"has {vocab}")
+    probe_reward(task)
     return task
 
 
