@@ -112,3 +112,46 @@ def test_a_nan_on_one_rank_skips_the_update_on_every_rank():
         assert r["unchanged"] and r["finite"]
         assert r["error"] is not None and r["error"].startswith("step 2: non-finite loss;"), r["error"]
     assert ranks[0]["error"] == ranks[1]["error"]
+
+
+# ------------------------------------------------------------ no learning signal
+def test_varied_groups_counts_the_groups_whose_rewards_differ():
+    from packing import Experience
+    from rl.tasks.reward import varied_groups
+
+    def recs(*groups):
+        return [Experience(sequences=torch.tensor([1, 2]), rewards=torch.tensor(r), prompt_index=torch.tensor(p))
+                for p, rewards in enumerate(groups) for r in rewards]
+
+    assert varied_groups(recs([0.0, 0.0], [1.0, 1.0])) == 0.0
+    assert varied_groups(recs([0.0, 1.0], [1.0, 1.0])) == 0.5  # the control
+    assert varied_groups(recs([0.0], [1.0])) == 1.0  # groups of one: nothing to compare, no warning
+
+
+def test_steps_without_reward_variance_in_any_group_warn_naming_the_cause(caplog):
+    from rl.trainer.guard import UNIFORM_STEPS, DivergenceGuard
+
+    guard = DivergenceGuard(max_bad_steps=3)
+    flat = {"reward_varied_groups": 0.0, "reward_mean": 0.0}
+    with caplog.at_level(logging.WARNING, logger="train"):
+        for step in range(UNIFORM_STEPS - 1):
+            guard.end(step, dict(flat))
+        guard.end(UNIFORM_STEPS - 1, {"reward_varied_groups": 0.25, "reward_mean": 0.1})  # the control: a streak ends
+        assert not caplog.records
+        for step in range(UNIFORM_STEPS, 3 * UNIFORM_STEPS):
+            guard.end(step, dict(flat))
+    assert len(caplog.records) == 1, caplog.records  # once per streak
+    message = caplog.records[0].getMessage()
+    assert message.startswith(f"steps {UNIFORM_STEPS}-{2 * UNIFORM_STEPS - 1}: no prompt group had rewards that differ")
+    assert "every group-relative advantage is 0" in message
+
+
+def test_a_constant_reward_is_logged_as_no_varied_group(tmp_path, monkeypatch):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [5, 6, 7]}\n{"prompt_ids": [8, 9]}\n')
+    (tmp_path / "constant_rewards.py").write_text("def one(prompt_ids, response_ids):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tr = trainer(*SMALL, "task=file", f"task.prompts_path={prompts}", "task.reward_fn=constant_rewards:one")
+    metrics = tr.step(0)
+    assert metrics["reward_varied_groups"] == 0.0 and metrics["grad_norm"] == 0.0
+    assert 0 < trainer(*SMALL).step(0)["reward_varied_groups"] <= 1  # the control: target_token's rewards vary

@@ -6,6 +6,8 @@
 * `filter_uniform_groups` - dynamic sampling: a prompt group whose rewards are all equal
   has zero group-relative advantage, so it only dilutes the step; drop it (the trainer
   then samples more prompts until the step is full, a bounded number of times).
+* `varied_groups` - the fraction of prompt groups whose rewards differ (logged each step as
+  `reward_varied_groups`; 0 means no group-relative advantage anywhere: nothing to learn).
 """
 
 from __future__ import annotations
@@ -62,3 +64,11 @@ def filter_uniform_groups(records: Sequence[Experience]) -> tuple[list[Experienc
     dropped = sorted(p for p, r in groups.items() if len(r) > 1 and max(r) == min(r))
     gone = set(dropped)
     return [rec for rec in records if int(rec.prompt_index) not in gone], dropped
+
+
+def varied_groups(records: Sequence[Experience]) -> float:
+    """The fraction of prompt groups (of two samples or more) whose rewards are not all equal;
+    1.0 when there is no such group (nothing to compare)."""
+    groups = [[float(records[i].rewards) for i in members]
+              for members in group_by_prompt([int(rec.prompt_index) for rec in records]).values() if len(members) > 1]
+    return sum(max(r) != min(r) for r in groups) / len(groups) if groups else 1.0

@@ -23,6 +23,10 @@ that) stops the run at once, naming the step and `logits`.
 Entropy collapse is a warning, not an error: a mean entropy below `trainer.min_entropy`
 (None: off) says the policy is turning deterministic, the usual sign of a too-large
 learning rate that still gives finite numbers.
+
+No learning signal is a warning too: `UNIFORM_STEPS` steps in a row on which no prompt group's
+rewards differ (`reward_varied_groups` 0) give every group-relative advantage 0, so loss and
+grad_norm are 0 and nothing moves (a tiny random model on a text task, a constant reward).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ log = logging.getLogger("train")
 LOCAL_TERMS = ("rewards", "advantages", "loss")  # seen by one rank; grad_norm is global already
 
 
+UNIFORM_STEPS = 3  # steps in a row without reward variance inside any group before the warning
+
+
 class DivergenceError(RuntimeError):
     """`trainer.max_bad_steps` consecutive steps had a non-finite term."""
 
@@ -49,6 +56,7 @@ class DivergenceGuard:
         self.max_bad_steps, self.min_entropy = max_bad_steps, min_entropy
         self.verbose = verbose  # rank 0 logs; every rank raises
         self.bad_steps = 0  # consecutive
+        self.uniform_steps = 0  # consecutive steps without reward variance inside any group
         self._seen: dict[str, torch.Tensor] = {}  # term -> "non-finite somewhere" (a 0-d bool on the device)
 
     # ------------------------------------------------------------ during a step
@@ -105,10 +113,22 @@ class DivergenceGuard:
                     f"function and task.max_new_tokens.")
             if self.verbose:
                 log.warning(message)
+        self._check_signal(step, metrics)
         entropy = metrics.get("entropy")
         if self.min_entropy is not None and entropy is not None and entropy < self.min_entropy and self.verbose:
             log.warning("step %d: mean entropy %.3g is below trainer.min_entropy=%g: the policy is collapsing "
                         "(a learning rate too large for the task?)", step, entropy, self.min_entropy)
+
+
+    def _check_signal(self, step: int, metrics: dict[str, float]) -> None:
+        """Warn once a run has gone `UNIFORM_STEPS` steps without a prompt group whose rewards differ."""
+        self.uniform_steps = self.uniform_steps + 1 if metrics.get("reward_varied_groups", 1.0) == 0 else 0
+        if self.uniform_steps == UNIFORM_STEPS and self.verbose:
+            log.warning("steps %d-%d: no prompt group had rewards that differ (reward_varied_groups=0, reward_mean "
+                        "%.4g): every group-relative advantage is 0, so loss and grad_norm are 0 and the policy does "
+                        "not learn. The task is out of the model's reach (or too easy), or the reward is constant: "
+                        "check the reward on a few samples; more task.samples_per_prompt or a higher model.temperature "
+                        "widen the groups", step - UNIFORM_STEPS + 1, step, metrics.get("reward_mean", math.nan))
 
 
 @torch.no_grad()

@@ -59,7 +59,7 @@ from rl.config import Balance, Config, check_task_fits, model_config_value
 from rl.trainer.guard import DivergenceGuard, poison
 from rl.algos.losses import LossAgg, aggregate, build_kl_controller, kl_penalty, loss_normalizer, policy_loss, value_loss
 from rl.algos.schedule import make_lr_scheduler
-from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups
+from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups, varied_groups
 from rl.rollout.engine import PolicyRolloutEngine
 from rl.rollout.producer import RolloutMode, make_producer
 from rl.rollout.sync import sync_weights
@@ -488,6 +488,7 @@ class Trainer:
         metrics.update(
             step=step,
             reward_mean=float(torch.stack([r.rewards for r in records]).mean()),
+            reward_varied_groups=varied_groups(records),  # 0: no group-relative advantage (guard.py warns)
             response_length=float(torch.stack([torch.as_tensor(r.response_length) for r in records]).float().mean()),
             tokens=real,
             action_tokens=int(sum(mb.tokens for mb in minibatches)),
