@@ -21,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from model.library_noise import silence_library_noise  # noqa: E402
 from model.parallel_dims import init_distributed  # noqa: E402
 from rl.trainer.checkpoint import Checkpointer, run_to_continue  # noqa: E402
 from rl.config import Config, check_command_line, load, register, validate  # noqa: E402
@@ -41,6 +42,7 @@ def main(dict_cfg: DictConfig) -> dict:
 
 
 def run(dict_cfg: DictConfig, out_dir: str) -> dict:
+    silence_library_noise()  # before the imports that print it (torchao's kernels, its enums)
     from rl.trainer.trainer import build_trainer  # transformers and the model code: after the config is checked
 
     cfg: Config = load(dict_cfg)
