@@ -85,13 +85,14 @@ def checkpoint_family(path: str | Path) -> str:
     if not config.is_file():
         raise ValueError(f"model.pretrained_path={str(path)!r}: no config.json in the folder (a Hugging Face "
                          f"checkpoint folder, as written by save_pretrained, is expected)")
-    if not any((folder / w).is_file() for w in _WEIGHTS):
-        raise ValueError(f"model.pretrained_path={str(path)!r}: no weights in the folder (expected one of "
-                         f"{list(_WEIGHTS)})")
     fields = json.loads(config.read_text())
     if fields.get("model_type") is None:
         raise ValueError(f"model.pretrained_path={str(path)!r}: config.json has no model_type")
-    return family(fields["model_type"], key=f"model_type in {config}", config=fields)
+    name = family(fields["model_type"], key=f"model_type in {config}", config=fields)  # unsupported: said first
+    if not any((folder / w).is_file() for w in _WEIGHTS):
+        raise ValueError(f"model.pretrained_path={str(path)!r}: no weights in the folder (expected one of "
+                         f"{list(_WEIGHTS)})")
+    return name
 
 
 def build_model(

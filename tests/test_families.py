@@ -131,6 +131,11 @@ def test_an_unsupported_family_is_refused_before_any_weight_loads(tmp_path):
         message = str(e.value)
         assert f"{model_type!r}: unsupported {kind}" in message and all(f in message for f in DENSE), message
         assert "qwen3_moe" in message
+    weightless = tmp_path / "gpt2_no_weights"  # a gpt2 folder without weights: the family is the first problem
+    weightless.mkdir()
+    (weightless / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="'gpt2': unsupported model family"):
+        compose("model=pretrained", f"model.pretrained_path={weightless}")
 
 
 def test_a_folder_without_config_or_weights_is_refused_naming_the_path(tmp_path):

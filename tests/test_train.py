@@ -201,3 +201,20 @@ def test_a_run_that_fails_writes_its_error_to_train_log_and_marks_its_folder(tmp
     assert "the run failed" in log and "Traceback" in log and "RuntimeError: the grader is down" in log, log
     assert "RuntimeError: the grader is down" in (out / "FAILED").read_text()
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_a_sweep_names_its_run_folders_without_commas_or_equals(tmp_path):
+    """`-m` (checked at start-up at the first value of each swept key): one folder per run,
+    named by its overrides as key-value with '-' and '__' (no '=' or ',' to quote in a shell)."""
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "seed=0,1",
+           "trainer.max_steps=1", "task.prompts_per_step=2", "task.samples_per_prompt=2", "trainer.progress=false",
+           "trainer.plot=false", "checkpoint.final=false"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    names = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    common = "__task.prompts_per_step-2__task.samples_per_prompt-2__trainer.max_steps-1__trainer.plot-False__trainer.progress-False"
+    assert names == [f"0_checkpoint.final-False__seed-0{common}", f"1_checkpoint.final-False__seed-1{common}"], names
+    bad = subprocess.run(cmd[:3] + ["seed=0,1", "trainer.max_step=1"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 1 and "did you mean trainer.max_steps" in bad.stderr  # a sweep is checked too
