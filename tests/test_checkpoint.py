@@ -284,6 +284,28 @@ def uninterrupted_four(tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_four_ranks_killed_then_resume_auto_continue_the_run_in_its_folder(uninterrupted_four, tmp_path):
+    """torchrun 4 ranks (dp2 x cp2, ep2), no restarts: rank 1 SIGKILLs itself once 4 steps are
+    done and the group stops. A new torchrun (a new run id) with `resume=auto` finds that run
+    under outputs/ on every rank and finishes it in its folder with the uninterrupted metrics."""
+    hook = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fault"), str(ROOT)])}
+
+    def torchrun(*args, kill=None):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+               str(ROOT / "train.py"), *RUN, *FOUR, "checkpoint.every=2", *args]
+        return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                              env={**ENV, **hook, **({"RL_TEST_KILL": kill} if kill else {})})
+
+    assert torchrun(kill="after_step:4:1").returncode != 0
+    (run,) = (tmp_path / "outputs").iterdir()
+    resumed = torchrun("resume=auto")
+    ok(resumed)
+    assert list((tmp_path / "outputs").iterdir()) == [run]
+    assert "resumed from " + str(run / "checkpoints" / "step_00000004") in (run / "train.log").read_text()
+    assert metrics(run) == uninterrupted_four
+
+
+@pytest.mark.slow
 def test_four_ranks_killed_after_four_of_eight_steps_restart_resume_and_finish_alike(uninterrupted_four, tmp_path):
     """MAX_RESTARTS=1 launch/local.sh 4 (dp2 x cp2, ep2; resume left at `never`): rank 1
     SIGKILLs itself once 4 steps are done; torchrun restarts the group, which finds its run
