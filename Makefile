@@ -8,7 +8,7 @@ ARGS    ?=
 
 MODEL_DIR := .cache/models/SmolLM2-135M-Instruct
 
-.PHONY: install test test-quick test-model model train demo bench bench-peer bench-rank-memory bench-prefix bench-async clean install-vllm test-vllm
+.PHONY: install test test-quick test-model model train demo bench bench-peer bench-speed bench-rank-memory bench-prefix bench-async clean install-vllm test-vllm
 
 install: $(STAMP)
 
@@ -53,6 +53,13 @@ $(TRL_STAMP): requirements-trl.txt constraints-trl.txt
 
 bench-peer: model $(TRL_STAMP)
 	$(PY) bench/peer.py $(if $(JOB),--job $(JOB)) $(if $(STEPS),--steps $(STEPS)) $(ARGS)
+
+# The speed guard (bench/speed.py): the headline step (`make train`'s job, no evaluation) with the
+# defaults beside RL_ALLOCATOR=system, processes interleaved, medians of step / rollout / training seconds,
+# and the ratio to the last recorded runs (bench/results/speed.json, peer.json; each names its commit
+# and date). ~5 min idle; `make bench-speed ARGS=--quick`: the default arm only, ~1 min, nothing written.
+bench-speed: model
+	$(PY) bench/speed.py $(ARGS)
 
 # Host memory per rank of a one-step run of a 178M Qwen3 at 1, 2, 4, 8 ranks: train.py's defaults
 # beside the RL_ALLOCATOR=system control (bench/rank_memory.py; ~5 min on 2 cores), last line one JSON

@@ -10,10 +10,9 @@ import logging
 import os
 import sys
 
-from model.allocator import configure_allocator
+from model.allocator import allocator_mode
 
-# first, before the imports that allocate: memory a rank frees goes back to the OS (model/allocator.py)
-configure_allocator()
+allocator_mode()  # RL_ALLOCATOR checked before anything is built (model/allocator.py)
 
 import hydra  # noqa: E402
 import torch  # noqa: E402

@@ -118,9 +118,19 @@ def json_stdout() -> None:
     os.dup2(2, 1)
 
 
+def provenance() -> dict:
+    """The commit the figures were measured at (`+` if the work tree differed from it) and the UTC date."""
+    import subprocess
+
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    head = git("rev-parse", "--short", "HEAD") or None
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {"commit": head and head + ("+" if dirty else ""), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 def emit(name: str, summary: dict, details: dict | None = None, *, clock: str | None = None) -> dict:
-    """Write bench/results/<name>.json and print `summary` (+ machine) as the last line."""
-    line = {**summary, **({"clock": clock} if clock else {}), **machine()}
+    """Write bench/results/<name>.json and print `summary` (+ machine, commit and date) as the last line."""
+    line = {**summary, **({"clock": clock} if clock else {}), **machine(), **provenance()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps({"summary": line, "details": details or {}}, indent=1) + "\n")
     print(json.dumps(line), file=_JSON_OUT or sys.stdout, flush=True)

@@ -5,14 +5,15 @@ model.pretrained_path=<178M Qwen3> trainer.max_steps=1` (task=target_token, GRPO
 the final checkpoint, rollout.replica=auto), every other setting at its default and no
 allocator variable set by this bench: the children's environment holds no `MALLOC_*`,
 `GLIBC_TUNABLES` or `LD_PRELOAD` (removed from this process's own, if set, and said so), each
-rank checks that before train.py runs, and the allocator is whatever train.py sets up
+rank checks that before train.py runs, and the allocator is what train.py does with it
 (model/allocator.py). The arms, side by side:
 
-    default   train.py as a user runs it (model/allocator.py fixes glibc's thresholds)
-    system    the control: RL_ALLOCATOR=system, the opt-out (glibc's dynamic thresholds)
-    env       glibc's thresholds from the environment at exec (MALLOC_MMAP_THRESHOLD_ /
-              MALLOC_TRIM_THRESHOLD_ = 131072, the benches' old workaround), RL_ALLOCATOR=system:
-              does train.py's mallopt, which comes after Python's start, match it? (--arms env)
+    default   train.py as a user runs it (model/allocator.py: glibc's memory handed back after
+              loading and before each sharded layer's backward)
+    system    the control: RL_ALLOCATOR=system, glibc's own behaviour (dynamic thresholds, no trim)
+    fixed128k glibc's mmap and trim thresholds fixed at 128 KiB from the environment
+              (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ = 131072) with RL_ALLOCATOR=system:
+              the allocator before issue 39 (--arms fixed128k)
     sharded   the default allocator with rollout.replica=sharded: no rollout copy, generation
               from the FSDP2 shards; its rollout seconds against the default's are what the
               copy buys (--arms default sharded; rl/rollout/replica.py)
@@ -41,7 +42,7 @@ at its widest world so far, +10%); one that does not is reported as skipped.
 
     python bench/rank_memory.py                        # worlds 1 2 4 8: default arm; control at 1 2 4 (~5 min)
     python bench/rank_memory.py --quick                # worlds 1 4, both arms (~3 min on 2 cores)
-    python bench/rank_memory.py --arms default system env --worlds 1 4 --control-worlds 1 4
+    python bench/rank_memory.py --arms default system fixed128k --worlds 1 4 --control-worlds 1 4
     python bench/rank_memory.py --arms default sharded --worlds 4 --control-worlds 4   # what the copy buys
 
 Last line: one JSON object (bench/results/rank_memory.json).
@@ -70,7 +71,7 @@ THRESHOLD = "131072"
 ARMS = {
     "default": {},
     "system": {"RL_ALLOCATOR": "system"},
-    "env": {"RL_ALLOCATOR": "system", "MALLOC_MMAP_THRESHOLD_": THRESHOLD, "MALLOC_TRIM_THRESHOLD_": THRESHOLD},
+    "fixed128k": {"RL_ALLOCATOR": "system", "MALLOC_MMAP_THRESHOLD_": THRESHOLD, "MALLOC_TRIM_THRESHOLD_": THRESHOLD},
     "sharded": {},
 }
 ARM_OVERRIDES = {"sharded": ["rollout.replica=sharded"]}  # an arm's Hydra overrides beyond the run's
@@ -178,7 +179,7 @@ def instrument(train_module, probe: PhaseMemory) -> None:
     from rl.trainer.checkpoint import Checkpointer
     from rl.trainer.trainer import Trainer
 
-    _wrap(train_module, "build_trainer", lambda: probe.begin("load"), probe.end)
+    _wrap(trainer_module, "build_trainer", lambda: probe.begin("load"), probe.end)
     _wrap(Trainer, "rollout", lambda: probe.begin("rollout"), lambda: probe.begin("training"))
     _wrap(trainer_module, "sync_weights", lambda: probe.begin("sync"))  # the step's last part
     _wrap(Trainer, "step", after=probe.end)
@@ -225,17 +226,13 @@ def _meminfo(field: str) -> int:
 
 def check_env(arm: str, ranks: list[dict]) -> None:
     """The figure is honest: each rank started with the arm's allocator variables and no others,
-    and train.py set up (default) or left alone (system, env) the allocator its children get."""
+    and train.py handed its children no allocator variable of its own."""
     want = ARMS[arm]
     for r, rep in enumerate(ranks):
         if rep["env_at_start"] != want:
             raise AssertionError(f"arm {arm} rank {r}: allocator variables at start {rep['env_at_start']}, "
                                  f"expected {want}")
-        if not want:  # train.py's own allocator (default, sharded)
-            ok = rep["env_after_import"] == {"MALLOC_MMAP_THRESHOLD_": THRESHOLD, "MALLOC_TRIM_THRESHOLD_": THRESHOLD}
-        else:
-            ok = rep["env_after_import"] == want
-        if not ok:
+        if rep["env_after_import"] != want:  # train.py sets no allocator variable (model/allocator.py)
             raise AssertionError(f"arm {arm} rank {r}: after train.py's import the allocator variables are "
                                  f"{rep['env_after_import']}: model/allocator.py did not run as expected")
 
@@ -328,8 +325,7 @@ def main() -> None:
             print(f"{arm} world {world}: peak {s['peak_gb']:.3f} GB per rank (floor {s['floor_gb']:.3f}; {phases}), "
                   f"user {s['user_s']:.0f} s sys {s['sys_s']:.0f} s, {s['minor_faults']} minor faults, "
                   f"{s['wall_s']:.0f} s wall; {run['replica']}", flush=True)
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    line = {"checkpoint_bytes": size, "commit": head, "overrides": args.overrides, "removed_env": removed, "skipped": skipped,
+    line = {"checkpoint_bytes": size, "overrides": args.overrides, "removed_env": removed, "skipped": skipped,
             "loadavg_1m_max": round(max(x[0] for x in load), 2),
             "loadavg_1m_mean": round(sum(x[0] for x in load) / len(load), 2),
             "import_floor_gb": summary.get("default_world1", {}).get("floor_gb")}

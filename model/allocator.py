@@ -1,78 +1,73 @@
-"""The host allocator of a training process: memory a rank frees goes back to the OS.
+"""The host allocator of a training process: memory a rank frees in bulk goes back to the OS.
 
 glibc's malloc serves an allocation above its mmap threshold with a mapping of its own,
 returned to the OS on `free`; smaller ones come from its heaps (arenas), which keep freed
 memory for reuse and give it back only from the top, past the trim threshold. Both are
 dynamic by default: freeing a mapped chunk raises the mmap threshold to that chunk's size
-(up to 32 MiB) and the trim threshold to twice that. After FSDP2 frees its first all-gather
-buffer, every later buffer up to that size (gathered layers, activations, logits chunks)
-is carved from a heap and stays in the process once freed: a rank's resident set keeps its
-largest transients, whatever its shard (bench/rank_memory.py, `RL_ALLOCATOR=system` arm).
+(up to 32 MiB). After FSDP2 frees its first all-gather buffer, every later buffer up to that
+size (gathered layers, activations, logits chunks) is carved from a heap and stays in the
+process once freed: a rank's resident set keeps the largest transients of every phase of a
+step, whatever its shard (bench/rank_memory.py, `RL_ALLOCATOR=system` arm).
 
-`configure_allocator()` fixes both at 128 KiB (glibc's starting mmap threshold; fixing it
-turns the dynamic rise off) with `mallopt`, which governs every allocation after the call,
-and puts the same values in the environment (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`,
-read by glibc at a process's start) for the processes a run starts. train.py calls it first,
-before the imports that allocate (torch, its OpenMP runtime, the model), so every torchrun
-rank (launch/, make) has it unasked.
+Fixing both thresholds low (128 KiB) returned that memory but made every larger tensor a
+fresh mapping, zeroed by the kernel on first touch: ~20% of every step (issue 39). Instead,
+`release_memory()` hands the heaps' free pages back (glibc's `malloc_trim(0)`, which also
+releases whole free pages inside a heap, not only at its top) where memory is freed in bulk
+and would otherwise stay: after the model is built and loaded (rl/trainer/trainer.py), and
+before each sharded decoder layer's backward on the CPU (model/parallelize.py), when FSDP2
+has just freed the layer before's unsharded gradients. Measured (bench/rank_memory.py), the
+backward is where a sharded rank's resident set grew: its freed gradients and activations
+were not reused by the next layer's, and a rank kept ~0.7 GB more than it used. Everywhere
+else the heaps reuse freed memory as glibc intends, at full speed: a one-process run (no
+FSDP2) only trims once, after loading (bench/speed.py prices it against `system`).
 
-Opting out: `RL_ALLOCATOR=system` leaves glibc's own (dynamic) thresholds; `RL_ALLOCATOR=trim`
-is the default, stated. A value the user set for either parameter (its variable, or
-`glibc.malloc.mmap_threshold` / `trim_threshold` in `GLIBC_TUNABLES`) is kept; another
-allocator preloaded with `LD_PRELOAD` (jemalloc, tcmalloc) does not read glibc's `mallopt`,
-so it is unaffected. Without glibc (macOS, musl) nothing changes.
+`RL_ALLOCATOR=trim` is the default, stated; `RL_ALLOCATOR=system` makes `release_memory` do
+nothing (glibc's own behaviour). A value the user set for glibc (`MALLOC_MMAP_THRESHOLD_`,
+`GLIBC_TUNABLES`, ...) is glibc's business and stays in force; another allocator preloaded with
+`LD_PRELOAD` (jemalloc, tcmalloc) has no `malloc_trim`: nothing is called. Without glibc
+(macOS, musl) nothing changes.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
-THRESHOLD = 128 * 1024  # bytes: glibc's own starting mmap threshold, held fixed
 SWITCH = "RL_ALLOCATOR"  # trim (default) | system
 CHOICES = ("trim", "system")
-# mallopt parameter -> (its number in malloc.h, the environment variable, the GLIBC_TUNABLES name)
-PARAMETERS = {
-    "M_TRIM_THRESHOLD": (-1, "MALLOC_TRIM_THRESHOLD_", "glibc.malloc.trim_threshold"),
-    "M_MMAP_THRESHOLD": (-3, "MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold"),
-}
 
 
-def _user_value(env: str, tunable: str) -> str | None:
-    """The user's own setting of a parameter: its variable, or its entry in GLIBC_TUNABLES."""
-    if os.environ.get(env):
-        return f"{env}={os.environ[env]}"
-    for item in os.environ.get("GLIBC_TUNABLES", "").split(":"):
-        if item.partition("=")[0] == tunable:
-            return f"GLIBC_TUNABLES {item}"
-    return None
-
-
-def configure_allocator(threshold: int = THRESHOLD) -> dict[str, str]:
-    """Fix glibc's mmap and trim thresholds at `threshold` bytes for this process (mallopt)
-    and its children (environment), keeping any value the user set; nothing with
-    RL_ALLOCATOR=system. Returns what happened to each parameter: "set <bytes>",
-    "kept <the user's setting>", "off: RL_ALLOCATOR=system" or "unavailable: <why>"."""
+def allocator_mode() -> str:
+    """`RL_ALLOCATOR`, checked: "trim" (the default) or "system"."""
     choice = os.environ.get(SWITCH) or "trim"
     if choice not in CHOICES:
         raise ValueError(f"{SWITCH}={choice!r}: expected one of {', '.join(CHOICES)} "
-                         "(trim: freed memory goes back to the OS, the default; system: glibc's own thresholds)")
-    if choice == "system":
-        return {name: f"off: {SWITCH}=system" for name in PARAMETERS}
+                         "(trim: memory freed in bulk goes back to the OS, the default; system: glibc's own behaviour)")
+    return choice
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's `malloc_trim`, or None where the process's malloc is not glibc's."""
+    if os.environ.get("LD_PRELOAD"):  # jemalloc / tcmalloc: their own release policy
+        return None
     try:
         os.confstr("CS_GNU_LIBC_VERSION")
-        mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, ValueError, OSError) as e:  # not glibc: its tunables do not exist
-        return {name: f"unavailable: not glibc ({e})" for name in PARAMETERS}
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    done = {}
-    for name, (number, env, tunable) in PARAMETERS.items():
-        user = _user_value(env, tunable)
-        if user is not None:  # glibc read it at this process's start; the children inherit it
-            done[name] = f"kept {user}"
-        elif mallopt(number, threshold) != 1:
-            done[name] = f"unavailable: mallopt({name}, {threshold}) failed"
-        else:
-            os.environ[env] = str(threshold)
-            done[name] = f"set {threshold}"
-    return done
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, ValueError, OSError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_memory() -> bool:
+    """Return the heaps' free pages to the OS (`malloc_trim(0)`) unless `RL_ALLOCATOR=system`;
+    True if anything was called. Costs a walk over the heaps' free chunks (milliseconds), and
+    the pages it returns fault back in when reused: call it where memory was freed in bulk
+    and would otherwise stay, not per tensor."""
+    trim = _malloc_trim() if allocator_mode() == "trim" else None
+    if trim is None:
+        return False
+    trim(0)
+    return True

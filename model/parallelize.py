@@ -21,7 +21,8 @@ this order, each its own small function here, side by side, each a no-op where i
    both ends of the forward: it stays in the root, whose unshard covers both.
    Every microbatch loss is already a share of the step's global mean,
    so gradients are SUMMED (divide factor 1): the sum over (dp, cp) of each rank's
-   gradient is the one-process gradient.
+   gradient is the one-process gradient. On the CPU each sharded layer's backward first
+   hands the host memory freed by the layer before it back to the OS (model/allocator.py).
 
 A model on the meta device (a checkpoint's skeleton, `build_model(..., device="meta")`) is
 parallelized the same way, shapes only; `model.loading.load_sharded` then reads each
@@ -44,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from model import moe
+from model.allocator import release_memory
 from model.context_parallel import CP_VARLEN
 from model.moe import expert_load, expert_owners, is_moe, moe_blocks, moe_state
 from model.parallel_dims import ParallelDims, local_tensor
@@ -143,6 +145,8 @@ def apply_fsdp(wrapper: nn.Module, dims: ParallelDims, *, param_dtype: torch.dty
         fully_shard(block.experts, mesh=dims.expert_fsdp_mesh, mp_policy=mp)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dims.fsdp_mesh, mp_policy=mp)
+        if dims.device.type == "cpu":  # host transients: the layer's backward starts once the last one's are freed
+            layer.register_full_backward_pre_hook(_release_host_memory)
     if not tied_embeddings(model):  # a tied weight is read at both ends: the root's unshard covers both
         fully_shard(model.get_input_embeddings(), mesh=dims.fsdp_mesh, mp_policy=mp)
     fully_shard(wrapper, mesh=dims.fsdp_mesh, mp_policy=mp)
@@ -150,6 +154,12 @@ def apply_fsdp(wrapper: nn.Module, dims: ParallelDims, *, param_dtype: torch.dty
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # SUM: each microbatch loss is a share of the global mean
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM collective (gloo has no PREMUL_SUM)
+
+
+def _release_host_memory(module: nn.Module, grad_output) -> None:
+    """Before a sharded layer's backward: the previous layer's unsharded gradients and
+    weights, which FSDP2 has just reduce-scattered and freed, back to the OS (model/allocator.py)."""
+    release_memory()
 
 
 def tied_embeddings(model: nn.Module) -> bool:

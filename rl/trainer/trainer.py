@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from model.actor import Actor, Critic
+from model.allocator import release_memory
 from model.loading import load_sharded
 from model.models import build_model
 from model.moe import moe_blocks, reset_expert_load, router_aux_loss
@@ -106,6 +107,7 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
                                            chunk_bytes=m.logprob_chunk_bytes, dims=dims, actions_only=True,
                                            share_prompts=m.share_prompts))
     engine = build_engine(cfg, dims, task, actor, new_model)  # rollout.engine: hf | vllm (rl/rollout/build.py)
+    release_memory()  # what loading and sharding freed, back to the OS (model/allocator.py)
     return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine, task=task,
                    heldout=heldout)
 
