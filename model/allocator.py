@@ -13,13 +13,15 @@ Fixing both thresholds low (128 KiB) returned that memory but made every larger 
 fresh mapping, zeroed by the kernel on first touch: ~20% of every step (issue 39). Instead,
 `release_memory()` hands the heaps' free pages back (glibc's `malloc_trim(0)`, which also
 releases whole free pages inside a heap, not only at its top) where memory is freed in bulk
-and would otherwise stay: after the model is built and loaded (rl/trainer/trainer.py), and
-before each sharded decoder layer's backward on the CPU (model/parallelize.py), when FSDP2
-has just freed the layer before's unsharded gradients. Measured (bench/rank_memory.py), the
-backward is where a sharded rank's resident set grew: its freed gradients and activations
-were not reused by the next layer's, and a rank kept ~0.7 GB more than it used. Everywhere
-else the heaps reuse freed memory as glibc intends, at full speed: a one-process run (no
-FSDP2) only trims once, after loading (bench/speed.py prices it against `system`).
+and would otherwise stay: after the model is built and loaded (rl/trainer/trainer.py), and in
+a sharded (FSDP2) CPU run, whose rank's memory should fall with the world size, after each
+stage of a step (rollout, scoring, update, weight sync) and before each decoder layer's
+backward (model/parallelize.py), when FSDP2 has just freed the layer before's unsharded
+gradients. Measured per phase at 4 ranks (bench/rank_memory.py), the backward was where a
+sharded rank kept ~0.7 GB it no longer used: its freed gradients and activations were not
+reused by the next layer's. A one-process run keeps its heap between steps (the next step
+reuses it at full speed; trimming at its stage boundaries cost ~0.4 s a step of page faults
+and lowered no peak): it trims once, after loading (bench/speed.py prices it against `system`).
 
 `RL_ALLOCATOR=trim` is the default, stated; `RL_ALLOCATOR=system` makes `release_memory` do
 nothing (glibc's own behaviour). A value the user set for glibc (`MALLOC_MMAP_THRESHOLD_`,

@@ -162,6 +162,12 @@ def _release_host_memory(module: nn.Module, grad_output) -> None:
     release_memory()
 
 
+def sharded_on_host(wrapper: nn.Module) -> bool:
+    """True when FSDP2 sharded `wrapper` on the CPU: its rank's host memory should fall with the
+    world size, so the trainer also hands back what each stage of a step freed (model/allocator.py)."""
+    return isinstance(wrapper, FSDPModule) and next(wrapper.parameters()).device.type == "cpu"
+
+
 def tied_embeddings(model: nn.Module) -> bool:
     """True when the causal LM's input embedding and lm head are one Parameter."""
     head = model.get_output_embeddings()

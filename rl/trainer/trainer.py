@@ -50,7 +50,7 @@ from model.loading import load_sharded
 from model.models import build_model
 from model.moe import moe_blocks, reset_expert_load, router_aux_loss
 from model.parallel_dims import ParallelDims
-from model.parallelize import clip_grad_norm_, expert_load_metrics, parallelize
+from model.parallelize import clip_grad_norm_, expert_load_metrics, parallelize, sharded_on_host
 from packing import Experience, make_experience_batch, plan_microbatches
 from packing.planner import flop_cost
 from packing.exchange import StandIn, exchange, gather_metadata
@@ -184,6 +184,19 @@ class Trainer:
                                       share=lambda records, seconds, generated_s: Rollouts(
                                           *self._share(records, 0), {}, seconds, generated_s))
         self._policy_engine = None  # rollout.mode=async: the held-out evaluation's (`_eval_engine`)
+        self._sharded_on_host = sharded_on_host(actor)
+        self.on_progress = None  # train.py's progress bar: on_progress(**what the step is doing now), or None
+        engine.on_progress = self._progress  # decode steps and turns of a generation
+
+    def _release_memory(self) -> None:
+        """A rank of a sharded CPU run hands what a stage freed back to the OS (model/allocator.py),
+        so its memory falls with the world size; one process keeps its heap for the next step."""
+        if self._sharded_on_host:
+            release_memory()
+
+    def _progress(self, **now: str) -> None:
+        if self.on_progress is not None:
+            self.on_progress(**now)
 
     def _kl(self, log_probs: torch.Tensor, ref: torch.Tensor, estimator=None) -> torch.Tensor:
         algo = self.cfg.algo
@@ -210,6 +223,7 @@ class Trainer:
         if self._policy_engine is None:
             self._policy_engine = PolicyRolloutEngine(self.actor, stop_token_id=getattr(self.task, "stop_token_id", None),
                                                       group=dist.group.WORLD if self.dims.distributed else None)
+            self._policy_engine.on_progress = self._progress
         return self._policy_engine
 
     def step(self, step: int) -> dict[str, float]:
@@ -222,17 +236,21 @@ class Trainer:
         rollouts = self.rollout(step)
         if not self.producer.generates_during_training:
             self.engine.sleep()  # the rollout copy's memory is free for training; the sync refills it
+        self._release_memory()
         minibatches = self.collate(rollouts, self.plan(rollouts.samples))
         self.score(minibatches)
+        self._release_memory()
         self.advantages(rollouts.samples, minibatches)
         self.guard.begin(rewards=[r.rewards for r in rollouts.samples],
                          advantages=[b.advantages for mb in minibatches for b in mb.batches])
         stats = self.train(minibatches)
+        self._release_memory()
         produced = self.producer.settle()  # one_step_off: step+1's generation is done, the engine is free
         t_sync = time.perf_counter()
         # in buckets; vLLM: wakes, reloads in place, resets its cache; async: into the stage the thread loads from
         produced |= self.producer.sync(self.engine, self.actor.model)
         t_sync = time.perf_counter() - t_sync
+        self._release_memory()
         metrics = self.metrics(step, rollouts, minibatches, stats, elapsed=time.perf_counter() - t0)
         metrics["weight_sync_s"] = t_sync  # trainer -> rollout engine, after the step's last update
         metrics.update(produced)  # staleness and overlap (one_step_off, async); nothing for sync
@@ -395,10 +413,13 @@ class Trainer:
         stats = Stats()
         if moe_blocks(self.actor.model, strict=False):
             reset_expert_load(self.actor.model)  # the load metric counts the training forwards only
+        total, done = self.cfg.algo.epochs * sum(len(mb.batches) for mb in minibatches), 0
         for _ in range(self.cfg.algo.epochs):
             for mb in minibatches:
                 for batch, weight in zip(mb.batches, mb.weights):
+                    self._progress(train=f"{done}/{total}")
                     self.train_microbatch(batch, weight, mb, stats)
+                    done += 1
                 stats.add_step(self.optimizer_step())
         stats.add(self.guard.flags())
         return stats
