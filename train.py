@@ -62,8 +62,15 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
     writer = MetricsWriter(out_dir, enabled=dims.rank == 0, tensorboard=cfg.trainer.tensorboard, resume_step=start)
     log.info("run folder %s; dp=%d cp=%d ep=%d on %s", out_dir, dims.dp, dims.cp, dims.ep, dims.device)
     bar = tqdm(range(start, cfg.trainer.max_steps), disable=dims.rank != 0 or not cfg.trainer.progress, desc="train")
-    shown = {}
+    shown, now = {}, {}  # the last step's figures; what the running step is doing (decode t/T, turn, train i/n)
+
+    def progress(**fields: str) -> None:
+        now.update(fields)
+        bar.set_postfix(shown | now, refresh=True)
+
+    trainer.on_progress = progress if not bar.disable else None
     for step in bar:
+        now.clear()
         metrics = trainer.step(step)  # with the held-out evaluation of the policy it started from, when due
         writer.log(metrics)
         if "eval_accuracy" in metrics:
@@ -72,7 +79,8 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
             shown["eval_acc"] = f"{metrics['eval_accuracy']:.3f}"
         log.info("step %d reward %.4f loss %.4g grad_norm %.4g tokens/s %.0f", step, metrics["reward_mean"],
                  metrics["loss"], metrics["grad_norm"], metrics["tokens_per_s"])
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}", **shown)
+        shown.update(reward=f"{metrics['reward_mean']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+        bar.set_postfix(shown)
         ckpt.after_step(trainer, step + 1)  # every checkpoint.every steps, and after the last
     if cfg.eval.every and start < cfg.trainer.max_steps:  # the trained policy
         final = {"step": cfg.trainer.max_steps, **trainer.evaluate()}

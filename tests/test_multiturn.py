@@ -177,6 +177,25 @@ def test_the_trainer_trains_on_episodes_and_evaluates_both_turns(tiny_llama, tok
     assert first["action_tokens"] < first["response_length"] * 8
 
 
+def test_a_step_reports_its_turns_decode_steps_and_microbatches_as_it_goes(tiny_llama, tokenizer_dir):
+    """The progress bar's feed (train.py's `trainer.on_progress`): a multi-turn step reports each
+    turn, the decode steps and live rows at every host read of the engine, then each training
+    microbatch, in that order; nothing is reported when no one listens."""
+    tr = trainer(*_run(tiny_llama, tokenizer_dir, "eval.every=0"))
+    seen = []
+    tr.on_progress = lambda **now: seen.append(now)
+    tr.step(0)
+    kinds = [next(iter(f)) for f in seen]
+    assert kinds[0] == "turn" and seen[0] == {"turn": "1/2"} and {"turn": "2/2"} in seen
+    decode = [f for f in seen if "decode" in f]
+    assert decode and all(f["decode"].split("/")[1] == "6" and f["rows"].endswith("/8") for f in decode[:1])
+    train = [f["train"] for f in seen if "train" in f]
+    assert train and train[0] == f"0/{train[0].split('/')[1]}" and kinds.index("train") > max(
+        i for i, k in enumerate(kinds) if k in ("turn", "decode"))
+    tr.on_progress = None  # the control: a trainer without a listener runs the same step silently
+    assert math.isfinite(tr.step(1)["loss"])
+
+
 def test_packed_and_padded_one_step_off_and_async_train_on_episodes(tiny_llama, tokenizer_dir):
     run = _run(tiny_llama, tokenizer_dir, "eval.every=0")
     packed = [trainer(*run).step(s) for s in range(2)]

@@ -78,6 +78,7 @@ class RolloutEngine(abc.ABC):
 
     def __init__(self, *, stop_token_id: int | None = None) -> None:
         self.stop_token_id = stop_token_id
+        self.on_progress = None  # called as on_progress(decode="t/T", rows="b/B") while a generation runs, or None
         self.sync_bucket_bytes: int | None = None  # weight sync bucket (rl/rollout/sync.py); None: the default
         self.replica = None  # the start-up memory plan that chose this engine (rl/rollout/replica.py), if any
 
@@ -583,6 +584,8 @@ class HFRolloutEngine(RolloutEngine):
                         raise _diverged(max_new_tokens - first_bad)
                     last = last or not going
                     keep = [k for k, i in enumerate(live) if not stopped_rows[i]] if shrinks else None
+                    if self.on_progress is not None:  # signs of life in a long generation, at the host read
+                        self.on_progress(decode=f"{step + 1}/{max_new_tokens}", rows=f"{B - sum(stopped_rows)}/{B}")
                 if last and not self.is_moe:
                     break  # dense: the last token needs no forward
                 # feed the sampled tokens: logits for the next step, routing for these tokens

@@ -103,6 +103,8 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
         playing = [i for i, ep in enumerate(episodes) if not ep.done]
         indices = ([int(prompt_indices[i]) for i in playing] if turn == 0 else
                    [sample_seed(turn, int(prompt_indices[i]), place[i]) for i in playing])
+        if getattr(engine, "on_progress", None) is not None:
+            engine.on_progress(turn=f"{turn + 1}/{task.max_turns}")
         records = engine.generate([episodes[i].context for i in playing], prompt_indices=indices,
                                   max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         for i, rec in zip(playing, records):
