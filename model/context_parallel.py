@@ -66,7 +66,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface
 
-from model import attention
+from model import attention, compat
 from model.attention import varlen_attention_forward, varlen_mask
 from packing.collate import ROUTING_PAD
 from packing.experience import Experience, Kind
@@ -543,7 +543,7 @@ def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     size = dist.get_world_size(group)
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
-    dist.all_gather_single(out, moved, group=group)
+    compat.all_gather_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -561,7 +561,7 @@ class _GatherSum(torch.autograd.Function):
     def backward(ctx, grad):
         moved = grad.movedim(ctx.dim, 0).contiguous()
         out = moved.new_empty((moved.shape[0] // dist.get_world_size(ctx.group), *moved.shape[1:]))
-        dist.reduce_scatter_single(out, moved, op=dist.ReduceOp.SUM, group=ctx.group)
+        compat.reduce_scatter_single(out, moved, op=dist.ReduceOp.SUM, group=ctx.group)
         return out.movedim(0, ctx.dim), None, None
 
 

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from model import compat
 from model.moe import expert_owners
 
 DEFAULT_BUCKET_BYTES = 256 << 20  # rollout.sync_bucket_bytes=null: at most this (default_bucket_bytes)
@@ -220,7 +221,7 @@ def _gather_dim0(locals_: list[torch.Tensor], shapes: list[tuple[int, ...]], gro
             padded[:t.numel()] = t.reshape(-1)
             ins.append(padded)
     for out, inp in zip(outs, ins):
-        dist.all_gather_single(out, inp, group=group)
+        compat.all_gather_single(out, inp, group=group)
     return [out[:math.prod(shape)].view(shape) for out, shape in zip(outs, shapes)]
 
 
