@@ -7,7 +7,8 @@ Sections, each in its own process(es) with a time limit (a failure is recorded a
 next section still runs; the exit code is 1 when any section failed):
 
   parity  packed [1, N] vs padded [B, T] log-probs of a tiny Qwen3 and Qwen3-MoE (bf16 on
-          CUDA: flash-attn varlen for the pack, masked sdpa for the padded batch), as
+          CUDA: the varlen kernel of model.attention=auto for the pack, torch's own or
+          flash-attn, model/kernels.py; masked sdpa for the padded batch), as
           max |diff| over max |log-prob| on the scored slots, plus the control that
           withholds the pack's boundaries (it must break the tolerance). MoE routing is
           recorded on the padded forward and replayed (R3) in both, so a near-tie in the
@@ -141,18 +142,19 @@ def _dtypes(device: torch.device) -> list[torch.dtype]:
 
 
 def worker_parity(args) -> dict:
-    from model.attention import flash_attn_varlen_func
+    from model import kernels
     from packing.collate import make_experience_batch
     from packing.experience import Experience
 
     device = _device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    flash = device.type == "cuda" and flash_attn_varlen_func is not None
+    kernel = kernels.select("auto", device, dtype)  # model.attention=auto, as a run's start-up
     out = {"dtype": str(dtype).removeprefix("torch."), "tolerance": TOLERANCE[dtype],
-           "pack_attention": "flash_attn_varlen" if flash else "per-sequence sdpa"}
-    ok = flash or device.type == "cpu"
+           "pack_attention": kernels.NAMES[kernel]}
+    ok = kernel != "sdpa" or device.type == "cpu"
     if not ok:
-        out["error"] = "flash-attn is not importable: pip install -r requirements-gpu.txt"
+        out["error"] = ("no varlen kernel on this GPU: torch >= 2.10 has torch.nn.attention.varlen, or "
+                        "pip install -r requirements-gpu.txt (flash-attn)")
     for kind, name in MODELS.items():
         actor = _actor(name, dtype, _one_process(device))
         live = _records(actor.model.config.vocab_size)

@@ -5,8 +5,10 @@ model (`cu_seq_lens_q/k`, `max_length_q/k`: the names transformers' flash-attent
 integration also reads). The "varlen" attention registered here enforces exactly those
 boundaries:
 
-* CUDA + flash-attn importable (fp16/bf16): `flash_attn_varlen_func`.
-* otherwise: one causal sdpa call per sequence, `S_i x S_i` (`_per_sequence_sdpa`).
+* CUDA, fp16/bf16: the kernel `model.attention` chose (model/kernels.py: torch's own
+  `varlen_attn` by default, flash-attn's `flash_attn_varlen_func` if asked or if torch lacks one).
+* otherwise (CPU, fp32, or `model.attention=sdpa`): one causal sdpa call per sequence,
+  `S_i x S_i` (`_per_sequence_sdpa`).
   Chosen by bench/attention.py (torch 2.13, fp32, AVX512 kernel set, the default on this
   machine; 1 thread, process CPU time), forward+backward with 6 heads / 2 KV heads / dim 64:
 
@@ -34,7 +36,7 @@ then the responses that share it. Its boundary description cuts the pack into se
 prompt, a response, an unshared sequence, an EP suffix): segment i's queries are its own
 slots, its keys are gathered by `kv_index` (a response's keys: its prompt's slots, then its
 own), causal aligned bottom-right. That is flash-attn's varlen contract with `cu_seqlens_k != cu_seqlens_q`, so
-on GPU it is one `flash_attn_varlen_func` call on the gathered K/V; on CPU one sdpa call
+on GPU it is one varlen kernel call (model/kernels.py) on the gathered K/V; on CPU one sdpa call
 per segment (measured per layer, SmolLM2's 9/3 heads of dim 64, 4 prompts of 45 tokens x 8
 responses of 16, fwd+bwd, 2 threads: 36.6 ms today's pack, 16.7 ms per segment, 105.8 ms
 one masked `[L_g, L_g]` sdpa per group, which also grows with (group size)^2).
@@ -55,15 +57,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from model import kernels
 from packing.layout import cu_seqlens
 from packing.prompts import SharedPrompts
 
 VARLEN = "varlen"
 
-try:  # optional GPU extra (requirements-gpu.txt); never needed by the tests
-    from flash_attn import flash_attn_varlen_func
-except ImportError:  # pragma: no cover - depends on the machine
-    flash_attn_varlen_func = None
 
 
 def packed_attn_kwargs(
@@ -92,12 +91,6 @@ def packed_attn_kwargs(
     longest = max(lens)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
             "packed_seq_lens": tuple(lens)}
-
-
-def use_flash(query: torch.Tensor) -> bool:
-    """Whether a pack's attention runs flash-attn's varlen kernel: CUDA, fp16/bf16 and the
-    optional `flash_attn` installed. The one dispatch for "varlen" and "cp_varlen"."""
-    return query.is_cuda and flash_attn_varlen_func is not None and query.dtype in (torch.float16, torch.bfloat16)
 
 
 def varlen_attention_forward(
@@ -146,10 +139,11 @@ def varlen_attention_forward(
 
     cu_k = cu_seq_lens_q if cu_seq_lens_k is None else cu_seq_lens_k
     _check_pack(query, key, attention_mask, cu_seq_lens_q, cu_k)
-    if use_flash(query):
+    kernel = kernels.packed_kernel(query)
+    if kernel is not None:
         longest_q = max_length_q if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
         longest_k = max_length_k if max_length_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
-        out = flash_attn_varlen_func(  # THD in [N, H, D], THD out; GQA handled by the kernel
+        out = kernel(  # THD in [N, H, D], THD out; GQA handled by the kernel
             query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
             cu_seq_lens_q, cu_k, longest_q, longest_k, dropout_p=dropout, softmax_scale=scaling, causal=True,
         )
@@ -224,7 +218,7 @@ def _shared_prompt_attention(query, key, value, attention_mask, layout: SharedPr
 
     K/V are gathered once by `layout.kv_index` (`[sum len_k]` rows: each response's copy of its
     prompt's keys; the gather's backward sums a shared prompt's key gradients). GPU: one
-    flash-attn varlen call (causal is bottom-right there when `len_q != len_k`). Otherwise one
+    varlen kernel call (causal is bottom-right there when `len_q != len_k`). Otherwise one
     sdpa per segment, as `_per_sequence_sdpa`, with the bottom-right mask of `layout.mask`.
     """
     n = sum(layout.lens_q)
@@ -234,9 +228,10 @@ def _shared_prompt_attention(query, key, value, attention_mask, layout: SharedPr
             f"shared-prompt attention: query {tuple(query.shape)}, key {tuple(key.shape)}, attention_mask "
             f"{mask_shape}; expected one packed row of the layout's {n} slots, keys like queries, no mask"
         )
-    if use_flash(query):
+    kernel = kernels.packed_kernel(query)
+    if kernel is not None:
         k, v = (t[0].transpose(0, 1).index_select(0, layout.kv_index) for t in (key, value))  # [sum len_k, H_kv, D]
-        out = flash_attn_varlen_func(
+        out = kernel(
             query[0].transpose(0, 1), k, v, layout.cu_seq_lens_q, layout.cu_seq_lens_k, layout.max_length_q,
             layout.max_length_k, dropout_p=dropout, softmax_scale=scaling, causal=True,
         )

@@ -35,7 +35,7 @@ every decoder layer into the attention function's `**kwargs`, so `cp_context` re
 keys and values over the CP group (one collective per layer: K and V travel together) and
 masks by the layout: a query sees the keys of its own sequence at global positions <= its
 own, and never a padding key. Two kernels, one mask semantics:
-* CUDA, fp16/bf16, flash-attn importable, a pack: `flash_attn_varlen_func` over one
+* CUDA, fp16/bf16, a pack: the varlen kernel of `model.attention` (model/kernels.py) over one
   segment per (sequence, local chunk): chunk j of a sequence is `c` queries against that
   sequence's first `(j+1)*c` gathered keys, causal bottom-right aligned (flash-attn >= 2.1).
   Its index bookkeeping is checked on CPU against the mask.
@@ -66,7 +66,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface
 
-from model import attention, compat
+from model import compat, kernels
 from model.attention import varlen_attention_forward, varlen_mask
 from packing.collate import ROUTING_PAD
 from packing.experience import Experience, Kind
@@ -525,12 +525,13 @@ def cp_attention_forward(
 
 def _attend(module, query, key_full, value_full, ctx: CPContext, dropout, scaling) -> torch.Tensor:
     """Local queries against the gathered keys: `[B, S_local, H, D]`."""
-    if ctx.layout.packed and attention.use_flash(query):
+    kernel = kernels.packed_kernel(query) if ctx.layout.packed else None
+    if kernel is not None:
         cu_q, cu_k, max_q, max_k, kv_index = ctx.segments()
         k = key_full[0].transpose(0, 1).index_select(0, kv_index)  # [sum k-segments, H_kv, D]
         v = value_full[0].transpose(0, 1).index_select(0, kv_index)
-        out = attention.flash_attn_varlen_func(query[0].transpose(0, 1), k, v, cu_q, cu_k, max_q, max_k,
-                                               dropout_p=dropout, softmax_scale=scaling, causal=True)
+        out = kernel(query[0].transpose(0, 1), k, v, cu_q, cu_k, max_q, max_k, dropout_p=dropout,
+                     softmax_scale=scaling, causal=True)
         return out.unsqueeze(0)
     groups = getattr(module, "num_key_value_groups", 1)
     out = F.scaled_dot_product_attention(query, repeat_kv(key_full, groups), repeat_kv(value_full, groups),

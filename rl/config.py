@@ -15,8 +15,10 @@ from typing import Any, Callable, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf, open_dict
+import torch
 
 from model.families import FAMILIES
+from model.kernels import KERNELS, resolve as resolve_kernel
 from model.parallel_dims import ParallelDims, resolve_device
 from rl.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, get_advantage_estimator
 from rl.choice import Choice
@@ -29,6 +31,8 @@ from rl.algos.schedule import LRSchedule
 
 # the supported families (model/families.py); a checkpoint names its own in config.json
 ModelName = Choice("ModelName", [(name.upper(), name) for name in FAMILIES], module=__name__)
+# the varlen kernel of packed attention (model/kernels.py); auto = torch's own on CUDA fp16/bf16, sdpa on CPU
+AttentionKernel = Choice("AttentionKernel", [(name.upper(), name) for name in KERNELS], module=__name__)
 
 
 class DType(Choice):
@@ -62,6 +66,9 @@ class ModelConfig:
     # run each prompt a pack repeats (a GRPO group's samples) once through the body (model/actor.py
     # _shared_prompt_view), dense and MoE, any cp and ep; padded batches and packs without a repeat run as before
     share_prompts: bool = True
+    # the packed path's attention kernel (model/kernels.py): auto = torch's varlen_attn on CUDA fp16/bf16 (else
+    # flash-attn, else per-sequence sdpa), per-sequence sdpa on CPU; torch / flash fail at start-up where they cannot run
+    attention: AttentionKernel = AttentionKernel.AUTO
     overrides: Dict[str, Any] = field(default_factory=dict)  # Hugging Face config fields
 
 
@@ -639,13 +646,16 @@ def _check_rollout_mode(cfg: Config) -> None:
 
 def _check_device(cfg: Config) -> None:
     """`trainer.device` exists here, and the model dtypes run on it: float16 on CPU does not
-    (measured: the fp16 rollout samples from NaN probabilities)."""
+    (measured: the fp16 rollout samples from NaN probabilities); `model.attention`'s kernel runs
+    on that device in the compute dtype."""
     device = resolve_device(cfg.trainer.device.value)  # trainer.device=cuda without CUDA: an error naming it
     if device.type == "cpu":
         for key, value in (("model.dtype", cfg.model.dtype), ("model.param_dtype", cfg.model.param_dtype)):
             if value is DType.FLOAT16:
                 raise ValueError(f"{key}=float16 on cpu: CPU float16 kernels are not usable for training or "
                                  f"sampling; use float32 or bfloat16 (or run on CUDA)")
+    compute = cfg.model.param_dtype or cfg.model.dtype
+    resolve_kernel(cfg.model.attention.value, device, getattr(torch, compute.value))  # model.attention can run here
 
 
 def check_task_fits(cfg: Config, task: Any) -> None:

@@ -30,9 +30,9 @@ def reference_flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p=0.0, 
 
 @pytest.fixture
 def flash_on_cpu(monkeypatch):
-    """Route every pack through the flash-attn branch (model.attention.use_flash), with
+    """Route every pack through the varlen-kernel branch (model/kernels.py `packed_kernel`), with
     `reference_flash_varlen` as the kernel; yields the list of calls made."""
-    from model import attention
+    from model import kernels
 
     calls = []
 
@@ -40,6 +40,5 @@ def flash_on_cpu(monkeypatch):
         calls.append(args[3].numel() - 1)  # segments
         return reference_flash_varlen(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "use_flash", lambda query: True)
-    monkeypatch.setattr(attention, "flash_attn_varlen_func", kernel)
+    monkeypatch.setattr(kernels, "packed_kernel", lambda query: kernel)
     yield calls

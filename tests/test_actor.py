@@ -215,10 +215,10 @@ def test_the_flash_branch_is_wired_like_the_cpu_path(lm, pack, flash_on_cpu):
     # called in every layer, with one segment per packed sequence
     assert flash_on_cpu == [len(pack.packed_seq_lens)] * lm.config.num_hidden_layers
     flash_on_cpu.clear()
-    from model import attention
+    from model import kernels
 
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attention, "use_flash", lambda query: False)
+        mp.setattr(kernels, "packed_kernel", lambda query: None)
         cpu = Actor(lm)(pack)
     assert flash_on_cpu == []
     assert_parity("log-probs through the flash branch vs the CPU path", (flash - cpu).abs().max(), cpu.abs().max())

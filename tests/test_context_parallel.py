@@ -281,7 +281,7 @@ def test_flash_segments_select_the_keys_the_mask_allows(monkeypatch):
     """The GPU path of `_attend` on CPU, with a reference flash kernel (bottom-right causal sdpa
     per segment, tests/conftest.py): the same outputs as the mask path on every real token."""
     from conftest import reference_flash_varlen
-    from model import attention
+    from model import kernels
 
     batch = make_experience_batch(records([1, 3, 11, 30]), packed=True)
     module = torch.nn.Module()
@@ -295,8 +295,7 @@ def test_flash_segments_select_the_keys_the_mask_allows(monkeypatch):
             k, v = torch.randn(2, 1, 2, s_full, 8, generator=gen)
             want = _attend(module, q, k, v, CPContext(layout=lay, group=None), 0.0, None)[0]  # [S_local, H, D]
             with monkeypatch.context() as mp:  # one process, as if K/V were gathered
-                mp.setattr(attention, "use_flash", lambda query: True)
-                mp.setattr(attention, "flash_attn_varlen_func", reference_flash_varlen)
+                mp.setattr(kernels, "packed_kernel", lambda query: reference_flash_varlen)
                 got = _attend(module, q, k, v, CPContext(layout=lay, group=None), 0.0, None)[0]
             real = lay.local_real[0]
             assert_parity(f"cp={cp} rank {r} flash segments vs the mask path",
@@ -383,7 +382,7 @@ def test_shared_prompt_segments_mask_exactly_the_shared_attention():
 
 def test_shared_prompt_flash_segments_select_the_keys_the_mask_allows(monkeypatch):
     from conftest import reference_flash_varlen
-    from model import attention
+    from model import kernels
     from model.context_parallel import Segments
 
     pack = _shared_pack()
@@ -398,8 +397,7 @@ def test_shared_prompt_flash_segments_select_the_keys_the_mask_allows(monkeypatc
             k, v = torch.randn(2, 1, 2, s_full, 8, generator=gen)
             want = _attend(module, q, k, v, CPContext(layout=lay, group=None), 0.0, None)[0]
             with monkeypatch.context() as mp:
-                mp.setattr(attention, "use_flash", lambda query: True)
-                mp.setattr(attention, "flash_attn_varlen_func", reference_flash_varlen)
+                mp.setattr(kernels, "packed_kernel", lambda query: reference_flash_varlen)
                 got = _attend(module, q, k, v, CPContext(layout=lay, group=None), 0.0, None)[0]
             real = lay.local_real[0]
             assert_parity(f"shared cp={cp} rank {r} flash segments vs the mask path",

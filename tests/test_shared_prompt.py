@@ -208,9 +208,9 @@ def test_the_flash_branch_builds_the_same_attention(lm, records, pack, flash_on_
     assert flash_on_cpu == [segments] * lm.config.num_hidden_layers
     flash_on_cpu.clear()
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        from model import attention
+        from model import kernels
 
-        mp.setattr(attention, "use_flash", lambda query: False)
+        mp.setattr(kernels, "packed_kernel", lambda query: None)
         cpu = Actor(lm, share_prompts=True)(pack)
         plain = Actor(lm)(pack)
     assert flash_on_cpu == []

@@ -44,6 +44,7 @@ from typing import Any, Hashable
 import torch
 import torch.distributed as dist
 
+from model import kernels
 from model.actor import Actor, Critic
 from model.allocator import release_memory
 from model.loading import load_sharded
@@ -77,6 +78,7 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
     m = cfg.model
     dtype = getattr(torch, m.dtype.value)
     param_dtype = getattr(torch, m.param_dtype.value) if m.param_dtype is not None else None
+    kernels.select(m.attention, dims.device, param_dtype or dtype)  # logs the packed attention kernel
     # the task first: its errors (files, tokenizer, held-out size) come before any weight loads
     vocab_size = model_config_value(cfg, "vocab_size")[0]
     task = build_task(cfg.task.name, prompts_path=cfg.task.prompts_path, reward_fn=cfg.task.reward_fn,
