@@ -12,7 +12,7 @@ normalizers, dynamic sampling, the microbatch plan) is a handful of numbers per 
 
 A `StandIn` is an `Experience` holding only the episode scalars (`rewards`, `prompt_index`,
 `response_length`, `total_length`, a multi-turn episode's `turns`, the `policy_version` that
-generated it, with the records' dtypes)
+generated it, the episode's `status`, with the records' dtypes)
 and its record's count of action tokens (`action_tokens`: what the token-mean normalizer
 counts); the action mask itself travels with the record (a multi-turn record's has holes: rl/rollout/episodes.py).
 Every registered estimator's per-sample scalar reads only rewards and prompt groups
@@ -56,7 +56,7 @@ DTYPES: tuple[torch.dtype, ...] = (torch.bool, torch.uint8, torch.int8, torch.in
                                    torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ROUTING_TYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 ROW = ("prompt_index", "total_length", "response_length", "reward_bits", "action_tokens", "token_checksum", "turns",
-       "policy_version")
+       "policy_version", "status")
 _HEAD = ("count", "layers", "topk", "routing_min", "routing_max")
 
 
@@ -138,7 +138,8 @@ def _rows(records: Sequence[Experience]) -> tuple[torch.Tensor, int, int]:
         reward_bits = int(torch.tensor(float(rec.rewards), dtype=torch.float64).view(torch.int64))
         turns = int(rec.turns) if rec.turns is not None else 0  # a multi-turn episode's model turns
         version = int(rec.policy_version) if rec.policy_version is not None else -1
-        rows.append([int(rec.prompt_index), T, R, reward_bits, rec.action_tokens, checksum, turns, version])
+        status = int(rec.status) if rec.status is not None else -1  # how the episode ended (rl/tasks/calls.py)
+        rows.append([int(rec.prompt_index), T, R, reward_bits, rec.action_tokens, checksum, turns, version, status])
     return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), len(ROW)), low, high
 
 
@@ -181,7 +182,7 @@ def gather_metadata(records: Sequence[Experience], key: Hashable = 0, *, dp_rank
     dtype = {name: DTYPES[c - 1] for name, c in zip(FIELDS, wire.codes) if c}
     out = []
     for src, block in enumerate(parts):
-        for i, (prompt, T, R, bits, actions, _, turns, version) in enumerate(block.tolist()):
+        for i, (prompt, T, R, bits, actions, _, turns, version, status) in enumerate(block.tolist()):
             s = StandIn(rewards=torch.tensor(torch.tensor(bits).view(torch.float64).item(), dtype=dtype["rewards"]),
                         prompt_index=torch.tensor(prompt, dtype=dtype["prompt_index"]))
             if "response_length" in dtype:
@@ -191,6 +192,8 @@ def gather_metadata(records: Sequence[Experience], key: Hashable = 0, *, dp_rank
                 s.turns = torch.tensor(turns, dtype=dtype["turns"])
             if "policy_version" in dtype:
                 s.policy_version = torch.tensor(version, dtype=dtype["policy_version"])
+            if "status" in dtype:
+                s.status = torch.tensor(status, dtype=dtype["status"])
             s.source, s.wire, s.actions = (src, (key, i)), wire, actions
             out.append(s)
     return out

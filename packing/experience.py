@@ -69,6 +69,8 @@ class Experience:
     policy_version: torch.Tensor | None = _field(
         Kind.EPISODE, "the policy version that generated the sample: how many steps' updates its weights held "
         "(rl/rollout/producer.py); a step's staleness is its step minus this")
+    status: torch.Tensor | None = _field(
+        Kind.EPISODE, "how the episode ended: rl/tasks/calls.py Status (done, max_turns, truncated, error, timeout)")
     # media
     pixel_values: torch.Tensor | list | None = _field(Kind.MEDIA, "image patches")
     image_grid_thw: torch.Tensor | list | None = _field(Kind.MEDIA, "image grid sizes")

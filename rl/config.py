@@ -25,6 +25,7 @@ from rl.choice import Choice
 from rl.rollout.producer import RolloutMode
 from rl.rollout.replica import ReplicaMode, RolloutEngineName, check_sharded
 from rl.algos.losses import KLConfig, KLMode, PolicyLossConfig, check_policy_loss_config
+from rl.tasks.calls import OnError
 from rl.tasks.task import TaskName
 from rl.algos.schedule import LRSchedule
 
@@ -141,6 +142,10 @@ class TaskConfig:
     reward_fn: Optional[str] = None  # task=file: "module:function"
     tokenizer_path: Optional[str] = None  # task=math (and text prompts): a local tokenizer folder
     options: Dict[str, Any] = field(default_factory=dict)  # extra task arguments
+    # the user's code (reward, environment; rl/tasks/calls.py): skip = an exception or a timeout ends that
+    # sample (reward 0, counted as episodes_error / episodes_timeout) and the run goes on; raise = it stops the run
+    on_error: OnError = OnError.SKIP
+    timeout_s: Optional[float] = 60.0  # wall-clock limit of one reward / environment call (any thread); null: none
 
 
 @dataclass
@@ -509,7 +514,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "algo.kl_clamp", "algo.kl_log_ratio_clamp", "algo.value_clip", "task.prompts_per_step",
         "task.samples_per_prompt", "task.max_new_tokens", "trainer.max_steps", "trainer.max_bad_steps",
         "rollout.kv_cache_gb", "rollout.memory_budget_gb", "rollout.max_model_len", "eval.num_prompts",
-        "eval.max_new_tokens", "eval.batch_size", "checkpoint.keep")},
+        "eval.max_new_tokens", "eval.batch_size", "checkpoint.keep", "task.timeout_s")},
     **{key: (_non_negative, ">= 0") for key in (
         "algo.entropy_coef", "algo.vf_coef", "algo.critic_lr", "algo.router_aux_loss_coef", "algo.kl_coef",
         "algo.overlong_penalty_factor", "trainer.lr", "trainer.warmup_steps", "trainer.weight_decay",

@@ -25,6 +25,7 @@ from test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 from model.models import build_model
 from rl.rollout.engine import HFRolloutEngine, sample_seed
 from rl.rollout.episodes import run_episodes
+from rl.tasks.calls import Status
 from rl.tasks.task import ArithmeticRetryTask, RetryEnvironment, build_task, math_reward
 from scripts.distributed import run_distributed
 
@@ -314,7 +315,28 @@ def test_a_users_environment_is_checked_by_name(tiny_llama, tokenizer_dir, tmp_p
     no_heldout = [a for a in run if not a.startswith("task.options.heldout_path=")]
     with pytest.raises(ValueError, match=r"eval.every > 0 with task=environment needs task.options.heldout_path"):
         trainer(*no_heldout, "eval.every=1")
-    short = trainer(*run, "task.options.max_observation_len=4")  # the hint is longer: found at its first answer
-    with pytest.raises(ValueError, match=r"SayNumber.step answered sample \d+ .* with \d+ tokens, more than the "
-                                         r"task's max_observation_len=4"):
-        short._records(0, 0, 0)
+    # an answer longer than max_observation_len is cut, not an error (rl/rollout/episodes.py): its text's tokens
+    # cut at their end, the template's frame kept (<|end|><|user|> ... <|end|><|assistant|>), status `truncated`
+    short = trainer(*run, "task.options.max_observation_len=6")
+    tok = short.task.tokenizer
+    end, assistant = tok.convert_tokens_to_ids("<|end|>"), tok.convert_tokens_to_ids("<|assistant|>")
+    full = short.task.observation_ids("No. Say the number.")
+    assert len(full) > 6
+    records = short._records(0, 0, 0)
+    cut = 0
+    for rec in records:
+        replies = _replies(rec)
+        if len(replies) == 2:
+            gap = rec.sequences[replies[0][-1] + 1:replies[1][0]].tolist()
+            assert len(gap) <= 6 and gap[-2:] == [end, assistant]  # the next turn starts where the template puts it
+            head = full[1:] if gap[0] != full[0] else full  # less the <|end|> the first reply stopped on
+            assert gap[:-2] == head[:len(gap) - 2]  # the start of the answer kept, its end cut
+            assert int(rec.status) == Status.TRUNCATED
+            cut += 1
+        else:
+            assert int(rec.status) == Status.DONE
+    assert cut
+    metrics = short.step(0)
+    assert metrics["episodes_truncated"] >= 1 and metrics["episodes_error"] == 0.0
+    # the control: a long enough limit cuts nothing
+    assert all(int(r.status) != Status.TRUNCATED for r in trainer(*run)._records(0, 0, 0))

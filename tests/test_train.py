@@ -185,15 +185,17 @@ def test_a_config_error_names_the_key_before_the_heavy_imports_and_leaves_no_fol
 
 
 def test_a_run_that_fails_writes_its_error_to_train_log_and_marks_its_folder(tmp_path):
-    """A reward that raises during the first rollout: the message and traceback reach
-    train.log (not only the terminal), the folder holds FAILED, and no empty metrics.jsonl."""
+    """A reward that raises during the first rollout, with task.on_error=raise (the default, skip,
+    counts it and goes on: tests/test_user_code.py): the message and traceback reach train.log (not
+    only the terminal), the folder holds FAILED, and no empty metrics.jsonl."""
     (tmp_path / "flaky.py").write_text("calls = []\n\ndef reward(prompt_ids, response_ids):\n    calls.append(1)\n"
                                        "    if len(calls) > 1:\n        raise RuntimeError('the grader is down')\n"
                                        "    return 0.0\n")
     (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [5, 6, 7]}\n')
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={out}", "task=file",
-                           "task.prompts_path=prompts.jsonl", "task.reward_fn=flaky:reward", "trainer.progress=false"],
+                           "task.prompts_path=prompts.jsonl", "task.reward_fn=flaky:reward", "task.on_error=raise",
+                           "trainer.progress=false"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)})
     assert proc.returncode == 1 and "the grader is down" in proc.stderr, proc.stderr[-2000:]

@@ -34,6 +34,28 @@ depend on neither the batch nor which other samples are still playing.
 Every turn calls `generate`, with no prompt when no sample plays on: an engine that is a
 collective (rl/rollout/engine.py `PolicyRolloutEngine`) sees the same calls on every rank.
 
+The user's code (the reward, `task.environment()`, `reset`, `step`) runs through the task's
+`calls` (rl/tasks/calls.py: `task.on_error`, `task.timeout_s`): with on_error=skip an exception
+or a timeout ends that one episode with reward 0 and status `error` or `timeout` (an environment
+that failed mid-episode is never called again; the tokens so far stay in its record, so the
+step's calls to the engine are the same whatever failed); the run goes on. Every record gets a
+`status` (rl/tasks/calls.py `Status`): `done` (the environment ended it, or a single-turn
+reward), `max_turns` (the last turn came and the environment was not done), `truncated` (an
+answer was cut, below), `error`, `timeout`; `episode_metrics` counts them per step.
+
+Each sample gets its own copy of its prompt's meta (a deep copy): a reward or environment that
+writes into it does not reach the other samples of its group. An environment whose `reset`
+takes a `seed` keyword gets a per-sample seed, mixed from (the call's seed, i.e. the run's seed
+and the step, the prompt index, the sample's place in its group): a stochastic environment
+draws the same episodes when a run is resumed or repeated with the same seed.
+
+An environment answer longer than `task.max_observation_len` tokens is cut to fit, not an error:
+the answer's text tokens are cut at their end and the chat template's frame around them (the
+end of the model's turn before, the next generation prompt after: the ids `observation_ids("")`
+shares with the answer at its start and end) is kept, so the next turn still starts where the
+template puts it; the episode goes on and ends with status `truncated` (unless it fails). When
+even the frame does not fit, the episode ends there (status `truncated`).
+
 Routing (MoE): each token's recorded routing is that of the turn it entered the engine in:
 the prompt and turn 1's reply from turn 1, an observation and the reply after it from the
 next turn's prefill and decode.
@@ -41,18 +63,30 @@ next turn's prefill and decode.
 
 from __future__ import annotations
 
+import copy
+import inspect
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from packing.experience import Experience
 from rl.rollout.engine import group_places, make_record, sample_seed
+from rl.tasks.calls import Status, UserCalls
 from rl.tasks.task import MultiTurnTask, Task, assign_rewards, check_reward
+
+_ENV_SALT = 0x5EED_E7E7  # environment seeds are drawn apart from the engine's sample seeds
 
 
 def is_multi_turn(task: Task) -> bool:
     return hasattr(task, "environment")
+
+
+def task_calls(task: Task) -> UserCalls:
+    """How the task's user code is called: the trainer's `task.calls` (task.on_error,
+    task.timeout_s), else every error raised (`UserCalls.strict()`)."""
+    return getattr(task, "calls", None) or UserCalls.strict()
 
 
 def run_episodes(engine, task: Task, prompts: Sequence[torch.Tensor], metas: Sequence[dict], *,
@@ -60,11 +94,41 @@ def run_episodes(engine, task: Task, prompts: Sequence[torch.Tensor], metas: Seq
                  seed: int) -> list[Experience]:
     """One rewarded record per prompt, in order (see the module docstring); `max_new_tokens`
     bounds each turn's reply."""
+    metas = [_own(meta) for meta in metas]  # one meta per sample, not one per prompt group
     if not is_multi_turn(task):
         records = engine.generate(list(prompts), prompt_indices=prompt_indices, max_new_tokens=max_new_tokens,
                                   temperature=temperature, seed=seed)
-        return assign_rewards(task, records, metas)
+        return assign_rewards(task, records, metas, task_calls(task))
     return _play(engine, task, prompts, metas, prompt_indices, max_new_tokens, temperature, seed)
+
+
+def environment_seed(seed: int, prompt_index: int, place: int) -> int:
+    """The seed an environment's `reset(prompt, seed=...)` gets: a function of the call's seed
+    (the run's seed and the step), the prompt index and the sample's place in its group."""
+    return sample_seed(sample_seed(seed, _ENV_SALT, 0), prompt_index, place)
+
+
+def episode_metrics(samples: Sequence[Experience]) -> dict[str, float]:
+    """The step's episodes by status, `episodes_<status>` (rl/tasks/calls.py `Status`); nothing
+    for records without one."""
+    if not samples or samples[0].status is None:
+        return {}
+    counts = Counter(int(s.status) for s in samples)
+    return {f"episodes_{status.label}": float(counts.get(int(status), 0)) for status in Status}
+
+
+def _own(meta: dict) -> dict:
+    try:
+        return copy.deepcopy(meta)
+    except Exception:  # noqa: BLE001 - something that cannot be deep-copied: a copy of the dict itself
+        return dict(meta)
+
+
+def _takes_seed(reset: Any) -> bool:
+    try:
+        return "seed" in inspect.signature(reset).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass
@@ -78,10 +142,15 @@ class _Episode:
     routing: list[torch.Tensor] = field(default_factory=list)  # [L, K, n] per turn: the tokens new in it
     reward: float = 0.0
     done: bool = False
+    status: Status | None = None  # set when the episode ends otherwise than `done`
+    truncated: bool = False  # an answer was cut to task.max_observation_len
 
     @property
     def turns(self) -> int:
         return sum(sampled for _, sampled, _ in self.pieces)
+
+    def fail(self, status: Status) -> None:
+        self.status, self.done, self.reward = status, True, 0.0
 
 
 def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_tokens, temperature,
@@ -89,16 +158,24 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
     if len(metas) != len(prompts) or len(prompt_indices) != len(prompts):
         raise ValueError(f"run_episodes: {len(prompts)} prompts, {len(metas)} metas, {len(prompt_indices)} "
                          f"prompt_indices (one each)")
-    episodes, place = [], group_places(prompt_indices)
+    calls, episodes, place = task_calls(task), [], group_places(prompt_indices)
+    name = getattr(task, "reward_name", None) or f"{type(task).__name__}.environment"
     for i, (prompt, meta) in enumerate(zip(prompts, metas)):
-        env = task.environment()
-        first = task.encode_messages(env.reset(meta))
-        if first != prompt.tolist():
-            raise ValueError(f"run_episodes: sample {i} (prompt index {int(prompt_indices[i])}): the environment's "
-                             f"first turn renders to {len(first)} tokens, not the {prompt.numel()} of the task's "
-                             f"prompt: `reset(meta)` must give the turn `prompts` encoded")
-        episodes.append(_Episode(prompt, prompt, env))
+        ep = _Episode(prompt, prompt, None)
+        guard = calls.guard(f"environment {name}", f"run_episodes: sample {i} (prompt index {int(prompt_indices[i])})")
+        with guard:
+            ep.env = env = calls.run(task.environment, what=f"{name}: environment()")
+            kwargs = {"seed": environment_seed(seed, int(prompt_indices[i]), place[i])} if _takes_seed(env.reset) else {}
+            first = task.encode_messages(calls.run(env.reset, meta, what=f"{type(env).__name__}.reset", **kwargs))
+            if first != prompt.tolist():
+                raise ValueError(f"run_episodes: sample {i} (prompt index {int(prompt_indices[i])}): the environment's "
+                                 f"first turn renders to {len(first)} tokens, not the {prompt.numel()} of the task's "
+                                 f"prompt: `reset(meta)` must give the turn `prompts` encoded")
+        if guard.status is not None:  # it still takes turn 1 (the step's first call is the same), then ends
+            ep.status = guard.status
+        episodes.append(ep)
     stop = getattr(engine, "stop_token_id", None)
+    frame = None  # observation_ids(""): the template's frame around an answer, for cutting a long one
     for turn in range(task.max_turns):
         playing = [i for i, ep in enumerate(episodes) if not ep.done]
         indices = ([int(prompt_indices[i]) for i in playing] if turn == 0 else
@@ -113,21 +190,43 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
             ep.pieces.append((response, True, rec.rollout_log_probs[n - 1:]))
             if rec.routed_experts is not None:
                 ep.routing.append(rec.routed_experts[..., sum(r.shape[-1] for r in ep.routing):])
-            observation, reward, done = ep.env.step(task.decode(response))
-            ep.reward += check_reward(reward, f"run_episodes: {type(ep.env).__name__}.step", i, prompt_indices[i])
+            if ep.status is not None:  # failed before its first turn
+                ep.fail(ep.status)
+                continue
+            who = f"{type(ep.env).__name__}.step"
+            guard = calls.guard(f"environment {name}", f"run_episodes: sample {i} (prompt index "
+                                                        f"{int(prompt_indices[i])}), turn {turn + 1}")
+            with guard:
+                observation, reward, done = calls.run(ep.env.step, task.decode(response), what=who)
+                reward = check_reward(reward, f"run_episodes: {who}", i, prompt_indices[i])
+                if not done and turn < task.max_turns - 1 and not isinstance(observation, str):
+                    raise ValueError(f"run_episodes: {who} returned observation {observation!r} with done=False for "
+                                     f"sample {i}: an episode that goes on needs the next user turn")
+            if guard.status is not None:
+                ep.fail(guard.status)
+                continue
+            ep.reward += reward
             ep.done = bool(done) or turn == task.max_turns - 1
             if ep.done:
+                if not done:
+                    ep.status = Status.MAX_TURNS
                 continue
-            if not isinstance(observation, str):
-                raise ValueError(f"run_episodes: {type(ep.env).__name__}.step returned observation {observation!r} "
-                                 f"with done=False for sample {i}: an episode that goes on needs the next user turn")
-            ids = task.observation_ids(observation)
-            if stop is not None and ids and ids[0] == stop and int(response[-1]) == stop:
+            with (guard := calls.guard(f"chat template of {name}", f"run_episodes: sample {i}, turn {turn + 1}")):
+                ids = list(task.observation_ids(observation))
+            if guard.status is not None:
+                ep.fail(guard.status)
+                continue
+            closed = stop is not None and ids and ids[0] == stop and int(response[-1]) == stop
+            if closed:
                 ids = ids[1:]  # the reply's stop token already closed the turn
             if len(ids) > task.max_observation_len:  # start-up sized every sample with the longest
-                raise ValueError(f"run_episodes: {type(ep.env).__name__}.step answered sample {i} (prompt index "
-                                 f"{int(prompt_indices[i])}) with {len(ids)} tokens, more than the task's "
-                                 f"max_observation_len={task.max_observation_len} (task.options.max_observation_len)")
+                if frame is None:
+                    frame = list(task.observation_ids(""))
+                ids = cut_observation(ids, task.max_observation_len, frame[1:] if closed else frame)
+                ep.truncated = True
+                if ids is None:  # not even the template's frame fits: the episode ends here
+                    ep.done = True
+                    continue
             obs = torch.tensor(ids, dtype=torch.int64)
             ep.pieces.append((obs, False, torch.zeros(obs.numel())))
             ep.context = torch.cat([rec.sequences, obs])
@@ -139,5 +238,26 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
                           actions=torch.cat([torch.full((t.numel(),), s) for t, s in zip(tokens, sampled)]))
         rec.rewards = torch.tensor(ep.reward, dtype=torch.float32)
         rec.turns = torch.tensor(ep.turns)
+        status = ep.status if ep.status in (Status.ERROR, Status.TIMEOUT) else \
+            Status.TRUNCATED if ep.truncated else ep.status or Status.DONE
+        rec.status = torch.tensor(int(status))
         out.append(rec)
     return out
+
+
+def cut_observation(ids: list[int], limit: int, frame: list[int]) -> list[int] | None:
+    """`ids` (an environment answer in the chat template) cut to `limit` tokens: the tokens it
+    shares with `frame` (the template around an empty answer) at its start and at its end are
+    kept, the answer's own tokens cut at their end; None when the frame alone exceeds `limit`."""
+    if len(ids) <= limit:
+        return ids
+    head = 0
+    while head < min(len(frame), len(ids)) and ids[head] == frame[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(frame), len(ids)) - head and ids[-1 - tail] == frame[-1 - tail]:
+        tail += 1
+    keep = limit - head - tail
+    if keep < 0:
+        return None
+    return ids[:head + keep] + ids[len(ids) - tail:]

@@ -44,6 +44,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import logging
 import math
 import numbers
 import os
@@ -55,6 +56,7 @@ import torch
 
 from packing.experience import Experience
 from rl.choice import Choice
+from rl.tasks.calls import OnError, Status, UserCalls
 
 Prompt = tuple[torch.Tensor, dict]
 
@@ -104,21 +106,37 @@ class MultiTurnTask(Task, Protocol):
     def decode(self, ids: Any) -> str: ...
 
 
-def assign_rewards(task: Task, records: Sequence[Experience], metas: Sequence[dict]) -> list[Experience]:
-    """Set `rec.rewards` (0-d fp32) on each record from `task.reward`; returns the records.
+def assign_rewards(task: Task, records: Sequence[Experience], metas: Sequence[dict],
+                   calls: UserCalls | None = None) -> list[Experience]:
+    """Set `rec.rewards` (0-d fp32) and `rec.status` on each record from `task.reward`; returns
+    the records.
 
     A reward that is not a finite real number (NaN, inf, None, a bool, a string such as
     "0.5") is a ValueError naming the reward function, the record, its prompt index and
-    the value. A 0-d real tensor is taken as its value.
+    the value. A 0-d real tensor is taken as its value. `calls` (rl/tasks/calls.py; None:
+    `UserCalls.strict()`, every error raised) says what an exception or a timeout does: with
+    `on_error=skip` that record gets reward 0 and status `error` (or `timeout`), the others
+    go on.
     """
     if len(records) != len(metas):
         raise ValueError(f"assign_rewards: {len(records)} records but {len(metas)} metas (one per record)")
+    calls = calls or UserCalls.strict()
+    who = f"assign_rewards: reward function {reward_name(task)}"
     for i, (rec, meta) in enumerate(zip(records, metas)):
         n_prompt = rec.sequences.numel() - int(rec.response_length)
-        value = task.reward(rec.sequences[:n_prompt], rec.sequences[n_prompt:], meta)
-        value = check_reward(value, f"assign_rewards: reward function {reward_name(task)}", i, rec.prompt_index)
-        rec.rewards = torch.tensor(value, dtype=torch.float32)
+        guard = calls.guard(f"reward function {reward_name(task)}", f"sample {i} (prompt index {_index(rec)})")
+        value = 0.0
+        with guard:
+            value = calls.run(task.reward, rec.sequences[:n_prompt], rec.sequences[n_prompt:], meta,
+                              what=f"reward function {reward_name(task)}")
+            value = check_reward(value, who, i, rec.prompt_index)
+        rec.rewards = torch.tensor(value if guard.status is None else 0.0, dtype=torch.float32)
+        rec.status = torch.tensor(int(guard.status if guard.status is not None else Status.DONE))
     return list(records)
+
+
+def _index(rec: Experience) -> str:
+    return "?" if rec.prompt_index is None else str(int(rec.prompt_index))
 
 
 def check_reward(value: Any, who: str, i: int, prompt_index: Any) -> float:
@@ -675,22 +693,32 @@ def load_callable(spec: str, key: str = "task.reward_fn") -> Callable:
     return obj
 
 
-def probe_reward(task: Task) -> None:
+def probe_reward(task: Task, calls: UserCalls | None = None) -> None:
     """Call the task's reward once, at start-up, on a probe sample (its first prompt and a
     one-token response: the stop token, else the prompt's first token), so a reward function
     that raises or returns no number stops the run before a model is built, not after the first
-    rollout. A multi-turn task's reward is its environment's (played in the rollout): not probed."""
+    rollout. With `calls.on_error=skip` (the trainer's default) an exception (or a timeout) is a
+    warning instead: a function that fails on some samples (the probe's one-token response is an
+    odd one) must not keep the run from starting, and the steps count its failures; a value that
+    is not a number is always an error (a type mistake fails on every sample). A multi-turn task's
+    reward is its environment's (played in the rollout): not probed."""
     if isinstance(task, MultiTurnTask) or not hasattr(task, "reward"):
         return
+    calls = calls or UserCalls.strict()
     (prompt_ids, meta), = task.prompts(1, seed=0)
     response = [task.stop_token_id if task.stop_token_id is not None else int(prompt_ids[0])]
     who = f"the reward function {reward_name(task)}"
-    try:
-        value = task.reward(prompt_ids, torch.tensor(response), dict(meta))
+    try:  # with task.timeout_s: a reward that hangs on the probe is a timeout, not a start-up that never ends
+        value = calls.run(task.reward, prompt_ids, torch.tensor(response), dict(meta), what=who)
     except Exception as e:
-        raise ValueError(f"{who} raised {type(e).__name__}: {e} on a probe sample at start-up (a prompt of the "
-                         f"task, response ids {response}, keywords {sorted(meta)})") from e
-    check_reward(value, f"{who} (called once at start-up on a probe sample)", 0, None)
+        message = (f"{who} raised {type(e).__name__}: {e} on a probe sample at start-up (a prompt of the task, "
+                   f"response ids {response}, keywords {sorted(meta)})")
+        if calls.on_error is OnError.RAISE:
+            raise ValueError(message) from e
+        logging.getLogger(__name__).warning("%s; task.on_error=skip: the run starts, and each step counts the samples "
+                                            "whose reward fails (episodes_error, episodes_timeout)", message)
+        return
+    check_reward(value, f"{who} (called once at start-up on a probe sample)", 0, None)  # a wrong type: always an error
 
 
 def _read_prompts(path: str | os.PathLike, encode: Callable[[str], list[int]] | None, vocab_size: int | None, *,
@@ -775,8 +803,10 @@ TASKS: dict[TaskName, Callable[..., Task]] = {
 }
 
 
-def build_task(name: TaskName | str, **kwargs: Any) -> Task:
-    """A task by name; None-valued kwargs are dropped, unknown ones are an error naming them."""
+def build_task(name: TaskName | str, *, calls: UserCalls | None = None, **kwargs: Any) -> Task:
+    """A task by name; None-valued kwargs are dropped, unknown ones are an error naming them.
+    `calls` (rl/tasks/calls.py: `task.on_error`, `task.timeout_s`) is kept as `task.calls`:
+    how the rollout calls its reward or environments (None: `UserCalls.strict()`)."""
     name = TaskName.parse(name, "task.name")  # an unknown name: a ValueError listing the tasks
     cls = TASKS[name]
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
@@ -789,7 +819,8 @@ def build_task(name: TaskName | str, **kwargs: Any) -> Task:
     if vocab is not None and task.min_vocab_size > vocab:
         raise ValueError(f"task '{name.value}' needs a vocabulary of at least {task.min_vocab_size} ids, the model "
                          f"has {vocab}")
-    probe_reward(task)
+    task.calls = calls
+    probe_reward(task, calls)
     return task
 
 

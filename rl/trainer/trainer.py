@@ -67,7 +67,8 @@ from rl.rollout.producer import RolloutMode, make_producer
 from rl.rollout.sync import sync_weights
 from rl.rollout.build import build_engine
 from rl.tasks.evaluate import evaluate, heldout_problems
-from rl.rollout.episodes import run_episodes
+from rl.rollout.episodes import episode_metrics, run_episodes
+from rl.tasks.calls import UserCalls
 from rl.tasks.task import build_task
 
 
@@ -82,7 +83,8 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
     # the task first: its errors (files, tokenizer, held-out size) come before any weight loads
     vocab_size = model_config_value(cfg, "vocab_size")[0]
     task = build_task(cfg.task.name, prompts_path=cfg.task.prompts_path, reward_fn=cfg.task.reward_fn,
-                      tokenizer_path=cfg.task.tokenizer_path, vocab_size=vocab_size, **cfg.task.options)
+                      tokenizer_path=cfg.task.tokenizer_path, vocab_size=vocab_size, **cfg.task.options,
+                      calls=UserCalls(cfg.task.on_error, cfg.task.timeout_s))  # how its user code is called
     check_task_fits(cfg, task)  # batch.max_tokens holds the task's longest prompt + task.max_new_tokens
     heldout = heldout_problems(task, cfg.eval.num_prompts, cfg.task.name.value) if cfg.eval.every else []
 
@@ -526,6 +528,9 @@ class Trainer:
             microbatches=sum(len(mb.batches) for mb in minibatches),
             optimizer_steps=stats.steps,
         )
+        metrics.update(episode_metrics(records))  # episodes_done, _max_turns, _truncated, _error, _timeout
+        if getattr(self.task, "calls", None) is not None:
+            metrics["calls_hung"] = float(self.task.calls.hung)  # user calls past task.timeout_s still running
         if records and records[0].turns is not None:  # a multi-turn task: model turns per episode
             metrics["turns_mean"] = float(torch.stack([r.turns for r in records]).float().mean())
         if records and records[0].policy_version is not None:  # policy versions behind the step, per sample

@@ -1,0 +1,207 @@
+"""The user's code, called so that it cannot stop a run: rewards, environments (and tools).
+
+    calls = UserCalls(on_error="skip", timeout_s=60.0)     # task.on_error, task.timeout_s
+    guard = calls.guard("reward function my_rewards:score")
+    with guard:                                            # an exception in here ends the sample
+        value = calls.run(fn, prompt_ids, response_ids)    # fn(...) with a wall-clock deadline
+        value = check_reward(value, ...)
+    if guard.status is not None: ...                       # Status.ERROR or Status.TIMEOUT
+
+`on_error=skip` (the config's default): an exception raised by the user's code, or by the checks
+of what it returned (a NaN reward, an observation of None that does not end the episode), or a
+call past its deadline ends that one sample: the caller gives it reward 0 and the status, the
+run goes on. The first failure of each kind (the code's name and the exception's type) is
+logged with its traceback, later ones at debug level; each step counts them
+(`episodes_error`, `episodes_timeout`). `on_error=raise`: the exception stops the run as it
+always did (a call past its deadline raises `CallTimeout`, a `TimeoutError`): for debugging.
+
+The deadline (`timeout_s`, wall clock; None: none, the call runs inline) works on any thread:
+the call runs on a worker thread (one per calling thread, reused from call to call) and the
+caller waits for it at most `timeout_s`. No signal is used, so it works on the rollout thread
+of `rollout.mode=one_step_off|async` (a signal-based timeout, such as math-verify's
+`parsing_timeout`, only works on the main thread: there it fails, and is counted as an error;
+turn it off and let `task.timeout_s` bound the call). Python cannot kill a thread: a call past
+its deadline is *abandoned*: its worker is let go (a daemon thread, which never blocks the
+interpreter's exit, and which ends once the call returns; its result is dropped) and the next
+call gets a fresh worker. `hung` counts the abandoned calls still running (logged each step as
+`calls_hung`). They cost memory and, if they spin, CPU time taken from the run, so at
+`max_hung` (64) abandoned calls still running the run stops with an error naming the code:
+a function that hangs that often needs fixing, not more threads.
+
+An environment whose `step` timed out may still be running in its abandoned thread: the
+caller never touches that environment again.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+from rl.choice import Choice
+
+log = logging.getLogger(__name__)
+
+
+class OnError(Choice):
+    """`task.on_error`: what an exception (or a timeout) of the user's code does."""
+
+    SKIP = "skip"  # that sample ends with reward 0 and the status `error` (or `timeout`); the run goes on
+    RAISE = "raise"  # the run stops with it (today's behaviour, for debugging)
+
+
+class Status(enum.IntEnum):
+    """How an episode ended (the record's `status`; counted per step as `episodes_<name>`)."""
+
+    DONE = 0  # the environment (or the single-turn reward) ended it
+    MAX_TURNS = 1  # task.options.max_turns replies given and the environment not done
+    TRUNCATED = 2  # an environment answer was cut to task.options.max_observation_len (rl/rollout/episodes.py)
+    ERROR = 3  # the user's code raised, or returned something unusable
+    TIMEOUT = 4  # the user's code ran past task.timeout_s
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class CallTimeout(TimeoutError):
+    """A user call ran past `task.timeout_s`."""
+
+
+class TooManyHung(RuntimeError):
+    """`UserCalls.max_hung` abandoned calls are still running: the run stops, whatever `on_error`."""
+
+
+class _Job:
+    __slots__ = ("fn", "args", "kwargs", "value", "error", "done")
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict) -> None:
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn(*self.args, **self.kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            self.error = e
+        finally:
+            self.done.set()
+
+
+class _Worker:
+    """A daemon thread that runs jobs one by one; abandoned, it ends after its current job."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="user-code", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            job.run()
+            del job  # the arguments of a finished call are not kept alive by an idle worker
+
+
+class UserCalls:
+    """How the user's code is called (see the module docstring): `on_error` (skip | raise) and
+    `timeout_s` (None: no deadline). Thread-safe: the trainer's rollout thread and its main
+    thread (the held-out evaluation) may call at the same time, each with its own worker."""
+
+    max_hung = 64
+
+    def __init__(self, on_error: OnError | str = OnError.SKIP, timeout_s: float | None = None) -> None:
+        self.on_error = OnError.parse(on_error, "task.on_error")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"task.timeout_s={timeout_s!r}: expected a positive number of seconds or null")
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._hung: list[tuple[_Worker, str]] = []
+        self._logged: set[tuple[str, str]] = set()
+
+    @classmethod
+    def strict(cls) -> "UserCalls":
+        """Exceptions raised, no deadline: how a task is called outside the trainer unless told otherwise."""
+        return cls(OnError.RAISE, None)
+
+    @property
+    def hung(self) -> int:
+        """Abandoned calls (past their deadline) still running."""
+        with self._lock:
+            self._hung = [(w, what) for w, what in self._hung if w.thread.is_alive()]
+            return len(self._hung)
+
+    def run(self, fn: Callable, *args: Any, what: str = "", **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)`, its exception re-raised; past `timeout_s` a `CallTimeout`
+        (the call abandoned, see the module docstring)."""
+        if self.timeout_s is None:
+            return fn(*args, **kwargs)
+        worker = getattr(self._local, "worker", None)
+        if worker is None:
+            worker = self._local.worker = _Worker()
+        job = _Job(fn, args, kwargs)
+        worker.jobs.put(job)
+        if not job.done.wait(self.timeout_s):
+            self._local.worker = None
+            worker.jobs.put(None)  # it ends once the call returns
+            with self._lock:
+                self._hung.append((worker, what))
+            if self.hung >= self.max_hung:
+                names = sorted({w for _, w in self._hung})
+                raise TooManyHung(f"{self.hung} calls past task.timeout_s={self.timeout_s} are still running "
+                                   f"({', '.join(names)}): Python cannot stop a thread, so the run stops before "
+                                   f"it holds more; fix the hang, or raise task.timeout_s")
+            raise CallTimeout(f"{what or getattr(fn, '__qualname__', fn)} ran past task.timeout_s={self.timeout_s} s "
+                              f"(abandoned on its thread)")
+        if job.error is not None:
+            raise job.error
+        return job.value
+
+    def guard(self, what: str, where: str = "") -> "Guard":
+        """A context for one sample's calls: see `Guard`."""
+        return Guard(self, what, where)
+
+    def _failed(self, what: str, where: str, error: BaseException) -> Status:
+        status = Status.TIMEOUT if isinstance(error, CallTimeout) else Status.ERROR
+        key = (what, type(error).__name__)
+        with self._lock:
+            first = key not in self._logged
+            self._logged.add(key)
+        message = "%s%s %s: %s (task.on_error=skip: the sample ends with reward 0, status %s; the run goes on)"
+        args = (f"{where}: " if where else "", what, "timed out" if status is Status.TIMEOUT else f"raised {type(error).__name__}", error,
+                status.label)
+        if first:  # the traceback once per kind of failure; the step's counts say how often
+            log.warning(message + "; later ones of this kind are logged at debug level", *args,
+                        exc_info=status is Status.ERROR)
+        else:
+            log.debug(message, *args)
+        return status
+
+
+class Guard:
+    """`with calls.guard(what):` an `Exception` inside ends the sample: with on_error=skip it is
+    logged and swallowed and `status` says ERROR or TIMEOUT (None: nothing failed); with
+    on_error=raise it propagates. A `BaseException` (KeyboardInterrupt, SystemExit) always does.
+    `TooManyHung` (too many abandoned calls still running) always propagates."""
+
+    def __init__(self, calls: UserCalls, what: str, where: str) -> None:
+        self.calls, self.what, self.where = calls, what, where
+        self.status: Status | None = None
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> "Guard":
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if error is None or not isinstance(error, Exception) or self.calls.on_error is OnError.RAISE:
+            return False
+        if isinstance(error, TooManyHung):
+            return False
+        self.error = error
+        self.status = self.calls._failed(self.what, self.where, error)
+        return True
+
