@@ -3,15 +3,22 @@
 renamed, re-typed, re-defaulted or re-commented without regenerating the page fails here."""
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from scripts.config_reference import PAGE, field_comments, render
 from rl.config import Config, TrainerConfig
 
+ROOT = Path(__file__).resolve().parents[1]
 REGENERATE = ".venv/bin/python scripts/config_reference.py > docs/config-reference.md"
 
 
 def test_the_committed_config_reference_is_generated_from_the_schema():
     assert PAGE.read_text() == render(), f"docs/config-reference.md is stale: run {REGENERATE}"
+
+
+def test_the_readme_and_the_configuration_page_link_the_reference():
+    assert "docs/config-reference.md" in (ROOT / "README.md").read_text()
+    assert "(config-reference.md)" in (ROOT / "docs" / "configuration.md").read_text()
 
 
 @dataclass
