@@ -182,7 +182,7 @@ class RolloutConfig:
     enable_sleep_mode: bool = True  # cuda: vLLM sleeps (level 1) during training, wakes for the sync
     enforce_eager: bool = True  # no torch.compile / CUDA graphs (start-up in seconds)
     kv_cache_gb: float = 1.0  # cpu: VLLM_CPU_KVCACHE_SPACE
-    max_model_len: Optional[int] = None  # None = the longest prompt of the task + task.max_new_tokens
+    max_model_len: Optional[int] = None  # None = the task's longest sample: prompt + every turn's reply and answer
     # when a step's rollout is generated (rl/rollout/producer.py): sync = at the step's start, with the policy the
     # step starts from; one_step_off = during the previous step's training, with the policy before that step's
     # update (one version old: needs algo.tis_cap or algo.old_log_probs=rollout to correct for it); async = a
@@ -663,6 +663,19 @@ def _check_device(cfg: Config) -> None:
     resolve_kernel(cfg.model.attention.value, device, getattr(torch, compute.value))  # model.attention can run here
 
 
+def longest_sample(task: Any, max_new_tokens: int) -> int | None:
+    """The most tokens one sample of `task` can hold with replies of up to `max_new_tokens`: its
+    longest prompt, plus a reply per turn of a multi-turn task (`max_turns`) and an environment
+    answer of up to `max_observation_len` between two turns. None when the task does not say how
+    long its prompts are. What start-up checks against `batch.max_tokens`, and the vLLM engine's
+    `max_model_len` (rl/rollout/build.py): the last turn's context holds every earlier one."""
+    prompt = getattr(task, "max_prompt_len", None)
+    if prompt is None:
+        return None
+    turns = getattr(task, "max_turns", 1)
+    return int(prompt) + max_new_tokens * turns + (turns - 1) * getattr(task, "max_observation_len", 0)
+
+
 def check_task_fits(cfg: Config, task: Any) -> None:
     """After the task is built: its longest sample fits in one microbatch of `batch.max_tokens`
     (else the planner would refuse a sample mid-run): the longest prompt plus
@@ -675,7 +688,7 @@ def check_task_fits(cfg: Config, task: Any) -> None:
     if prompt is None:
         return
     observation = getattr(task, "max_observation_len", 0)
-    longest = prompt + cfg.task.max_new_tokens * turns + (turns - 1) * observation
+    longest = longest_sample(task, cfg.task.max_new_tokens)
     if longest > cfg.batch.max_tokens:
         what = (f"plus task.max_new_tokens={cfg.task.max_new_tokens}" if turns == 1 else
                 f"plus {turns} replies of task.max_new_tokens={cfg.task.max_new_tokens} and {turns - 1} "

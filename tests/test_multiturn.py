@@ -157,6 +157,26 @@ def test_a_multiturn_task_must_fit_every_turn_in_max_tokens(tokenizer_dir):
         check_task_fits(compose(*run, "batch.max_tokens=4096", "algo.overlong_buffer=4"), task)
 
 
+def test_the_vllm_engine_holds_every_turn_of_an_episode(tokenizer_dir):
+    """rollout.engine=vllm sizes `max_model_len` as start-up sizes a sample (rl/rollout/build.py
+    `engine_max_len`): turn 2's context is the prompt, reply 1 and the answer, so a length of
+    prompt + one reply (what it was) refuses turn 2. Computed without vLLM (the engine is not built)."""
+    from inprocess import compose
+
+    from rl.rollout.build import engine_max_len
+
+    task = _task(tokenizer_dir, max_turns=3)
+    run = ("task=arithmetic_retry", f"task.tokenizer_path={tokenizer_dir}", "task.max_new_tokens=8",
+           "task.options.max_turns=3", "rollout.engine=vllm", "batch.max_tokens=4096")
+    cfg = compose(*run, check=False)  # validate would look for vLLM
+    every_turn = task.max_prompt_len + 3 * 8 + 2 * task.max_observation_len
+    assert engine_max_len(cfg, task) == every_turn > task.max_prompt_len + 8
+    assert engine_max_len(compose(*run, "eval.max_new_tokens=20", check=False), task) == every_turn + 3 * 12
+    assert engine_max_len(compose(*run, "rollout.max_model_len=100", check=False), task) == 100  # the setting wins
+    single = build_task("arithmetic", tokenizer_path=str(tokenizer_dir))  # the control: one turn, one reply
+    assert engine_max_len(compose(*run, check=False), single) == single.max_prompt_len + 8
+
+
 def _run(tiny_llama, tokenizer_dir, *extra):
     return ("model=pretrained", f"model.pretrained_path={tiny_llama}", "model.dtype=float32", "task=arithmetic_retry",
             f"task.tokenizer_path={tokenizer_dir}", "task.prompts_per_step=2", "task.samples_per_prompt=4",

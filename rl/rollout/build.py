@@ -17,6 +17,7 @@ import tempfile
 import torch
 
 from model.loading import materialize
+from rl.config import longest_sample
 from rl.rollout.engine import HFRolloutEngine, PolicyRolloutEngine, RolloutEngine
 from rl.rollout.replica import RolloutEngineName, choose_replica
 from rl.rollout.sync import resolve_bucket_bytes, sync_weights
@@ -44,9 +45,7 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
         model_dir = cfg.model.pretrained_path
         if model_dir is None:  # a random-init model: vLLM loads a folder, so write one (rank 0, shared)
             model_dir = _random_init_folder(new_model, dims, cfg.seed)
-        max_len = r.max_model_len
-        if max_len is None and getattr(task, "max_prompt_len", None) is not None:
-            max_len = int(task.max_prompt_len) + max(cfg.task.max_new_tokens, cfg.eval.max_new_tokens or 0)
+        max_len = engine_max_len(cfg, task)
         tp_group = None
         if dims.distributed and r.tensor_parallel_size > 1:
             tp_group, _ = torch.distributed.new_subgroups(group_size=r.tensor_parallel_size)
@@ -59,6 +58,16 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
     engine.sync_bucket_bytes, engine.replica = bucket, replica
     sync_weights(engine, actor.model)  # bucket by bucket (rl/rollout/sync.py); nothing for the sharded policy
     return engine
+
+
+def engine_max_len(cfg, task) -> int | None:
+    """vLLM's `max_model_len`: `rollout.max_model_len`, else the longest sample the task can
+    make (rl/config.py `longest_sample`: the longest prompt plus every turn's reply and the
+    environment's answers between turns) with the longer of the training and the evaluation
+    reply budgets; None (the model's own limit) when the task does not say how long its prompts are."""
+    if cfg.rollout.max_model_len is not None:
+        return int(cfg.rollout.max_model_len)
+    return longest_sample(task, max(cfg.task.max_new_tokens, cfg.eval.max_new_tokens or 0))
 
 
 def _random_init_folder(new_model, dims, seed: int) -> str:
