@@ -231,3 +231,38 @@ def test_score_names_a_builtin_task_reward():
     with pytest.raises(ValueError, match=r"reward function Broken.reward returned None \(NoneType\) for record 0 "
                                          r"\(prompt index 3\)"):
         scored(Broken(), [1], [2], prompt_index=3)
+
+
+# ------------------------------------------------------- JSONL lines in epochs
+def test_a_jsonl_task_walks_its_lines_in_seeded_epochs(tmp_path):
+    """Every line once per epoch, in an order the run's seed draws; a step's prompts are
+    positions step * prompts_per_step.. of that stream, so a resume needs no state. The control:
+    drawing each step's prompts with `prompts(n, seed)` (what the trainer did) leaves lines unseen."""
+    path = write_jsonl(tmp_path / "lines.jsonl", [{"prompt_ids": [4 + i, 3], "line": i, "answer": 7}
+                                                   for i in range(10)])
+    task = FileTask(path, "tests.test_rollout:my_reward")
+    line = lambda prompts: [m["line"] for _, m in prompts]  # noqa: E731
+    stream = line(task.prompts_at(0, 30, seed=1))
+    for epoch in range(3):
+        assert sorted(stream[10 * epoch:10 * epoch + 10]) == list(range(10))  # each line once per epoch
+    assert stream[:10] != stream[10:20]  # each epoch its own order
+    steps = [line(task.prompts_at(4 * k, 4, seed=1)) for k in range(5)]  # prompts_per_step=4: steps cross epochs
+    assert sum(steps, []) == stream[:20]  # step k's prompts: a function of (seed, k) alone
+    assert line(task.prompts_at(0, 10, seed=2)) != stream[:10]  # another seed, another order
+    assert sorted(line(task.prompts_at(0, 10, seed=2))) == list(range(10))
+    drawn = sum((line(task.prompts(4, seed=1_000_003 + k)) for k in range(5)), [])  # with replacement, per step
+    assert len(set(drawn[:10])) < 10 or len(set(drawn)) < 10
+
+
+def test_the_trainer_takes_each_line_once_per_epoch(tmp_path):
+    from inprocess import trainer
+
+    path = write_jsonl(tmp_path / "lines.jsonl", [{"prompt_ids": [4 + i, 5, 6], "answer": 7} for i in range(8)])
+    run = ("task=file", f"task.prompts_path={path}", "task.reward_fn=tests.test_rollout:my_reward",
+           "task.prompts_per_step=4", "task.samples_per_prompt=2", "task.max_new_tokens=2", "trainer.progress=false")
+    firsts = lambda tr, s: sorted({int(r.sequences[0]) for r in tr._records(s, 0, s)})  # noqa: E731
+    tr = trainer(*run)
+    seen = firsts(tr, 0) + firsts(tr, 1)
+    assert sorted(seen) == list(range(4, 12))  # two steps: the epoch, every line once
+    assert firsts(trainer(*run), 1) == firsts(tr, 1)  # step 1 without step 0 before it (a resume): the same lines
+    assert firsts(trainer(*run, "seed=5"), 0) != firsts(tr, 0)  # another seed: another order

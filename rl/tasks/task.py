@@ -139,6 +139,26 @@ def _index(rec: Experience) -> str:
     return "?" if rec.prompt_index is None else str(int(rec.prompt_index))
 
 
+def step_prompts(task: Task, n: int, *, seed: int, run_seed: int, start: int | None) -> list[Prompt]:
+    """A rollout round's n prompts: a task that walks its lines in epochs (`prompts_at`, FileTask
+    and the tasks built on it) takes positions `start`.. of its stream, seeded by `run_seed`;
+    any other task, or `start=None` (dynamic sampling's extra rounds), draws `prompts(n, seed)`."""
+    if start is not None and hasattr(task, "prompts_at"):
+        return task.prompts_at(start, n, run_seed)
+    return task.prompts(n, seed=seed)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed of epoch `epoch`'s order of lines in a run seeded `seed` (splitmix64 mixing)."""
+    h = 0x9E3779B97F4A7C15
+    for v in (seed, epoch):
+        h = ((h ^ (v & 0xFFFF_FFFF_FFFF_FFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+        h ^= h >> 31
+        h = (h * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
+        h ^= h >> 29
+    return h & ((1 << 63) - 1)
+
+
 def check_reward(value: Any, who: str, i: int, prompt_index: Any) -> float:
     """`value` as a float; a ValueError naming `who` (the reward function), the record, its
     prompt index and the value unless it is a finite real number (a 0-d real tensor counts)."""
@@ -241,9 +261,15 @@ class FileTask:
     (text, tokenized with the tokenizer: `tokenizer_path`, a local tokenizer folder, or
     `tokenizer`, a Hugging Face tokenizer object or such a folder); every other key goes
     to the reward as a keyword: `fn(prompt_ids: list[int], response_ids: list[int], **meta)
-    -> float`. `prompts(n, seed)` takes n prompts in an order shuffled by `seed` (cycling
-    if n exceeds the file). `stop_token_id` defaults to the tokenizer's EOS when a
-    tokenizer is given.
+    -> float`. `stop_token_id` defaults to the tokenizer's EOS when a tokenizer is given.
+
+    The trainer walks the lines in epochs (`prompts_at`): epoch e is every line once, in an
+    order shuffled by (the run's seed, e), and step k takes the next `prompts_per_step`
+    positions of that stream, k * prompts_per_step on: each line is seen once per epoch, and
+    where a step starts is a function of the seed and the step, so a resumed run takes exactly
+    the prompts the uninterrupted one would (no state to save). `prompts(n, seed)` takes n
+    prompts in an order shuffled by `seed` (cycling if n exceeds the file): what dynamic
+    sampling's extra rounds draw.
     """
 
     def __init__(self, prompts_path: str | os.PathLike, reward_fn: str | Callable, tokenizer: Any = None, *,
@@ -271,6 +297,21 @@ class FileTask:
         order = torch.randperm(len(self.items), generator=g).tolist()
         picks = [order[i % len(order)] for i in range(n)]
         return [(torch.tensor(self.items[j][0], dtype=torch.int64), dict(self.items[j][1])) for j in picks]
+
+    def prompts_at(self, start: int, n: int, seed: int) -> list[Prompt]:
+        """The prompts at positions start, ..., start + n - 1 of the run's stream of lines: position
+        p is line `order(p // len)[p % len]`, where order(e) is a permutation of every line drawn
+        from (`seed`, e) (see the class docstring)."""
+        orders: dict[int, list[int]] = {}
+        out = []
+        for position in range(start, start + n):
+            epoch, k = divmod(position, len(self.items))
+            if epoch not in orders:
+                g = torch.Generator().manual_seed(epoch_seed(seed, epoch))
+                orders[epoch] = torch.randperm(len(self.items), generator=g).tolist()
+            ids, meta = self.items[orders[epoch][k]]
+            out.append((torch.tensor(ids, dtype=torch.int64), dict(meta)))
+        return out
 
     def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> Any:
         """The reward function's value as returned (`assign_rewards` checks it is a finite real number)."""

@@ -69,7 +69,7 @@ from rl.rollout.build import build_engine
 from rl.tasks.evaluate import evaluate, heldout_problems
 from rl.rollout.episodes import episode_metrics, run_episodes
 from rl.tasks.calls import UserCalls
-from rl.tasks.task import build_task
+from rl.tasks.task import build_task, step_prompts
 
 
 def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
@@ -114,6 +114,12 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
     release_memory()  # what loading and sharding freed, back to the OS (model/allocator.py)
     return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine, task=task,
                    heldout=heldout)
+
+
+def adamw_options(device: torch.device) -> dict:
+    """AdamW's implementation: on CUDA the fused kernel (the whole update in one multi-tensor
+    kernel, not a few foreach passes over the state); on CPU torch's default (foreach)."""
+    return {"fused": True} if device.type == "cuda" else {}
 
 
 @dataclass
@@ -169,9 +175,11 @@ class Trainer:
         self.actor, self.critic, self.reference = actor, critic, reference
         self.engine, self.task = engine, task
         self.heldout = heldout or []  # the held-out problems of `evaluate` (eval.every > 0)
-        self.optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+        fused = adamw_options(dims.device)
+        self.optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
+                                           **fused)
         self.critic_optimizer = (
-            torch.optim.AdamW(critic.parameters(), lr=cfg.algo.critic_lr) if critic is not None else None
+            torch.optim.AdamW(critic.parameters(), lr=cfg.algo.critic_lr, **fused) if critic is not None else None
         )
         algo = cfg.algo
         updates = cfg.trainer.max_steps * algo.mini_batches * algo.epochs
@@ -308,7 +316,9 @@ class Trainer:
         per_rank = task.prompts_per_step // dims.dp
         first = dims.dp_rank * per_rank
         seed = self.cfg.seed * 1_000_003 + step + round_ * 1_000_000_007
-        prompts = self.task.prompts(task.prompts_per_step, seed=seed)[first:first + per_rank]
+        # a JSONL task walks its lines in seeded epochs, step k from position k * prompts_per_step (rl/tasks/task.py)
+        prompts = step_prompts(self.task, task.prompts_per_step, seed=seed, run_seed=self.cfg.seed,
+                               start=step * task.prompts_per_step if round_ == 0 else None)[first:first + per_rank]
         rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
         base = (step * rounds + round_) * task.prompts_per_step + first
         index = [base + i for i in range(per_rank) for _ in range(task.samples_per_prompt)]
