@@ -11,6 +11,12 @@ over the ranks holding the same shard only (model/parallelize.py; `is_expert_par
 expert weights apart). `ep_group=None` keeps all experts local (no collectives): that is
 how an unsharded copy (the rollout engine's) gets the contexts below.
 
+Deterministic whatever the expert order: a token's top-k expert outputs are summed in slot
+order (`combine`: each output copied to its own (token, slot) place, then a sum over k), in
+forward and, for the token rows' gradients, in backward (`_Dispatch`); never added onto the
+token in arrival order (`index_add`: order-dependent bf16 sums with k >= 3, atomics on CUDA).
+The expert GEMMs are two `torch._grouped_mm` calls where torch has them (`grouped_mm_fits`).
+
 Per forward, three contexts steer the blocks (all take the model and restore on exit):
 
     with moe_token_weights(model, weights, expand):  # [1, N] / [B, T] int: tokens each row stands for
@@ -139,8 +145,7 @@ class ExpertParallelExperts(nn.Module):
         per-expert counts (the split sizes of the grouped matmuls and of the exchange)."""
         S, K = ids.shape
         E = self.num_experts
-        token = torch.arange(S, device=x.device).repeat_interleave(K)  # token of each (token, slot) pair
-        pair_ids, pair_w = ids.reshape(-1), weights.reshape(-1)
+        pair_ids, pair_w = ids.reshape(-1), weights.reshape(-1)  # pair p = (token p // K, slot p % K)
         if keep is not None:  # a sentinel expert E past the last one: sorted last, never sent (no boolean index)
             pair_ids = torch.where(keep.repeat_interleave(K), pair_ids, E)
         # group pairs by expert; experts are contiguous per rank, so this also groups by destination
@@ -149,9 +154,10 @@ class ExpertParallelExperts(nn.Module):
             0, pair_ids, torch.ones_like(pair_ids))  # [E + 1], the sentinel's last
         per_expert = counts.tolist()  # the host sync
         kept = sum(per_expert[:E])
-        token, pair_w = token[order[:kept]], pair_w[order[:kept]]
+        pairs = order[:kept]  # the (token, slot) pair of each row, rows grouped by expert
+        pair_w = pair_w[pairs]
         send_counts = counts[:E]
-        rows = x[token]  # [P, H]
+        rows = _Dispatch.apply(x, pairs, K)  # [P, H]: x[pairs // K]
 
         if self.ep_size == 1:
             out = self._compute(rows, per_expert[:E])
@@ -170,12 +176,18 @@ class ExpertParallelExperts(nn.Module):
             out = _all_to_all(computed[torch.argsort(by_expert)], in_splits, out_splits, self.ep_group)
 
         out = out * pair_w[:, None]
-        return torch.zeros_like(x).index_add(0, token, out.to(x.dtype))
+        return combine(out.to(x.dtype), pairs, S, K)
 
     def _compute(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Local experts on `rows` grouped by local expert (`counts[e]` rows each). Every local
         expert runs, even on zero rows, so every shard always gets a (possibly zero) grad and the
-        expert-grad all-reduce never sees a missing tensor on one rank."""
+        expert-grad all-reduce never sees a missing tensor on one rank. Two grouped GEMMs
+        (`torch._grouped_mm`) where this torch has them for these shapes, else one pair of GEMMs
+        per expert: the same products (bitwise on this machine's CPU kernels, fp32 and bf16)."""
+        if grouped_mm_fits(rows, self.gate_up_proj, self.down_proj):
+            offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(rows.device, torch.int32)
+            gate, up = torch._grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+            return torch._grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
         outs = []
         for e, chunk in enumerate(torch.split(rows, counts)):
             gate, up = F.linear(chunk, self.gate_up_proj[e]).chunk(2, dim=-1)
@@ -185,6 +197,50 @@ class ExpertParallelExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} "
                 f"of {self.num_experts}, ep_rank={self.ep_rank}/{self.ep_size}")
+
+
+def combine(rows: torch.Tensor, pairs: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
+    """Expert outputs `rows [P, H]` of the (token, slot) pairs `pairs [P]` (pair = token * k + slot,
+    each at most once, in any order) -> `[tokens, H]`: each token's k slots summed in slot order.
+
+    Each row is copied to its own slot of a `[tokens, k, H]` buffer (no two rows share one, so no
+    atomics), then the k slots are summed: the result depends on the rows' values only, not on
+    the order they arrive in (expert order, split sizes, EP ranks), unlike an `index_add` of the
+    rows onto their tokens, which adds in arrival order (and with atomics on CUDA). A missing
+    pair (a synthetic row, never dispatched) is a zero slot. Costs one `[tokens * k, H]` buffer."""
+    slots = rows.new_zeros(tokens * k, rows.shape[-1]).index_copy(0, pairs, rows)
+    return slots.view(tokens, k, -1).sum(1)
+
+
+class _Dispatch(torch.autograd.Function):
+    """`x [S, H]` -> `x[pairs // k]` `[P, H]` (each kept pair's token row). Backward: `combine`,
+    so a token's k row gradients are summed in slot order too (the autograd of the indexing
+    would add them in arrival order, with atomics on CUDA)."""
+
+    @staticmethod
+    def forward(ctx, x, pairs, k):
+        ctx.pairs, ctx.k, ctx.tokens = pairs, k, x.shape[0]
+        return x[pairs // k]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return combine(grad, ctx.pairs, ctx.tokens, ctx.k), None, None
+
+
+def grouped_mm_fits(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` takes these expert GEMMs: present in this torch, a dtype its
+    kernels take (fp32/bf16 on CPU, bf16 on CUDA sm80+: a fused kernel on sm90/sm100, a loop of
+    GEMMs below), every row and weight stride a multiple of 16 bytes (its requirement), plain
+    tensors (FSDP2 hands the module unsharded ones)."""
+    if not hasattr(torch, "_grouped_mm") or rows.device.type not in ("cpu", "cuda"):
+        return False
+    if rows.is_cuda and torch.cuda.get_device_capability(rows.device) < (8, 0):  # its CUDA kernels: sm80+
+        return False
+    dtypes = (torch.float32, torch.bfloat16) if rows.device.type == "cpu" else (torch.bfloat16,)
+    if rows.dtype not in dtypes or any(w.dtype != rows.dtype or isinstance(w, DTensor) for w in weights):
+        return False
+    align = 16 // rows.element_size()
+    return all(n % align == 0 for w in weights for n in w.shape[1:])
 
 
 # ------------------------------------------------------------------------ block
