@@ -181,15 +181,17 @@ def clip_grad_norm_(parameters, max_norm: float, dims: ParallelDims) -> torch.Te
 
     Each rank holds a disjoint piece of the model's gradients (FSDP shards; expert shards
     of different EP ranks are different experts), so the global norm is the square root of
-    the sum over all ranks of the local squared norms: the same value on every rank.
+    the sum over all ranks of the local squared norms: the same value on every rank. Each
+    local norm is one fp32 reduction of the gradient as it is (no widened copy: an fp64 copy
+    was twice an fp32 gradient, four times a bf16 one); their squares are summed in fp32.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     local = [local_tensor(g) for g in grads]
     if dims.distributed and any(not isinstance(g, DTensor) for g in grads):
         raise RuntimeError("clip_grad_norm_: with world_size > 1 every gradient must be an FSDP shard (DTensor)")
-    sq = torch.zeros((), dtype=torch.float64, device=dims.device)
+    sq = torch.zeros((), dtype=torch.float32, device=dims.device)
     for g in local:
-        sq += g.double().pow(2).sum()
+        sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
     if dims.distributed:
         dist.all_reduce(sq)
     norm = sq.sqrt()

@@ -1,0 +1,85 @@
+"""Precision on the GPU stack: the global gradient norm without widened gradient copies,
+TF32 for fp32 matmuls on CUDA, fused AdamW on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from model.parallel_dims import ParallelDims, use_tf32
+from model.parallelize import clip_grad_norm_
+
+
+class WideTensors(TorchDispatchMode):
+    """Records every float64 tensor with more than one element an op creates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float64 and t.numel() > 1:
+                self.seen.append((str(func), t.numel()))
+        return out
+
+
+def parameters(dtype):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in ((300, 40), (40,), (7, 3, 5))]
+    for p, scale in zip(params, (1e-3, 10.0, 1.0)):  # magnitudes far apart
+        p.grad = (torch.randn(p.shape, generator=gen) * scale).to(dtype)
+    return params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_global_norm_needs_no_float64_gradient_copies(dtype):
+    params = parameters(dtype)
+    exact = torch.cat([p.grad.double().flatten() for p in params]).norm()
+    with WideTensors() as wide:
+        norm = clip_grad_norm_(params, 0.0, ParallelDims())  # max_norm 0: measure only
+    assert wide.seen == []
+    assert abs(float(norm) - float(exact)) <= 4 * torch.finfo(torch.float32).eps * float(exact)
+    with WideTensors() as control:  # the former way: a float64 copy of every gradient
+        sum(p.grad.double().pow(2).sum() for p in params)
+    assert len(control.seen) >= len(params)
+
+
+def test_clipping_scales_every_gradient_to_the_limit():
+    params = parameters(torch.float32)
+    before = [p.grad.clone() for p in params]
+    norm = clip_grad_norm_(params, 1.0, ParallelDims())
+    coef = 1.0 / (float(norm) + 1e-6)
+    for p, g in zip(params, before):
+        torch.testing.assert_close(p.grad, g * coef, rtol=1e-6, atol=0)
+    after = torch.cat([p.grad.double().flatten() for p in params]).norm()
+    assert abs(float(after) - 1.0) <= 1e-5
+
+
+def test_tf32_is_on_for_cuda_and_left_alone_on_cpu():
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        use_tf32(torch.device("cpu"))
+        assert torch.get_float32_matmul_precision() == "highest"
+        use_tf32(torch.device("cuda", 0))  # sets flags only: no GPU needed
+        assert torch.get_float32_matmul_precision() == "high"
+        assert torch.backends.cuda.matmul.allow_tf32  # the legacy flag agrees (reading it does not raise)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_adamw_is_fused_on_cuda_only():
+    from rl.trainer.trainer import adamw_options
+
+    assert adamw_options(torch.device("cuda", 0)) == {"fused": True}
+    assert adamw_options(torch.device("cpu")) == {}
+    # the options build the optimizer torch's AdamW takes (fused AdamW also has a CPU kernel to run here)
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    opt = torch.optim.AdamW([p], lr=0.1, **adamw_options(torch.device("cuda", 0)))
+    assert opt.defaults["fused"] is True
+    opt.step()
+    assert torch.all(p < 1)
