@@ -23,7 +23,9 @@ earlier samples of the same prompt_index in the call; response token j is drawn 
 CDF with the uniform `uniform_noise(sample seed, j)` (a counter-based splitmix64 stream, the
 whole batch in a few tensor ops). A sample's tokens therefore depend on neither batch
 composition nor chunking nor padding: generating a prompt alone gives the same tokens as
-generating it in a batch.
+generating it in a batch, up to the fp32 rounding of kernels whose blocking depends on the
+batch's size. That rounding moves the inverse CDF's boundaries by ~1e-7; on SmolLM2's long
+answers (256 tokens) 2 of 32 samples drew a neighbouring id once, and went on from there.
 
 `HFRolloutEngine` is a KV-cache sampling loop over a Hugging Face causal LM. A chunk's
 distinct prompts are prefilled once and their cache copied to every sample that repeats
@@ -288,11 +290,16 @@ def _reserved_layer():
             return self.keys, self.values
 
         def batch_select_indices(self, indices):
-            """Keep the rows `indices` (the rows still decoding), with their reserved room."""
+            """Keep the rows `indices` (the rows still decoding), with their reserved room: a
+            smaller buffer holding only their written tokens (the room after them is not copied)."""
             if self.__dict__.get("_k") is None:
                 return super().batch_select_indices(indices)
             n = self.keys.shape[-2]
-            self._k, self._v = self._k[indices], self._v[indices]
+            for name in ("_k", "_v"):
+                buf = getattr(self, name)
+                kept = buf.new_empty(len(indices), *buf.shape[1:])
+                torch.index_select(buf[:, :, :n], 0, indices, out=kept[:, :, :n])
+                setattr(self, name, kept)
             self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
 
     return ReservedLayer
@@ -516,7 +523,7 @@ class HFRolloutEngine(RolloutEngine):
         from the batch (cache, logits, positions, masks, seeds), so a long answer does not
         keep every finished row decoding. A row's draws come from its own counter stream
         (`uniform_noise(seed, step)`), so dropping its neighbours changes none of its
-        tokens. A row stays in the batch for the forward that feeds its last token (MoE:
+        tokens (up to the batch-size rounding the module docstring describes). A row stays in the batch for the forward that feeds its last token (MoE:
         that forward records the token's routing); in lockstep a rank whose rows have all
         stopped keeps one, since its peers' forwards are collectives."""
         from transformers import DynamicCache  # local: the module imports without transformers
