@@ -223,8 +223,9 @@ def test_a_negative_learning_rate_names_trainer_lr_before_a_model_is_built():
 def test_the_readme_math_command_composes_and_math_defaults_to_the_tokenizers_chat_template():
     readme = ["model=pretrained", "model.pretrained_path=DIR", "task=math", "task.prompts_path=gsm8k.jsonl",
               "task.tokenizer_path=DIR", "task.options.chat_template=tokenizer", "task.max_new_tokens=256"]
-    assert compose(*readme, check=False).task.options == {"chat_template": "tokenizer"}
-    assert compose(*readme[:-2], check=False).task.options == {"chat_template": "tokenizer"}  # the default
+    options = {"chat_template": "tokenizer", "enable_thinking": None}  # None: not passed to the template
+    assert compose(*readme, check=False).task.options == options
+    assert compose(*readme[:-2], check=False).task.options == options  # the default
 
 
 @pytest.mark.parametrize("advantage", ["grpo", "rloo"])

@@ -266,3 +266,30 @@ def test_the_trainer_takes_each_line_once_per_epoch(tmp_path):
     assert sorted(seen) == list(range(4, 12))  # two steps: the epoch, every line once
     assert firsts(trainer(*run), 1) == firsts(tr, 1)  # step 1 without step 0 before it (a resume): the same lines
     assert firsts(trainer(*run, "seed=5"), 0) != firsts(tr, 0)  # another seed: another order
+
+
+# ------------------------------------------------------------- enable_thinking
+THINKING = CHAT.replace("{% if add_generation_prompt %}<|assistant|>{% endif %}",
+                        "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not "
+                        "enable_thinking %}<think></think>{% endif %}{% endif %}")  # as Qwen3's template does
+
+
+def test_enable_thinking_reaches_a_template_that_reads_it(tmp_path, tokenizer_dir, tokenizer):
+    """`task.options.enable_thinking=false` opens an empty think block after the generation
+    prompt, in the prompt and in every environment answer (the next turn starts after it); None
+    passes nothing. The control: a template that does not read it renders the same either way."""
+    path = write_jsonl(tmp_path / "math.jsonl", ROWS)
+    ids = lambda template, **kw: build_task("math", prompts_path=str(path), tokenizer_path=str(tokenizer_dir),  # noqa: E731
+                                            chat_template=template, **kw).items[0][0]
+    think = tokenizer.encode("<think></think>", add_special_tokens=False)
+    off, on, unset = ids(THINKING, enable_thinking=False), ids(THINKING, enable_thinking=True), ids(THINKING)
+    assert off[-len(think):] == think and off[:-len(think)] == on == unset
+    assert ids(CHAT, enable_thinking=False) == ids(CHAT)  # the control
+    retry = build_task("arithmetic_retry", tokenizer_path=str(tokenizer_dir), chat_template=THINKING,
+                       enable_thinking=False)
+    assert retry.observation_ids("Again.")[-len(think):] == think
+    assert retry.prompts(1, seed=0)[0][0].tolist()[-len(think):] == think
+    from inprocess import compose
+
+    cfg = compose("task=arithmetic_retry", f"task.tokenizer_path={tokenizer_dir}", "task.options.enable_thinking=false")
+    assert cfg.task.options["enable_thinking"] is False  # a task.options switch (conf/task/*.yaml: null = not passed)

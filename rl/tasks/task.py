@@ -345,11 +345,11 @@ class MathTask(TextDecoding, FileTask):
 
     def __init__(self, prompts_path: str | os.PathLike, tokenizer_path: str | os.PathLike, *,
                  reward_fn: str | Callable | None = None, chat_template: str | None = "tokenizer",
-                 system_prompt: str | None = None, vocab_size: int | None = None,
-                 stop_token_id: int | None = None) -> None:
+                 system_prompt: str | None = None, enable_thinking: bool | None = None,
+                 vocab_size: int | None = None, stop_token_id: int | None = None) -> None:
         self.reward_fn, self.reward_name = _reward_callable(reward_fn if reward_fn is not None else math_reward)
         self.tokenizer = tokenizer = load_tokenizer(tokenizer_path)
-        encode = _chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path)
+        encode = _chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path, enable_thinking)
         self.items = _read_prompts(prompts_path, lambda text: encode(_user(text)), vocab_size,
                                    required=("prompt", "answer"),
                                    reserved=("response_text",))
@@ -380,7 +380,8 @@ class ArithmeticTask(TextDecoding):
                  operators: str = "+", heldout_every: int = 8,
                  template: str = "What is {problem}? Start your reply with the result.",
                  chat_template: str | None = "tokenizer", system_prompt: str | None = None,
-                 vocab_size: int | None = None, stop_token_id: int | None = None) -> None:
+                 enable_thinking: bool | None = None, vocab_size: int | None = None,
+                 stop_token_id: int | None = None) -> None:
         if operands < 2:
             raise ValueError(f"task.options.operands={operands}: expected >= 2")
         if not 0 <= low <= high:
@@ -395,8 +396,8 @@ class ArithmeticTask(TextDecoding):
         self.heldout_every, self.template = heldout_every, template
         self.space = (high - low + 1) ** operands * len(operators) ** (operands - 1)  # distinct problems
         self.tokenizer = tokenizer = load_tokenizer(tokenizer_path)
-        self.encode_messages = _chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path)
-        self.chat_template = chat_template
+        self.encode_messages = _chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path, enable_thinking)
+        self.chat_template, self.enable_thinking = chat_template, enable_thinking
         self.reward_name = "rl.tasks.task:math_reward"
         self.stop_token_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
         longest = self.encode_messages(self.messages(f" {operators[0]} ".join([str(high)] * operands)))
@@ -472,7 +473,7 @@ class ArithmeticRetryTask(ArithmeticTask):
         if max_turns < 1:
             raise ValueError(f"task.options.max_turns={max_turns}: expected >= 1")
         self.feedback, self.max_turns = feedback, max_turns
-        self.observation_ids = _observation_encoder(self.tokenizer, self.chat_template)
+        self.observation_ids = _observation_encoder(self.tokenizer, self.chat_template, self.enable_thinking)
         self.max_observation_len = len(self.observation_ids(feedback))
 
     def environment(self) -> "RetryEnvironment":
@@ -513,7 +514,8 @@ class EnvironmentTask(TextDecoding, FileTask):
                  environment: str | type | None = None, environment_options: dict | None = None,
                  max_turns: int = 2, max_observation_len: int = 64, heldout_path: str | os.PathLike | None = None,
                  chat_template: str | None = "tokenizer", system_prompt: str | None = None,
-                 vocab_size: int | None = None, stop_token_id: int | None = None) -> None:
+                 enable_thinking: bool | None = None, vocab_size: int | None = None,
+                 stop_token_id: int | None = None) -> None:
         if environment is None:
             raise ValueError("task=environment needs task.options.environment: the class 'module:Class' "
                              "(an Environment: reset(prompt) -> messages, step(reply) -> (observation, reward, done))")
@@ -526,8 +528,8 @@ class EnvironmentTask(TextDecoding, FileTask):
         self.reward_name = f"{getattr(self.env_class, '__module__', '?')}:{self.env_class.__qualname__}.step"
         self.max_turns, self.max_observation_len = max_turns, max_observation_len
         self.tokenizer = tokenizer = load_tokenizer(tokenizer_path)
-        self.encode_messages = _chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path)
-        self.observation_ids = _observation_encoder(tokenizer, chat_template)
+        self.encode_messages = _chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path, enable_thinking)
+        self.observation_ids = _observation_encoder(tokenizer, chat_template, enable_thinking)
         encode = lambda text: self.encode_messages(_user(text))  # noqa: E731
         read = lambda path, key: _read_prompts(path, encode, vocab_size, required=("prompt",), key=key,  # noqa: E731
                                                keep_prompt=True)
@@ -568,10 +570,13 @@ def arithmetic_value(problem: str) -> int:
 
 
 def _chat_encoder(tokenizer: Any, chat_template: str | None, system_prompt: str | None,
-                  tokenizer_path: Any) -> Callable[[list[dict]], list[int]]:
+                  tokenizer_path: Any, enable_thinking: bool | None = None) -> Callable[[list[dict]], list[int]]:
     """messages -> prompt ids: the messages (after `system_prompt`) in the tokenizer's chat
     template ("tokenizer") or a Jinja template, with the generation prompt; or, with
-    `chat_template=None`, the messages' texts as is (one message: its text)."""
+    `chat_template=None`, the messages' texts as is (one message: its text). `enable_thinking`
+    (`task.options.enable_thinking`; None: not passed) reaches the template as the variable of
+    that name: Qwen3's template opens an empty `<think></think>` block when it is false; a
+    template that does not read it renders the same."""
     if chat_template == "tokenizer" and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"task.options.chat_template='tokenizer' but the tokenizer at '{tokenizer_path}' "
                          f"has no chat template; give a Jinja template instead (plain text: "
@@ -586,7 +591,7 @@ def _chat_encoder(tokenizer: Any, chat_template: str | None, system_prompt: str 
         system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
         rendered = tokenizer.apply_chat_template(
             system + list(messages), tokenize=False, add_generation_prompt=True,
-            chat_template=None if chat_template == "tokenizer" else chat_template,
+            chat_template=None if chat_template == "tokenizer" else chat_template, **_thinking(enable_thinking),
         )
         return list(tokenizer.encode(rendered, add_special_tokens=False))
 
@@ -600,7 +605,12 @@ def _user(text: str) -> list[dict]:
 _SENTINEL = "\x00reply\x00"
 
 
-def _observation_encoder(tokenizer: Any, chat_template: str | None) -> Callable[[str], list[int]]:
+def _thinking(enable_thinking: bool | None) -> dict:
+    return {} if enable_thinking is None else {"enable_thinking": bool(enable_thinking)}
+
+
+def _observation_encoder(tokenizer: Any, chat_template: str | None,
+                         enable_thinking: bool | None = None) -> Callable[[str], list[int]]:
     """text -> the ids of a user turn that answers an assistant turn, up to the next
     generation prompt: what the chat template puts after an assistant message's content
     (its end-of-turn, the user message, the assistant header), found by rendering a
@@ -613,7 +623,7 @@ def _observation_encoder(tokenizer: Any, chat_template: str | None) -> Callable[
     def encode(text: str) -> list[int]:
         rendered = tokenizer.apply_chat_template(
             _user("?") + [{"role": "assistant", "content": _SENTINEL}] + _user(text), tokenize=False,
-            add_generation_prompt=True, chat_template=template)
+            add_generation_prompt=True, chat_template=template, **_thinking(enable_thinking))
         if _SENTINEL not in rendered:
             raise ValueError("the chat template drops earlier assistant turns: a multi-turn episode cannot be "
                              "rendered token-in/token-out with it")
