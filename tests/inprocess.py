@@ -85,7 +85,7 @@ def steps_rank(rank: int, world_size: int, overrides: tuple[str, ...], steps: in
 def nan_loss_on_one_rank(rank: int, world_size: int, bad_rank: int) -> dict:
     """A NaN loss on `bad_rank` only, from step 1: every rank skips the update and stops
     with the same message; the weights stay those after step 0 on every rank."""
-    import rl.trainer.trainer as trainer_module
+    import rl.algos.objective as objective_module
     from model.parallel_dims import init_distributed
     from rl.trainer.guard import DivergenceError
     from rl.trainer.trainer import build_trainer
@@ -96,13 +96,13 @@ def nan_loss_on_one_rank(rank: int, world_size: int, bad_rank: int) -> dict:
     tr = build_trainer(cfg, dims)
     first = tr.step(0)
     after_first = weights(tr)
-    original = trainer_module.policy_loss
+    original = objective_module.policy_loss
 
     def nan_here(log_probs, batch, algo):  # a NaN constant: the loss is NaN, its gradients stay finite
         loss, info = original(log_probs, batch, algo)
         return (loss + math.nan if rank == bad_rank else loss), info
 
-    trainer_module.policy_loss = nan_here
+    objective_module.policy_loss = nan_here
     second = tr.step(1)
     try:
         tr.step(2)

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import rl.algos.objective as objective_module
 import rl.trainer.trainer as trainer_module
 from scripts.distributed import run_distributed
 from inprocess import SMALL, all_finite, nan_loss_on_one_rank, trainer, weights
@@ -45,14 +46,14 @@ def test_a_nan_loss_skips_the_update_and_a_good_step_resets_the_count(monkeypatc
     tr = trainer(*SMALL, "trainer.max_bad_steps=2")
     tr.step(0)
     before = weights(tr)
-    original = trainer_module.policy_loss
-    monkeypatch.setattr(trainer_module, "policy_loss", lambda lp, b, a: (original(lp, b, a)[0] * math.nan,
+    original = objective_module.policy_loss
+    monkeypatch.setattr(objective_module, "policy_loss", lambda lp, b, a: (original(lp, b, a)[0] * math.nan,
                                                                          original(lp, b, a)[1]))
     bad = tr.step(1)
     assert bad["skipped_update"] == 1.0 and bad["bad_steps"] == 1 and math.isnan(bad["loss"])
     assert all(torch.equal(before[k], v) for k, v in weights(tr).items())  # the update was skipped
     assert all_finite(tr)
-    monkeypatch.setattr(trainer_module, "policy_loss", original)
+    monkeypatch.setattr(objective_module, "policy_loss", original)
     good = tr.step(2)
     assert good["skipped_update"] == 0.0 and good["bad_steps"] == 0
     assert any(not torch.equal(before[k], v) for k, v in weights(tr).items())
@@ -73,8 +74,8 @@ def test_each_non_finite_term_is_named_when_the_run_stops(monkeypatch, term):
 
         monkeypatch.setattr(trainer_module, "compute_advantages", one_nan)
     else:  # a NaN constant: the loss is NaN while its gradients stay finite
-        original = trainer_module.policy_loss
-        monkeypatch.setattr(trainer_module, "policy_loss",
+        original = objective_module.policy_loss
+        monkeypatch.setattr(objective_module, "policy_loss",
                             lambda lp, b, a: (original(lp, b, a)[0] + math.nan, original(lp, b, a)[1]))
     _, message = run_until_stopped(tr, 2)
     assert message.startswith(f"step 0: non-finite {term};"), message

@@ -351,15 +351,15 @@ def per_turn_terms(tr, eps: list[Episode]) -> tuple[dict, dict, dict]:
     normalizer = m if LossAgg.parse(algo.loss_agg, "loss_agg") is LossAgg.TOKEN_MEAN else len(lens)
 
     def agg(x):
-        return aggregate(x, rows, algo.loss_agg, normalizer, token_sum_norm=tr.token_sum_norm)
+        return aggregate(x, rows, algo.loss_agg, normalizer, token_sum_norm=tr.objective.token_sum_norm)
 
     lp, ent = c["lp"], c["ent"]
     pg, info = policy_loss(lp, rows, algo)
-    kl = tr._kl(lp, rows.base_action_log_probs)
+    kl = tr.objective.kl(lp, rows.base_action_log_probs)
     coef, bonus = tr.kl_ctl.value, algo.entropy_coef
     gap = lp.detach() - rows.rollout_log_probs
     per_token = {"policy_loss": pg, "kl_loss": kl, "entropy": ent, "clip_ratio": info["clip_ratio"],
-                 "approx_kl": info["approx_kl"], "kl": tr._kl(lp.detach(), rows.base_action_log_probs, "k3"),
+                 "approx_kl": info["approx_kl"], "kl": tr.objective.kl(lp.detach(), rows.base_action_log_probs, "k3"),
                  "rollout_logprob_abs_diff": gap.abs(), "rollout_kl": gap.exp() - 1 - gap,
                  "value_loss": value_loss(c["v"], rows, algo.value_clip)}
     terms = {k: v.sum() / m for k, v in per_token.items()}

@@ -13,8 +13,9 @@
                policy changes within the step), reference log-probs, values, KL
     advantages in place on the collated batches, by the estimator (rl/algos/advantages.py),
                whitened over the step's tokens
-    train      [MiniBatch] -> Stats: for each epoch, for each mini-batch, forward/backward per
-               microbatch, then one optimizer step (global-norm clipping)
+    train      [MiniBatch] -> Stats: for each epoch, for each mini-batch, per microbatch forward ->
+               objective (rl/algos/objective.py: loss, terms) -> backward, then one optimizer
+               step (global-norm clipping)
     sync       the producer's background generation (one_step_off) is waited for, then the rollout
                copy gets the new weights, bucket by bucket (none with rollout.replica=sharded;
                async: a staged host copy, which the rollout thread loads between two rollouts)
@@ -59,7 +60,8 @@ from rl.algos.advantages import compute_advantages
 from rl.trainer.checkpoint import load_sharded_state, sharded_state
 from rl.config import Balance, Config, check_task_fits, model_config_value
 from rl.trainer.guard import DivergenceGuard, poison
-from rl.algos.losses import LossAgg, aggregate, build_kl_controller, kl_penalty, loss_normalizer, policy_loss, value_loss
+from rl.algos.losses import LossAgg, build_kl_controller, loss_normalizer
+from rl.algos.objective import Objective
 from rl.algos.schedule import make_lr_scheduler
 from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups, varied_groups
 from rl.rollout.engine import PolicyRolloutEngine
@@ -185,8 +187,10 @@ class Trainer:
         updates = cfg.trainer.max_steps * algo.mini_batches * algo.epochs
         self.scheduler = make_lr_scheduler(self.optimizer, cfg.trainer.warmup_steps, updates, cfg.trainer.lr_schedule)
         self.kl_ctl = build_kl_controller(algo.kl_coef, algo.kl_target, algo.kl_horizon)
-        # Dr. GRPO's constant: the response budget (a multi-turn episode's: every turn's)
-        self.token_sum_norm = algo.loss_agg_norm or float(cfg.task.max_new_tokens * getattr(task, "max_turns", 1))
+        # the microbatch's (loss, terms); Dr. GRPO's constant: the response budget (a multi-turn episode's: all turns)
+        token_sum_norm = algo.loss_agg_norm or float(cfg.task.max_new_tokens * getattr(task, "max_turns", 1))
+        self.objective = Objective(algo, token_sum_norm=token_sum_norm, kl_ctl=self.kl_ctl,
+                                   moe_layers=len(moe_blocks(actor.model, strict=False)))
         self.guard = DivergenceGuard(cfg.trainer.max_bad_steps, cfg.trainer.min_entropy, verbose=dims.rank == 0)
         # batch.balance=flops: the planner evens out a * tokens + b * tokens^2 (linear layers + attention)
         self.cost = flop_cost(self.hf_config) if cfg.batch.balance is Balance.FLOPS else None
@@ -209,14 +213,6 @@ class Trainer:
     def _progress(self, **now: str) -> None:
         if self.on_progress is not None:
             self.on_progress(**now)
-
-    def _kl(self, log_probs: torch.Tensor, ref: torch.Tensor, estimator=None) -> torch.Tensor:
-        algo = self.cfg.algo
-        return kl_penalty(log_probs, ref, estimator or algo.kl_estimator, clamp=algo.kl_clamp,
-                          log_ratio_clamp=algo.kl_log_ratio_clamp)
-
-    def _aggregate(self, loss: torch.Tensor, batch: Experience, normalizer: float) -> torch.Tensor:
-        return aggregate(loss, batch, self.cfg.algo.loss_agg, normalizer, token_sum_norm=self.token_sum_norm)
 
     # ---------------------------------------------------------------- the step
     def evaluate(self) -> dict[str, float]:
@@ -403,7 +399,7 @@ class Trainer:
                 if self.critic is not None:
                     batch.values = self.critic(batch)
                 if algo.kl_in_reward:
-                    batch.kl = self._kl(batch.action_log_probs, batch.base_action_log_probs)
+                    batch.kl = self.objective.kl(batch.action_log_probs, batch.base_action_log_probs)
         self.actor.train()
 
     def advantages(self, samples: list[StandIn], minibatches: list[MiniBatch]) -> None:
@@ -439,49 +435,15 @@ class Trainer:
         return stats
 
     def train_microbatch(self, batch: Experience, weight: float, mb: MiniBatch, stats: "Stats") -> None:
-        algo = self.cfg.algo
-        normalizer = mb.normalizer
-        with router_aux_loss(self.actor.model, enabled=bool(algo.router_aux_loss_coef)) as aux:
+        """Forward (actor, and critic) -> objective (rl/algos/objective.py) -> backward, `weight` x."""
+        with router_aux_loss(self.actor.model, enabled=bool(self.cfg.algo.router_aux_loss_coef)) as aux:
             log_probs, entropy = self.actor(batch, return_entropy=True)
-        if batch.action_log_probs is None:  # one update per rollout: the old policy is this one
-            batch.action_log_probs = log_probs.detach()
-        pg, info = policy_loss(log_probs, batch, algo)
-        loss = self._aggregate(pg, batch, normalizer)
-        terms = {"policy_loss": loss.detach()}
-        if algo.kl_coef and algo.kl_mode == "loss":
-            kl_loss = self._aggregate(self._kl(log_probs, batch.base_action_log_probs) * batch.action_mask, batch,
-                                      normalizer)
-            loss = loss + self.kl_ctl.value * kl_loss
-            terms["kl_loss"] = kl_loss.detach()
-        if algo.entropy_coef:
-            loss = loss - algo.entropy_coef * self._aggregate(entropy * batch.action_mask, batch, normalizer)
-        if aux:  # token-weighted over every rank's real tokens of the mini-batch, averaged over layers
-            layers = len(moe_blocks(self.actor.model))
-            balance = sum(a * n for a, n in aux) / (mb.all_tokens * layers)
-            loss = loss + algo.router_aux_loss_coef * balance
-            terms["router_aux_loss"] = balance.detach()
-        terms["loss"] = loss.detach()  # the actor objective as optimized: every term included
-        self.guard.check("loss", loss)
+        values = self.critic(batch) if self.critic is not None else None
+        loss, terms = self.objective(batch, log_probs, entropy, values, aux, normalizer=mb.normalizer,
+                                     tokens=mb.tokens, all_tokens=mb.all_tokens)
+        self.guard.check("loss", terms["loss"], terms.get("value_loss"))
         (loss * weight).backward()
-        if self.critic is not None:
-            values = self.critic(batch)
-            vloss = algo.vf_coef * self._aggregate(value_loss(values, batch, algo.value_clip), batch, normalizer)
-            (vloss * weight).backward()
-            self.guard.check("loss", vloss)
-            terms["value_loss"] = vloss.detach()
-        m = batch.action_mask
-        terms["entropy"] = (entropy.detach() * m).sum() / mb.tokens
-        terms["clip_ratio"] = (info["clip_ratio"] * m).sum() / mb.tokens
-        terms["approx_kl"] = (info["approx_kl"] * m).sum() / mb.tokens  # k3 of old -> new
-        if batch.base_action_log_probs is not None:
-            terms["kl"] = (self._kl(log_probs.detach(), batch.base_action_log_probs, "k3") * m).sum() / mb.tokens
-        if batch.rollout_log_probs is not None:  # rollout engine vs training forward (fix: algo.tis_cap)
-            gap = (log_probs.detach() - batch.rollout_log_probs) * m  # log(pi_train / pi_rollout)
-            terms["rollout_logprob_abs_diff"] = gap.abs().sum() / mb.tokens
-            terms["rollout_kl"] = ((gap.exp() - 1) - gap).sum() / mb.tokens  # k3 of rollout -> training
-            if weight:
-                stats.add_max({"rollout_logprob_abs_diff_max": gap.abs().max()})
-        stats.add({k: v * weight for k, v in terms.items()})
+        stats.add(terms, weight)
 
     def optimizer_step(self) -> dict[str, torch.Tensor]:
         """Clip by the global norm and step; or skip the update, on every rank alike, when a
@@ -607,15 +569,16 @@ class Stats:
         self.step_sums: dict[str, float] = {}
         self.steps = 0
 
-    def add(self, terms: dict[str, torch.Tensor]) -> None:
+    def add(self, terms: dict[str, torch.Tensor], weight: float = 1.0) -> None:
+        """Sums of `weight` x each term; a `_max` key's maximum instead (over microbatches, updates and
+        DP ranks: `reduce_maxes`), a zero-weight microbatch's left out."""
         for k, v in terms.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v.detach().double()  # stays on the device: no sync per microbatch
-
-    def add_max(self, values: dict[str, torch.Tensor]) -> None:
-        """Maxima over microbatches (and updates, and DP ranks: `reduce_sums` takes `max_` keys' MAX)."""
-        for k, v in values.items():
-            v = v.detach().double()
-            self.maxes[k] = torch.maximum(self.maxes[k], v) if k in self.maxes else v
+            if k.endswith("_max"):
+                if weight:
+                    v = v.detach().double()
+                    self.maxes[k] = torch.maximum(self.maxes[k], v) if k in self.maxes else v
+            else:  # stays on the device: no sync per microbatch
+                self.sums[k] = self.sums.get(k, 0.0) + (v * weight).detach().double()
 
     def add_step(self, values: dict[str, torch.Tensor]) -> None:
         self.steps += 1
