@@ -30,7 +30,7 @@ def test_one_step_runs_the_stages_in_order_and_each_returns_its_type():
         tr.step(0)
     finally:
         sys.setprofile(None)
-    assert calls == STAGES
+    assert [c for c in calls if not c.startswith("_")] == STAGES  # private helpers (_release_memory) are not stages
     hints = {name: typing.get_type_hints(getattr(Trainer, name)).get("return") for name in STAGES}
     assert hints["rollout"] is Rollouts and hints["plan"] is StepPlan and hints["train"] is Stats
     assert isinstance(returned["rollout"], Rollouts) and isinstance(returned["plan"], StepPlan)
