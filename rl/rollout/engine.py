@@ -523,9 +523,11 @@ class HFRolloutEngine(RolloutEngine):
         from the batch (cache, logits, positions, masks, seeds), so a long answer does not
         keep every finished row decoding. A row's draws come from its own counter stream
         (`uniform_noise(seed, step)`), so dropping its neighbours changes none of its
-        tokens (up to the batch-size rounding the module docstring describes). A row stays in the batch for the forward that feeds its last token (MoE:
-        that forward records the token's routing); in lockstep a rank whose rows have all
-        stopped keeps one, since its peers' forwards are collectives."""
+        tokens (up to the batch-size rounding the module docstring describes). A row stays
+        in the batch for the forward that feeds its last token (MoE: that forward records
+        the token's routing); in lockstep a rank whose rows have all stopped keeps one,
+        since its peers' forwards are collectives. `live` (host) and `rows` (device) are
+        the same row list twice: the loop indexes with `rows` without a copy per step."""
         from transformers import DynamicCache  # local: the module imports without transformers
 
         device, B = self.device, len(prompts)
