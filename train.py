@@ -17,7 +17,7 @@ allocator_mode()  # RL_ALLOCATOR checked before anything is built (model/allocat
 import hydra  # noqa: E402
 import torch  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from model.library_noise import silence_library_noise  # noqa: E402
@@ -59,7 +59,8 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
     trainer = build_trainer(cfg, dims)
     start = ckpt.resume(trainer)  # steps already done: 0, or those of the checkpoint `resume` names
 
-    writer = MetricsWriter(out_dir, enabled=dims.rank == 0, tensorboard=cfg.trainer.tensorboard, resume_step=start)
+    writer = MetricsWriter(out_dir, enabled=dims.rank == 0, loggers=cfg.trainer.loggers, resume_step=start,
+                           project=cfg.trainer.project, config=OmegaConf.to_container(dict_cfg, resolve=True))
     log.info("run folder %s; dp=%d cp=%d ep=%d on %s", out_dir, dims.dp, dims.cp, dims.ep, dims.device)
     bar = tqdm(range(start, cfg.trainer.max_steps), disable=dims.rank != 0 or not cfg.trainer.progress, desc="train")
     shown, now = {}, {}  # the last step's figures; what the running step is doing (decode t/T, turn, train i/n)

@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from model.lora import stock_name
 from model.moe import EXPERT_PARAM_NAMES, ExpertParallelExperts
 from model.parallel_dims import ParallelDims, local_tensor
 
@@ -276,7 +277,8 @@ def load_sharded(wrapper: nn.Module, path: str | Path, dims: ParallelDims) -> nn
             if not name.startswith(prefix):
                 raise ValueError(f"load_sharded: {name} is on the meta device but outside the Hugging Face model "
                                  f"(nothing in the checkpoint fills it)")
-            plan.append(_plan_entry(ckpt, folder, name, name[len(prefix):], tensor, modules.get(owner)))
+            key = stock_name(name[len(prefix):])  # a LoRA-wrapped linear's base weight: its checkpoint key
+            plan.append(_plan_entry(ckpt, folder, name, key, tensor, modules.get(owner)))
 
         _allocate(wrapper, lm, dims.device, tied)
         tensors = dict(wrapper.named_parameters()) | dict(wrapper.named_buffers())

@@ -11,7 +11,7 @@ import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf, open_dict
@@ -26,6 +26,7 @@ from rl.rollout.producer import RolloutMode
 from rl.rollout.replica import ReplicaMode, RolloutEngineName, check_sharded
 from rl.algos.losses import KLConfig, KLMode, PolicyLossConfig, check_policy_loss_config
 from rl.tasks.calls import OnError
+from rl.trainer.metrics import Logger
 from rl.tasks.task import TaskName
 from rl.algos.schedule import LRSchedule
 
@@ -160,7 +161,10 @@ class TrainerConfig:
     activation_checkpointing: bool = False
     max_bad_steps: int = 3  # consecutive non-finite updates skipped before the run stops
     min_entropy: Optional[float] = None  # warn when the mean entropy falls below it
-    tensorboard: bool = False
+    # where the step metrics go besides metrics.jsonl (always written): tensorboard, wandb, mlflow
+    # (rl/trainer/metrics.py); a resumed run continues the same W&B / MLflow run
+    loggers: List[Logger] = field(default_factory=lambda: [Logger.JSONL])
+    project: str = "rl"  # the W&B project / MLflow experiment
     plot: bool = True
     progress: bool = True
 

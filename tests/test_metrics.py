@@ -1,5 +1,7 @@
 """Run output: metrics.jsonl and TensorBoard continue a resumed run without its redone steps."""
 
+import json
+
 from rl.trainer.metrics import MetricsWriter, plot_curves
 
 
@@ -12,12 +14,12 @@ def tensorboard_steps(folder, tag="reward_mean") -> list[tuple[int, float]]:
 
 
 def test_a_resumed_run_replaces_the_steps_it_redoes_in_jsonl_and_tensorboard(tmp_path):
-    first = MetricsWriter(tmp_path, tensorboard=True)
+    first = MetricsWriter(tmp_path, loggers=["tensorboard"])
     for step in range(5):  # killed after step 4; its checkpoint holds 2 steps
         first.log({"step": step, "reward_mean": float(step)})
     first.close(plot=False)
 
-    resumed = MetricsWriter(tmp_path, tensorboard=True, resume_step=2)
+    resumed = MetricsWriter(tmp_path, loggers=["tensorboard"], resume_step=2)
     for step in (2, 3):
         resumed.log({"step": step, "reward_mean": 10.0 + step})
     resumed.close(plot=False)
@@ -92,3 +94,73 @@ def test_a_failed_run_writes_its_error_to_the_log_and_a_failed_file(tmp_path):
     assert "RuntimeError: the reward server is down" in (tmp_path / FAILED).read_text()
     MetricsWriter(tmp_path).close(plot=False)  # the run continued in its folder (resume): no longer failed
     assert not (tmp_path / FAILED).exists()
+
+
+def wandb_history(run_dir) -> list[tuple[str, int, float]]:
+    """(run id, step, reward_mean) of every history record in W&B's offline run files under
+    `run_dir`, in the order written: the .wandb file is a LevelDB-style log of protobuf
+    `Record`s in 32 KiB blocks (7-byte file header, then crc32, length, type per chunk)."""
+    import glob
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    out = []
+    for path in sorted(glob.glob(f"{run_dir}/wandb/offline-run-*/run-*.wandb")):
+        data, pos, record = open(path, "rb").read(), 7, b""
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+                pos += 32768 - pos % 32768
+                continue
+            length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+            record += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):  # a full record, or the last chunk of one
+                rec = pb.Record()
+                rec.ParseFromString(record)
+                if rec.WhichOneof("record_type") == "history":
+                    items = {i.key or "/".join(i.nested_key): i.value_json for i in rec.history.item}
+                    out.append((path.split("-")[-1][:-6], int(items["_step"]), float(items["reward_mean"])))
+            if kind in (0, 1, 4):
+                record = b""
+    return out
+
+
+def test_wandb_offline_and_mlflow_file_store_continue_the_same_run_on_resume(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    sinks = ["jsonl", "wandb", "mlflow"]
+    first = MetricsWriter(tmp_path, loggers=sinks, project="p", config={"trainer": {"lr": 0.1}})
+    for step in range(3):  # killed after step 2; its checkpoint holds 2 steps
+        first.log({"step": step, "reward_mean": float(step), "note": "text is not a metric"})
+    first.close(plot=False)
+    resumed = MetricsWriter(tmp_path, loggers=sinks, project="p", resume_step=2)
+    for step in (2, 3):
+        resumed.log({"step": step, "reward_mean": 10.0 + step})
+    resumed.close(plot=False)
+
+    ids = json.loads((tmp_path / "loggers.json").read_text())
+    history = wandb_history(tmp_path)
+    assert {run for run, _, _ in history} == {ids["wandb"]}  # one run, continued
+    assert [(s, v) for _, s, v in history] == [(0, 0.0), (1, 1.0), (2, 2.0), (2, 12.0), (3, 13.0)]
+    client = mlflow.tracking.MlflowClient((tmp_path / "mlruns").resolve().as_uri())
+    run = client.get_run(ids["mlflow"])
+    assert run.data.params["trainer.lr"] == "0.1" and run.info.run_name == tmp_path.name
+    assert [(m.step, m.value) for m in client.get_metric_history(ids["mlflow"], "reward_mean")] == \
+        [(0, 0.0), (1, 1.0), (2, 2.0), (2, 12.0), (3, 13.0)]
+
+
+def test_control_a_fresh_run_in_the_folder_starts_new_wandb_and_mlflow_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    seen = []
+    for _ in range(2):  # resume_step 0: not a resumed run
+        writer = MetricsWriter(tmp_path, loggers=["wandb", "mlflow"])
+        writer.log({"step": 0, "reward_mean": 1.0})
+        writer.close(plot=False)
+        seen.append(json.loads((tmp_path / "loggers.json").read_text()))
+    assert seen[0]["wandb"] != seen[1]["wandb"] and seen[0]["mlflow"] != seen[1]["mlflow"]
+    assert len({run for run, _, _ in wandb_history(tmp_path)}) == 2

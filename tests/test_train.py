@@ -23,7 +23,9 @@ def train(tmp_path: Path, name: str, *overrides: str, nproc: int = 1) -> list[di
         cmd = [sys.executable, "train.py", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline",
+           "WANDB_SILENT": "true"}
+    env.pop("MLFLOW_TRACKING_URI", None)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -36,7 +38,7 @@ def untimed(metrics: list[dict]) -> list[dict]:
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
-    return tmp, train(tmp, "default", "trainer.max_steps=16")
+    return tmp, train(tmp, "default", "trainer.max_steps=16", "trainer.loggers=[jsonl,tensorboard,wandb,mlflow]")
 
 
 def test_run_writes_metrics_and_a_plot(default_run):
@@ -46,6 +48,18 @@ def test_run_writes_metrics_and_a_plot(default_run):
                 "clip_ratio", "tokens", "expert_load_max_over_mean"}
     assert required <= metrics[0].keys()
     assert (tmp / "default" / "curves.png").stat().st_size > 0
+    # the sinks train.py wires from trainer.loggers, each with every step and the run's config
+    import mlflow
+
+    from tests.test_metrics import tensorboard_steps, wandb_history
+
+    ids = json.loads((tmp / "default" / "loggers.json").read_text())
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # reading the run's file store, as the run wrote it
+    client = mlflow.tracking.MlflowClient((tmp / "default" / "mlruns").resolve().as_uri())
+    assert client.get_run(ids["mlflow"]).data.params["trainer.max_steps"] == "16"
+    assert len(client.get_metric_history(ids["mlflow"], "reward_mean")) == 16
+    assert [s for _, s, _ in wandb_history(tmp / "default")] == list(range(16))
+    assert len(tensorboard_steps(tmp / "default" / "tensorboard")) == 16
 
 
 def test_reward_rises_and_does_not_without_learning(default_run, tmp_path):

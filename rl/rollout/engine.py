@@ -5,7 +5,7 @@ The engine only generates; it never sees the task. One RL step reads:
     prompts = task.prompts(n, seed=...)                    # [(prompt_ids [P], meta)]
     records = engine.generate([p for p, _ in prompts], prompt_indices=..., max_new_tokens=...,
                               temperature=..., seed=...)   # one record per sample
-    assign_rewards(task, records, [m for _, m in prompts])  # rl.tasks.task: sets rec.rewards
+    assign_rewards(task, records, [m for _, m in prompts])  # rl.tasks.base: sets rec.rewards
     (both lines are rl/rollout/episodes.py `run_episodes`; a multi-turn task: one generate per turn)
     ... buffer -> plan -> collate -> train -> optimizer step ...
     sync_weights(engine, policy)                           # rl/rollout/sync.py: bucket by bucket
@@ -65,6 +65,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from model.lora import has_adapters, is_adapter
 from model.moe import is_moe, moe_blocks, record_routing, shard_experts
 from packing.experience import Experience
 from packing.layout import padded_positions
@@ -77,12 +78,14 @@ class RolloutEngine(abc.ABC):
     """Generates unpadded `Experience` records; a vLLM-backed engine implements the same."""
 
     needs_sync = True  # False: generates from the training policy's own weights (nothing to load)
+    holds_base = False  # True: holds LoRA's frozen base, a sync sends the adapters only (rl/rollout/sync.py)
 
     def __init__(self, *, stop_token_id: int | None = None) -> None:
         self.stop_token_id = stop_token_id
         self.on_progress = None  # called as on_progress(decode="t/T", rows="b/B") while a generation runs, or None
         self.sync_bucket_bytes: int | None = None  # weight sync bucket (rl/rollout/sync.py); None: the default
         self.replica = None  # the start-up memory plan that chose this engine (rl/rollout/replica.py), if any
+        self.loaded_bytes = 0  # bytes the last `load_weights` received (LoRA: the adapters only, model/lora.py)
 
     def sleep(self) -> None:
         """Free what the engine holds for generation until the next weight sync (the trainer
@@ -392,6 +395,8 @@ class HFRolloutEngine(RolloutEngine):
             shard_experts(model, None)  # the training forward's blocks, every expert local
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self._released: dict[str, int] = {}  # state-dict name -> its storage's bytes before `sleep`
+        self._adapters = has_adapters(model)  # LoRA (model/lora.py): the base is loaded once
+        self._base_loaded = False
 
     @property
     def device(self) -> torch.device:
@@ -402,16 +407,24 @@ class HFRolloutEngine(RolloutEngine):
         return bool(moe_blocks(self.model, strict=False))
 
     # ------------------------------------------------------------- weights
+    @property
+    def holds_base(self) -> bool:
+        """True when the copy has LoRA adapters (model/lora.py) and its frozen base weights
+        are loaded: a sync then sends the adapters only (rl/rollout/sync.py)."""
+        return self._base_loaded
+
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy every weight in, one `(name, tensor)` at a time (a generator such as
         `rl.rollout.sync.full_parameter_buckets` never holds the whole model). Strict: the same
         names and shapes as the rollout model's state dict; a name or shape error is raised
         as soon as it is seen, a missing name after the last tensor (the tensors copied
-        before an error stay copied: reload the full weights after fixing the source)."""
+        before an error stay copied: reload the full weights after fixing the source).
+        A copy with LoRA adapters whose base is loaded takes the adapter tensors alone (the
+        base is frozen: kept once, never resent); each is cast to the copy's dtype."""
         own = self.model.state_dict()
         items = weights.items() if isinstance(weights, Mapping) else weights
-        seen = set()
+        seen, received = set(), 0
         for name, value in items:
             if name not in own:
                 raise KeyError(f"load_weights: unexpected tensor {name!r}: the rollout model has no such state-dict entry")
@@ -423,10 +436,14 @@ class HFRolloutEngine(RolloutEngine):
                 storage.resize_(self._released[name])
             own[name].copy_(value)  # state_dict() tensors alias the parameters: copy_ updates them in place
             seen.add(name)
+            received += value.numel() * value.element_size()
         missing = sorted(set(own) - seen)
+        if self._adapters and self._base_loaded:  # adapters only: the base stays as loaded
+            missing = [n for n in missing if is_adapter(n)]
         if missing:
             raise KeyError(f"load_weights: {len(missing)} state-dict entries were not given: {_head(missing)}")
-        self.asleep, self._released = False, {}
+        self.asleep, self._released, self.loaded_bytes = False, {}, received
+        self._base_loaded = self._adapters
 
     def sleep(self) -> None:
         """Release the copy's weights until the next `load_weights` (the trainer calls it after
@@ -435,6 +452,8 @@ class HFRolloutEngine(RolloutEngine):
         tensors keep their shapes; `load_weights` gives each its storage back before copying
         into it). Non-persistent buffers (rotary `inv_freq`) stay. A storage that cannot be
         resized (memory-mapped from a file) is kept."""
+        if self._adapters:  # the base is kept (loaded once); the adapters are a few MiB
+            return
         own = self.model.state_dict()
         # every name's storage size first: a tied weight is one storage under two names
         self._released = {name: t.untyped_storage().nbytes() for name, t in own.items()

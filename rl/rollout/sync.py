@@ -54,6 +54,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from model import compat
+from model.lora import has_adapters, is_adapter
 from model.moe import expert_owners
 
 DEFAULT_BUCKET_BYTES = 256 << 20  # rollout.sync_bucket_bytes=null: at most this (default_bucket_bytes)
@@ -72,7 +73,7 @@ class _Entry:
     experts: nn.Module | None
 
 
-def _entries(model: nn.Module) -> list[_Entry]:
+def _entries(model: nn.Module, adapters_only: bool = False) -> list[_Entry]:
     owners = expert_owners(model)
     # tied weights are one Parameter under several names (identity: the same on every rank)
     ids = {name: id(t) for name, t in [*model.named_parameters(remove_duplicate=False),
@@ -80,6 +81,8 @@ def _entries(model: nn.Module) -> list[_Entry]:
     by_id: dict[int, _Entry] = {}
     out = []
     for name, value in model.state_dict().items():
+        if adapters_only and not is_adapter(name):
+            continue
         key = ids.get(name, id(value))
         if key in by_id:
             by_id[key].names.append(name)
@@ -135,9 +138,11 @@ def check_bucket_bytes(sizes: dict[str, int], bucket_bytes: int) -> None:
 
 
 @torch.no_grad()
-def buckets(model: nn.Module, bucket_bytes: int | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The `(name, full tensor)` pairs of `model`'s state dict, one bucket (a list) at a time."""
-    entries = _entries(model)
+def buckets(model: nn.Module, bucket_bytes: int | None = None, *,
+            adapters_only: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The `(name, full tensor)` pairs of `model`'s state dict (`adapters_only`: its LoRA
+    adapters' only), one bucket (a list) at a time."""
+    entries = _entries(model, adapters_only)
     limit = _limit({e.names[0]: e.nbytes for e in entries}, bucket_bytes)
     bucket: list[_Entry] = []
     size = 0
@@ -152,19 +157,23 @@ def buckets(model: nn.Module, bucket_bytes: int | None = None) -> Iterator[list[
 
 
 @torch.no_grad()
-def full_parameter_buckets(model: nn.Module, bucket_bytes: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(name, full tensor)` for every state-dict entry of `model`, gathered a bucket at a
-    time (see the module docstring); the engine's `load_weights` takes this stream."""
-    for bucket in buckets(model, bucket_bytes):
+def full_parameter_buckets(model: nn.Module, bucket_bytes: int | None = None, *,
+                           adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, full tensor)` for every state-dict entry of `model` (`adapters_only`: every
+    adapter tensor), gathered a bucket at a time (see the module docstring); the engine's
+    `load_weights` takes this stream."""
+    for bucket in buckets(model, bucket_bytes, adapters_only=adapters_only):
         yield from bucket
         del bucket  # let the bucket go before the next is gathered (the consumer holds at most its last item)
 
 
 def sync_weights(engine, model: nn.Module) -> None:
     """The engine gets `model`'s weights in buckets of `engine.sync_bucket_bytes` (None: the
-    default); nothing for an engine that generates from the policy itself (`needs_sync`)."""
+    default); nothing for an engine that generates from the policy itself (`needs_sync`).
+    LoRA (model/lora.py): once the engine holds the frozen base (`holds_base`), the adapters only."""
     if engine.needs_sync:
-        engine.load_weights(full_parameter_buckets(model, engine.sync_bucket_bytes))
+        adapters_only = engine.holds_base and has_adapters(model)
+        engine.load_weights(full_parameter_buckets(model, engine.sync_bucket_bytes, adapters_only=adapters_only))
 
 
 # ------------------------------------------------------------------ gathering
@@ -234,6 +243,7 @@ class StagedWeights:
     `load_weights` returns with the copy complete, so the thread may read it at once."""
 
     needs_sync = True
+    holds_base = True  # LoRA: the engine behind the stage got the base at build (rl/rollout/build.py): adapters only
 
     def __init__(self, sync_bucket_bytes: int | None, *, pin: bool = False) -> None:
         self.sync_bucket_bytes, self.pin = sync_bucket_bytes, pin

@@ -355,7 +355,7 @@ def _check_model_shape(path: Path, cfg: "Config") -> None:
 # settings that say how long and how a run goes, not what it trains: `resume=auto` continues a
 # run whose checkpoint differs from this command's config in these only (evaluation does not
 # change training: tests/test_train.py)
-RUN_CONTROL = ("resume", "trainer.max_steps", "trainer.progress", "trainer.plot", "trainer.tensorboard",
+RUN_CONTROL = ("resume", "trainer.max_steps", "trainer.progress", "trainer.plot", "trainer.loggers", "trainer.project",
                "checkpoint", "eval")
 
 

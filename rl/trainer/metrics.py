@@ -1,7 +1,14 @@
 """Run output on rank 0: metrics.jsonl (one JSON object per step, made with the first step's
-line: never left empty), optional TensorBoard, and curves.png at the end of the run: the
-panels a run is read by (`CURVES`). A run that fails writes its error to train.log and a
-`FAILED` file (`run_failed`), on any rank."""
+line: never left empty; the run's record, which resume and the curves read), the sinks named
+in `trainer.loggers` (TensorBoard, Weights & Biases, MLflow), and curves.png at the end of the
+run: the panels a run is read by (`CURVES`). A run that fails writes its error to train.log and
+a `FAILED` file (`run_failed`), on any rank.
+
+A resumed run continues the same run in every sink: TensorBoard hides the events of the steps
+it redoes (purge_step); W&B and MLflow continue the run whose id `loggers.json` in the run
+folder keeps. Neither can delete a logged step, so the steps a resumed run redoes are sent again
+(W&B, which wants increasing steps, may drop them with a warning; MLflow keeps both values):
+only the wall-clock figures differ, a resumed run redoes its steps bit for bit."""
 
 from __future__ import annotations
 
@@ -10,20 +17,34 @@ import logging
 import os
 import traceback
 from pathlib import Path
+from typing import Any, Iterable
+
+from rl.choice import Choice
 
 FAILED = "FAILED"
+RUN_IDS = "loggers.json"  # the W&B / MLflow run ids of this run folder: a resumed run continues them
+
+
+class Logger(Choice):
+    """`trainer.loggers`: where the step metrics go. jsonl is always written."""
+
+    JSONL = "jsonl"
+    TENSORBOARD = "tensorboard"  # <run>/tensorboard/
+    WANDB = "wandb"  # project `trainer.project`, run name = the run folder's; WANDB_MODE=offline works without a network
+    MLFLOW = "mlflow"  # MLFLOW_TRACKING_URI, else a file store at <run>/mlruns; experiment `trainer.project`
 
 
 class MetricsWriter:
-    def __init__(self, out_dir: str | Path, *, enabled: bool = True, tensorboard: bool = False,
-                 resume_step: int = 0) -> None:
+    def __init__(self, out_dir: str | Path, *, enabled: bool = True, loggers: Iterable[Logger | str] = (),
+                 resume_step: int = 0, project: str = "rl", config: dict | None = None) -> None:
         """`resume_step` > 0 (a resumed run): the lines of steps before it are kept from an
-        existing metrics.jsonl and the file continues after them; later lines are dropped."""
+        existing metrics.jsonl and the file continues after them; later lines are dropped.
+        `config` (the run's resolved config) is recorded by W&B and MLflow."""
         self.out_dir = Path(out_dir)
         self.enabled = enabled
         self.history: list[dict] = []
         self._file = None
-        self._tb = None
+        self._sinks: list[_Sink] = []
         if enabled:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / FAILED).unlink(missing_ok=True)  # a failed run continued in its folder (resume)
@@ -36,11 +57,14 @@ class MetricsWriter:
                 tmp.replace(path)  # a kill here leaves either the old file or the kept lines, never half
             else:
                 path.unlink(missing_ok=True)  # made by the first line
-            if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-
-                # a resumed run hides the events of the steps it redoes (resume_step and later)
-                self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=resume_step or None)
+            ids = _read_ids(self.out_dir) if resume_step > 0 else {}
+            for name in dict.fromkeys(Logger(x) for x in loggers):
+                if name is not Logger.JSONL:
+                    self._sinks.append(_SINKS[name](self.out_dir, resume_step, project, config or {}, ids))
+            if any(ids.values()):
+                tmp = self.out_dir / (RUN_IDS + ".tmp")
+                tmp.write_text(json.dumps(ids))
+                tmp.replace(self.out_dir / RUN_IDS)
 
     def log(self, metrics: dict) -> None:
         self.history.append(metrics)
@@ -50,21 +74,106 @@ class MetricsWriter:
             self._file = open(self.path, "a")
         self._file.write(json.dumps(metrics) + "\n")
         self._file.flush()  # nothing lost if the run dies mid-way
-        if self._tb is not None:
-            for key, value in metrics.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, metrics["step"])
+        scalars = {k: v for k, v in metrics.items() if k != "step" and isinstance(v, (int, float))}
+        for sink in self._sinks:
+            sink.log(scalars, metrics["step"])
 
     def close(self, plot: bool = True) -> Path | None:
         if not self.enabled:
             return None
         if self._file is not None:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self._sinks:
+            sink.close()
         if plot and self.history:
             return plot_curves(self.history, self.out_dir / "curves.png")
         return None
+
+
+class _Sink:
+    """One metrics sink: made at the run's start (or resume), sent each step's scalars, closed."""
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class _TensorBoard(_Sink):
+    def __init__(self, out_dir: Path, resume_step: int, project: str, config: dict, ids: dict) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        # a resumed run hides the events of the steps it redoes (resume_step and later)
+        self._writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step or None)
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for key, value in scalars.items():
+            self._writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class _Wandb(_Sink):
+    def __init__(self, out_dir: Path, resume_step: int, project: str, config: dict, ids: dict) -> None:
+        import wandb
+
+        try:
+            self._run = wandb.init(project=project, name=out_dir.name, id=ids.get("wandb"), resume="allow",
+                                   dir=str(out_dir), config=config)
+        except Exception as e:  # wandb's own message first (no API key, no network ...)
+            raise RuntimeError(f"trainer.loggers has wandb, and wandb.init failed: {e}. Log in (`wandb login`), "
+                               "or run without a network with WANDB_MODE=offline (`wandb sync` later)") from e
+        ids["wandb"] = self._run.id
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self._run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class _MLflow(_Sink):
+    def __init__(self, out_dir: Path, resume_step: int, project: str, config: dict, ids: dict) -> None:
+        import mlflow
+
+        if not os.environ.get("MLFLOW_TRACKING_URI"):  # no server named: a file store in the run folder
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for this opt-in
+            mlflow.set_tracking_uri((out_dir / "mlruns").resolve().as_uri())
+        if ids.get("mlflow"):
+            self._run = mlflow.start_run(run_id=ids["mlflow"])
+        else:
+            mlflow.set_experiment(project)
+            self._run = mlflow.start_run(run_name=out_dir.name)
+            ids["mlflow"] = self._run.info.run_id
+            mlflow.log_params(_flat(config))
+        self._mlflow = mlflow
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self._mlflow.log_metrics(scalars, step=step)
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+_SINKS = {Logger.TENSORBOARD: _TensorBoard, Logger.WANDB: _Wandb, Logger.MLFLOW: _MLflow}
+
+
+def _read_ids(out_dir: Path) -> dict:
+    path = out_dir / RUN_IDS
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: MLflow's params are flat (values cut to its 6000 characters)."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = str(value)[:6000]
+    return out
 
 
 def run_failed(out_dir: str | Path, error: BaseException) -> None:

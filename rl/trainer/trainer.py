@@ -49,6 +49,7 @@ from model import kernels
 from model.actor import Actor, Critic
 from model.allocator import release_memory
 from model.loading import load_sharded
+from model.lora import adapters_disabled, apply_lora, has_adapters, trainable_parameters
 from model.models import build_model
 from model.moe import moe_blocks, reset_expert_load, router_aux_loss
 from model.parallel_dims import ParallelDims
@@ -71,7 +72,7 @@ from rl.rollout.build import build_engine
 from rl.tasks.evaluate import evaluate, heldout_problems
 from rl.rollout.episodes import episode_metrics, run_episodes
 from rl.tasks.calls import UserCalls
-from rl.tasks.task import build_task, step_prompts
+from rl.tasks.registry import build_task
 
 
 def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
@@ -95,24 +96,31 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
         return build_model(name, pretrained_path=m.pretrained_path, seed=cfg.seed, dtype=dtype, device=device,
                            **m.overrides)
 
-    def build(wrap):
-        """`wrap(model)` (an Actor or Critic), parallelized. A checkpoint is built on the meta
+    def policy_model(device=None, adapters_on=None):
+        """The policy's causal LM: with model.lora.rank > 0 the base with adapters (model/lora.py),
+        allocated on `adapters_on` when the base is a meta skeleton (None: left on meta)."""
+        lm = new_model(device)
+        return apply_lora(lm, m.lora, seed=cfg.seed, device=adapters_on) if m.lora.rank else lm
+
+    def build(wrap, lm=new_model):
+        """`wrap(lm())` (an Actor or Critic), parallelized. A checkpoint is built on the meta
         device and each rank reads only its shard of it (model/loading.py); a random-init model
         is built whole from the seed on every rank alike, then sharded."""
         meta = m.pretrained_path is not None
-        module = parallelize(wrap(new_model("meta" if meta else None)), dims, param_dtype=param_dtype,
+        module = parallelize(wrap(lm("meta" if meta else None)), dims, param_dtype=param_dtype,
                              activation_checkpointing=cfg.trainer.activation_checkpointing)
         return load_sharded(module, m.pretrained_path, dims) if meta else module
 
     actor = build(lambda lm: Actor(lm, temperature=m.temperature, chunk_bytes=m.logprob_chunk_bytes, dims=dims,
-                                   actions_only=True, share_prompts=m.share_prompts))
+                                   actions_only=True, share_prompts=m.share_prompts),
+                  lambda device: policy_model(device, adapters_on=dims.device))
     critic = build(lambda lm: Critic(lm, dims=dims, share_prompts=m.share_prompts)) if cfg.algo.uses_critic else None
-    reference = None
-    if cfg.algo.kl_coef:
+    reference = None  # LoRA: the policy with its adapters disabled (Trainer.score), no copy built
+    if cfg.algo.kl_coef and not m.lora.rank:
         reference = build(lambda lm: Actor(lm.requires_grad_(False), temperature=m.temperature,
                                            chunk_bytes=m.logprob_chunk_bytes, dims=dims, actions_only=True,
                                            share_prompts=m.share_prompts))
-    engine = build_engine(cfg, dims, task, actor, new_model)  # rollout.engine: hf | vllm (rl/rollout/build.py)
+    engine = build_engine(cfg, dims, task, actor, policy_model)  # rollout.engine: hf | vllm (rl/rollout/build.py)
     release_memory()  # what loading and sharding freed, back to the OS (model/allocator.py)
     return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine, task=task,
                    heldout=heldout)
@@ -178,8 +186,9 @@ class Trainer:
         self.engine, self.task = engine, task
         self.heldout = heldout or []  # the held-out problems of `evaluate` (eval.every > 0)
         fused = adamw_options(dims.device)
-        self.optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
-                                           **fused)
+        # LoRA: the adapters only (model/lora.py `trainable_parameters` refuses a trainable base weight)
+        self.optimizer = torch.optim.AdamW(trainable_parameters(actor), lr=cfg.trainer.lr,
+                                           weight_decay=cfg.trainer.weight_decay, **fused)
         self.critic_optimizer = (
             torch.optim.AdamW(critic.parameters(), lr=cfg.algo.critic_lr, **fused) if critic is not None else None
         )
@@ -188,7 +197,7 @@ class Trainer:
         self.scheduler = make_lr_scheduler(self.optimizer, cfg.trainer.warmup_steps, updates, cfg.trainer.lr_schedule)
         self.kl_ctl = build_kl_controller(algo.kl_coef, algo.kl_target, algo.kl_horizon)
         # the microbatch's (loss, terms); Dr. GRPO's constant: the response budget (a multi-turn episode's: all turns)
-        token_sum_norm = algo.loss_agg_norm or float(cfg.task.max_new_tokens * getattr(task, "max_turns", 1))
+        token_sum_norm = algo.loss_agg_norm or float(cfg.task.max_new_tokens * task.max_turns)
         self.objective = Objective(algo, token_sum_norm=token_sum_norm, kl_ctl=self.kl_ctl,
                                    moe_layers=len(moe_blocks(actor.model, strict=False)))
         self.guard = DivergenceGuard(cfg.trainer.max_bad_steps, cfg.trainer.min_entropy, verbose=dims.rank == 0)
@@ -229,7 +238,7 @@ class Trainer:
         if RolloutMode(self.cfg.rollout.mode) is not RolloutMode.ASYNC:
             return self.engine
         if self._policy_engine is None:
-            self._policy_engine = PolicyRolloutEngine(self.actor, stop_token_id=getattr(self.task, "stop_token_id", None),
+            self._policy_engine = PolicyRolloutEngine(self.actor, stop_token_id=self.task.stop_token_id,
                                                       group=dist.group.WORLD if self.dims.distributed else None)
             self._policy_engine.on_progress = self._progress
         return self._policy_engine
@@ -261,6 +270,7 @@ class Trainer:
         self._release_memory()
         metrics = self.metrics(step, rollouts, minibatches, stats, elapsed=time.perf_counter() - t0)
         metrics["weight_sync_s"] = t_sync  # trainer -> rollout engine, after the step's last update
+        metrics["weight_sync_bytes"] = float(self.engine.loaded_bytes)  # what the engine received (LoRA: adapters)
         metrics.update(produced)  # staleness and overlap (one_step_off, async); nothing for sync
         kl = metrics.get("kl", 0.0)
         if self.cfg.algo.kl_coef and math.isfinite(kl):  # a bad step (rl/trainer/guard.py) leaves it as is
@@ -312,8 +322,8 @@ class Trainer:
         per_rank = task.prompts_per_step // dims.dp
         first = dims.dp_rank * per_rank
         seed = self.cfg.seed * 1_000_003 + step + round_ * 1_000_000_007
-        # a JSONL task walks its lines in seeded epochs, step k from position k * prompts_per_step (rl/tasks/task.py)
-        prompts = step_prompts(self.task, task.prompts_per_step, seed=seed, run_seed=self.cfg.seed,
+        # a JSONL task walks its lines in seeded epochs, step k from position k * prompts_per_step (rl/tasks/files.py)
+        prompts = self.task.step_prompts(task.prompts_per_step, seed=seed, run_seed=self.cfg.seed,
                                start=step * task.prompts_per_step if round_ == 0 else None)[first:first + per_rank]
         rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
         base = (step * rounds + round_) * task.prompts_per_step + first
@@ -396,6 +406,10 @@ class Trainer:
                     batch.action_log_probs = self.actor(batch)
                 if self.reference is not None:
                     batch.base_action_log_probs = self.reference(batch)
+                elif algo.kl_coef and has_adapters(self.actor.model):  # LoRA: the base is the reference
+                    self.actor.eval()
+                    with adapters_disabled(self.actor.model):
+                        batch.base_action_log_probs = self.actor(batch)
                 if self.critic is not None:
                     batch.values = self.critic(batch)
                 if algo.kl_in_reward:
@@ -501,7 +515,7 @@ class Trainer:
             optimizer_steps=stats.steps,
         )
         metrics.update(episode_metrics(records))  # episodes_done, _max_turns, _truncated, _error, _timeout
-        if getattr(self.task, "calls", None) is not None:
+        if self.task.calls is not None:
             metrics["calls_hung"] = float(self.task.calls.hung)  # user calls past task.timeout_s still running
         if records and records[0].turns is not None:  # a multi-turn task: model turns per episode
             metrics["turns_mean"] = float(torch.stack([r.turns for r in records]).float().mean())
