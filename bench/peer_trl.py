@@ -6,12 +6,12 @@ defaults below), or the one bench/peer.py passes (`--job long`: `--max-new-token
 --task-options '{..., "template": "... step by step ..."}'`, read from its experiment config):
 
 * model: SmolLM2-135M-Instruct (the folder `make model` writes), fp32, `--threads` threads
-* task: the project's `ArithmeticTask` (rl/tasks/task.py, imported from the repo root; it needs only
+* task: the project's `ArithmeticTask` (rl/tasks/arithmetic.py, imported from the repo root; it needs only
   torch and transformers) with the job's `task.options` (`--task-options`): step s trains on `task.prompts(4, seed=seed * 1_000_003 + s)`, the
   prompts the project's trainer draws at step s (rl/trainer/trainer.py `Trainer._rollout`), in that
   order (`shuffle_dataset=False`), each as one user message that TRL renders with the
   tokenizer's chat template (checked token for token against the project's prompt ids)
-* reward: `rl.tasks.task.math_reward` on the completion text (its last number against the answer)
+* reward: `rl.tasks.answers.math_reward` on the completion text (its last number against the answer)
 * GRPO as TRL runs it by default: group-normalized advantages (`scale_rewards="group"`),
   `loss_type="dapo"` (token-mean over the global batch), `beta=0` (no reference model),
   `num_iterations=1`, clip epsilon 0.2; 4 prompts x 8 samples per optimizer step
@@ -103,7 +103,7 @@ def greedy_accuracy(model, tokenizer, problems, *, batch_size: int, max_new_toke
     import torch
     from transformers import GenerationConfig
 
-    from rl.tasks.task import math_reward
+    from rl.tasks.answers import math_reward
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -145,7 +145,8 @@ def main(argv=None) -> dict:
     from trl import GRPOConfig, GRPOTrainer
     from trl.extras import profiling
 
-    from rl.tasks.task import ArithmeticTask, math_reward
+    from rl.tasks.answers import math_reward
+    from rl.tasks.arithmetic import ArithmeticTask
 
     t_start = time.perf_counter()
     task = ArithmeticTask(args.model, **json.loads(args.task_options))  # the project's task, the model's tokenizer

@@ -27,7 +27,8 @@ from rl.rollout.replica import ReplicaMode, RolloutEngineName, check_sharded
 from rl.algos.losses import KLConfig, KLMode, PolicyLossConfig, check_policy_loss_config
 from rl.tasks.calls import OnError
 from rl.trainer.metrics import Logger
-from rl.tasks.task import TaskName
+from rl.tasks.base import Task
+from rl.tasks.registry import TaskName
 from rl.algos.schedule import LRSchedule
 
 
@@ -135,7 +136,7 @@ class AlgoConfig(PolicyLossConfig, KLConfig, AdvantageConfig):
 
 @dataclass
 class TaskConfig:
-    name: TaskName = TaskName.TARGET_TOKEN  # a built-in task (rl/tasks/task.py TaskName) or "file"
+    name: TaskName = TaskName.TARGET_TOKEN  # a built-in task (rl/tasks/registry.py TaskName) or "file"
     prompts_per_step: int = 16  # global, split over DP ranks
     samples_per_prompt: int = 8  # the GRPO group size
     max_new_tokens: int = 12
@@ -550,7 +551,7 @@ def _optional(cls: type, name: str) -> bool:
 def _check_imports(cfg: Config) -> None:
     """The user's code the config names (`task.reward_fn`, `task.options.environment`) imports,
     before any model is built; the error says where the module was looked for."""
-    from rl.tasks.task import load_callable
+    from rl.tasks.base import load_callable
 
     for key, spec in (("task.reward_fn", cfg.task.reward_fn), ("task.options.environment",
                                                                 cfg.task.options.get("environment"))):
@@ -667,31 +668,29 @@ def _check_device(cfg: Config) -> None:
     resolve_kernel(cfg.model.attention.value, device, getattr(torch, compute.value))  # model.attention can run here
 
 
-def longest_sample(task: Any, max_new_tokens: int) -> int | None:
+def longest_sample(task: Task, max_new_tokens: int) -> int | None:
     """The most tokens one sample of `task` can hold with replies of up to `max_new_tokens`: its
     longest prompt, plus a reply per turn of a multi-turn task (`max_turns`) and an environment
     answer of up to `max_observation_len` between two turns. None when the task does not say how
     long its prompts are. What start-up checks against `batch.max_tokens`, and the vLLM engine's
     `max_model_len` (rl/rollout/build.py): the last turn's context holds every earlier one."""
-    prompt = getattr(task, "max_prompt_len", None)
+    prompt, turns = task.max_prompt_len, task.max_turns
     if prompt is None:
         return None
-    turns = getattr(task, "max_turns", 1)
-    return int(prompt) + max_new_tokens * turns + (turns - 1) * getattr(task, "max_observation_len", 0)
+    return int(prompt) + max_new_tokens * turns + (turns - 1) * task.max_observation_len
 
 
-def check_task_fits(cfg: Config, task: Any) -> None:
+def check_task_fits(cfg: Config, task: Task) -> None:
     """After the task is built: its longest sample fits in one microbatch of `batch.max_tokens`
     (else the planner would refuse a sample mid-run): the longest prompt plus
     `task.max_new_tokens`, per turn of a multi-turn task, plus its observations between turns."""
-    prompt = getattr(task, "max_prompt_len", None)
-    turns = getattr(task, "max_turns", 1)
+    prompt, turns = task.max_prompt_len, task.max_turns
     if turns > 1 and cfg.algo.overlong_buffer is not None:
         raise ValueError(f"algo.overlong_buffer shapes the reward by one reply's length; task {cfg.task.name.value!r} is "
                          f"multi-turn (task.options.max_turns={turns}): set algo.overlong_buffer=null")
     if prompt is None:
         return
-    observation = getattr(task, "max_observation_len", 0)
+    observation = task.max_observation_len
     longest = longest_sample(task, cfg.task.max_new_tokens)
     if longest > cfg.batch.max_tokens:
         what = (f"plus task.max_new_tokens={cfg.task.max_new_tokens}" if turns == 1 else

@@ -16,7 +16,8 @@ from model.models import build_model
 from model.parallel_dims import ParallelDims
 from rl.tasks.evaluate import evaluate
 from rl.rollout.engine import make_record
-from rl.tasks.task import ArithmeticTask, arithmetic_value, build_task
+from rl.tasks.arithmetic import ArithmeticTask, arithmetic_value
+from rl.tasks.registry import build_task
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 
 from inprocess import SMALL, compose, trainer
 from rl.config import RANGES, check_task_fits
-from rl.tasks.task import build_task
+from rl.tasks.registry import build_task
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ from inprocess import compose
 from omegaconf import OmegaConf
 from test_tasks import tokenizer_dir  # noqa: F401 - fixture
 
-from rl.tasks.task import build_task
+from rl.tasks.registry import build_task
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG, SHORT = "smollm2_arithmetic_steps", "smollm2_arithmetic"

@@ -26,7 +26,9 @@ from model.models import build_model
 from rl.rollout.engine import HFRolloutEngine, sample_seed
 from rl.rollout.episodes import run_episodes
 from rl.tasks.calls import Status
-from rl.tasks.task import ArithmeticRetryTask, RetryEnvironment, build_task, math_reward
+from rl.tasks.answers import math_reward
+from rl.tasks.arithmetic import ArithmeticRetryTask, RetryEnvironment
+from rl.tasks.registry import build_task
 from scripts.distributed import run_distributed
 
 

@@ -14,7 +14,7 @@ from model.actor import Actor
 from model.models import build_model
 from packing.collate import make_experience_batch
 from rl.rollout.engine import HFRolloutEngine
-from rl.tasks.task import build_task
+from rl.tasks.registry import build_task
 
 pytestmark = pytest.mark.model
 MODEL = Path(__file__).resolve().parents[1] / ".cache" / "models" / "SmolLM2-135M-Instruct"

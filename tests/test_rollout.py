@@ -1,4 +1,4 @@
-"""Rollout engine (rl/rollout/engine.py) and tasks (rl/tasks/task.py): records, seeding, log-probs, routing."""
+"""Rollout engine (rl/rollout/engine.py) and tasks (rl/tasks/): records, seeding, log-probs, routing."""
 
 import inspect
 import json
@@ -16,7 +16,9 @@ if str(ROOT) not in sys.path:  # FileTask imports "tests.test_rollout:my_reward"
 from model.models import build_model  # noqa: E402
 from rl.rollout.engine import (HFRolloutEngine, RolloutEngine, sample_inverse_cdf, sample_seed,  # noqa: E402
                         sample_seeds, uniform_noise)
-from rl.tasks.task import FileTask, Task, build_task, assign_rewards, load_callable  # noqa: E402
+from rl.tasks.base import Task, assign_rewards, load_callable  # noqa: E402
+from rl.tasks.files import FileTask  # noqa: E402
+from rl.tasks.registry import build_task  # noqa: E402
 
 VOCAB, TEMP, NEW = 64, 0.7, 10  # VOCAB: the tiny models (model/models.py) with the run's vocabulary (conf/model/)
 

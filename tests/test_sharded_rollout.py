@@ -120,7 +120,7 @@ def sharded_vs_replica(rank: int, world: int, family: str, tied: bool, ep: int =
     # held-out evaluation over 3 problems on 2 ranks, one at a time: rank 1 has one problem fewer, and
     # still joins its peers' last forward (rl/tasks/evaluate.py calls generate as often on every rank)
     from rl.tasks.evaluate import evaluate
-    from rl.tasks.task import build_task
+    from rl.tasks.registry import build_task
 
     task = build_task("target_token", vocab_size=SHAPE["vocab_size"], target=stop)
     problems = task.prompts(2 * dims.dp - 1, seed=3)

@@ -18,16 +18,10 @@ if str(ROOT) not in sys.path:  # reward functions are imported as "tests.test_ta
     sys.path.insert(0, str(ROOT))
 
 from packing import Experience  # noqa: E402
-from rl.tasks.task import (  # noqa: E402
-    FileTask,
-    MathTask,
-    Task,
-    answers_match,
-    build_task,
-    extract_answer,
-    math_reward,
-    assign_rewards,
-)
+from rl.tasks.answers import answers_match, extract_answer, math_reward  # noqa: E402
+from rl.tasks.base import Task, assign_rewards  # noqa: E402
+from rl.tasks.files import FileTask, MathTask  # noqa: E402
+from rl.tasks.registry import build_task  # noqa: E402
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -219,7 +213,7 @@ def test_score_accepts_real_numbers(tmp_path, tokenizer_dir, value):
 
 
 def test_score_names_a_builtin_task_reward():
-    class Broken:
+    class Broken(Task):
         min_vocab_size, stop_token_id = 8, None
 
         def prompts(self, n, seed):

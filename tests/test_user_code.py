@@ -29,7 +29,8 @@ from packing import Experience
 from rl.rollout.engine import HFRolloutEngine
 from rl.rollout.episodes import environment_seed, episode_metrics, run_episodes
 from rl.tasks.calls import CallTimeout, OnError, Status, TooManyHung, UserCalls
-from rl.tasks.task import assign_rewards, build_task
+from rl.tasks.base import Task, assign_rewards
+from rl.tasks.registry import build_task
 
 RELEASE = threading.Event()  # what hung calls wait for; set when a test ends
 
@@ -139,10 +140,13 @@ def test_too_many_hung_calls_stop_the_run():
 
 
 # --------------------------------------------------------------------- rewards
-class _Flaky:
+class _Flaky(Task):
     """A task whose reward raises, hangs or returns NaN on chosen responses (the first token says which)."""
 
     min_vocab_size, stop_token_id, reward_name = 16, None, "tests:flaky"
+
+    def prompts(self, n, seed):
+        raise NotImplementedError("the records are made by hand")
 
     def reward(self, prompt_ids, response_ids, meta):
         meta["seen"] = meta.get("seen", 0) + 1  # a reward that writes into its meta

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from rl.tasks.base import MultiTurnTask
 from tests.inprocess import SMALL, compose
 
 TOL = 1e-4  # fp32: |vLLM log-prob - training forward log-prob| of the same tokens, measured ~5e-7
@@ -139,11 +140,14 @@ def test_records_follow_the_hf_engine_contract(vtrainer):
     assert _gap(vtrainer, recs) < TOL
 
 
-class _IdsTask:
+class _IdsTask(MultiTurnTask):
     """A two-turn task on token ids (no tokenizer): the environment answers the first reply
     with three fixed ids and ends the episode at the second, reward 1."""
 
     max_turns, max_observation_len, stop_token_id = 2, 3, None
+
+    def prompts(self, n, seed):
+        raise NotImplementedError("the prompts are given to run_episodes")
 
     def environment(self):
         return _IdsEnvironment()

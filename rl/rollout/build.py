@@ -28,7 +28,7 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
     """The rollout engine `cfg.rollout.engine` names, holding the policy's weights.
     `new_model(device=None)` builds a fresh unsharded policy-shaped model (on meta: the HF engine's copy; for
     vLLM it is saved once as the checkpoint folder of a random-init run)."""
-    stop = getattr(task, "stop_token_id", None)
+    stop = task.stop_token_id
     r = cfg.rollout
     bucket = resolve_bucket_bytes(actor.model, r.sync_bucket_bytes)  # smaller than the largest tensor: an error
     replica = choose_replica(cfg, dims, actor)  # rollout.replica: keep a copy, or generate from the sharded policy

@@ -4,7 +4,7 @@
                            temperature=..., seed=...)
 
 A single-turn task: one `engine.generate` (rl/rollout/engine.py), then the task's reward
-(`assign_rewards`). A multi-turn task (rl/tasks/task.py `MultiTurnTask`) plays one
+(`assign_rewards`). A multi-turn task (rl/tasks/base.py `MultiTurnTask`) plays one
 `Environment` per sample, token-in / token-out:
 
     context = prompt ids                          (env.reset(meta) rendered: checked equal)
@@ -73,20 +73,14 @@ import torch
 
 from packing.experience import Experience
 from rl.rollout.engine import group_places, make_record, sample_seed
-from rl.tasks.calls import Status, UserCalls
-from rl.tasks.task import MultiTurnTask, Task, assign_rewards, check_reward
+from rl.tasks.calls import Status
+from rl.tasks.base import MultiTurnTask, Task, assign_rewards, check_reward, task_calls
 
 _ENV_SALT = 0x5EED_E7E7  # environment seeds are drawn apart from the engine's sample seeds
 
 
 def is_multi_turn(task: Task) -> bool:
-    return hasattr(task, "environment")
-
-
-def task_calls(task: Task) -> UserCalls:
-    """How the task's user code is called: the trainer's `task.calls` (task.on_error,
-    task.timeout_s), else every error raised (`UserCalls.strict()`)."""
-    return getattr(task, "calls", None) or UserCalls.strict()
+    return isinstance(task, MultiTurnTask)
 
 
 def run_episodes(engine, task: Task, prompts: Sequence[torch.Tensor], metas: Sequence[dict], *,
@@ -159,7 +153,7 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
         raise ValueError(f"run_episodes: {len(prompts)} prompts, {len(metas)} metas, {len(prompt_indices)} "
                          f"prompt_indices (one each)")
     calls, episodes, place = task_calls(task), [], group_places(prompt_indices)
-    name = getattr(task, "reward_name", None) or f"{type(task).__name__}.environment"
+    name = task.reward_name or f"{type(task).__name__}.environment"
     for i, (prompt, meta) in enumerate(zip(prompts, metas)):
         ep = _Episode(prompt, prompt, None)
         guard = calls.guard(f"environment {name}", f"run_episodes: sample {i} (prompt index {int(prompt_indices[i])})")

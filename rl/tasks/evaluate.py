@@ -23,13 +23,13 @@ from tqdm import tqdm
 
 from model.parallel_dims import ParallelDims
 from rl.rollout.episodes import is_multi_turn, run_episodes
-from rl.tasks.task import Prompt, Task
+from rl.tasks.base import Prompt, Task
 
 
 def heldout_problems(task: Task, n: int, task_name: str) -> list[Prompt]:
     """The task's first `n` held-out problems; an error naming the task when it has no
     held-out split (`eval.every` needs one)."""
-    if not hasattr(task, "heldout"):
+    if not task.has_heldout:
         raise ValueError(f"eval.every > 0 but task {task_name!r} has no held-out split (a `heldout(n)` method); "
                          f"set eval.every=0, or use a task with one (arithmetic)")
     return task.heldout(n)

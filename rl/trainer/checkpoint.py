@@ -76,9 +76,10 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
+from model.lora import has_adapters
 from model.moe import is_expert_param
 from model.parallel_dims import ParallelDims
 
@@ -142,8 +143,10 @@ def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer, dims: Par
     of one trained module, as DCP saves and loads it: sharded entries are DTensors of the
     parameter's global shape (expert shards re-described: see the module docstring); loading
     fills them in place. An optimizer that has not stepped yet gets its state initialised
-    (a zero-lr step on zero gradients: the weights do not move)."""
-    weights, optim = get_state_dict(module, optimizer)
+    (a zero-lr step on zero gradients: the weights do not move). With LoRA adapters
+    (model/lora.py) the frozen base is left out: it is rebuilt from the seed or
+    `model.pretrained_path`, like the reference."""
+    weights, optim = get_state_dict(module, optimizer, options=_options(module))
     weights = {k: _global_experts(v, dims) if is_expert_param(k) else v for k, v in weights.items()}
     optim["state"] = {fqn: {k: _global_experts(v, dims) for k, v in s.items()} if is_expert_param(fqn) else s
                       for fqn, s in optim["state"].items()}
@@ -157,7 +160,13 @@ def load_sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer, stat
     optim = dict(state["optimizer"])
     optim["state"] = {fqn: {k: _fsdp_experts(v, dims) for k, v in s.items()} if is_expert_param(fqn) else s
                       for fqn, s in optim["state"].items()}
-    set_state_dict(module, optimizer, model_state_dict=weights, optim_state_dict=optim)
+    set_state_dict(module, optimizer, model_state_dict=weights, optim_state_dict=optim, options=_options(module))
+
+
+def _options(module: nn.Module) -> StateDictOptions:
+    """LoRA: the trainable adapters only (their frozen base is not checkpointed, nor expected)."""
+    lora = has_adapters(module)
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
 def _global_experts(t: Any, dims: ParallelDims) -> Any:

@@ -1,0 +1,96 @@
+"""Text tasks' chat: prompts rendered with the tokenizer's chat template, environment answers
+as the tokens between two model turns, replies decoded, tokenizers loaded from local folders."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from rl.tasks.base import Task, as_ids
+
+
+class TextTask(Task):
+    """A task holding a `tokenizer`: `decode(ids) -> text`, the ids as its reward (and an
+    environment) reads them, special tokens skipped."""
+
+    tokenizer: Any
+
+    def decode(self, ids: Any) -> str:
+        return self.tokenizer.decode(as_ids(ids), skip_special_tokens=True)
+
+
+def chat_encoder(tokenizer: Any, chat_template: str | None, system_prompt: str | None,
+                  tokenizer_path: Any, enable_thinking: bool | None = None) -> Callable[[list[dict]], list[int]]:
+    """messages -> prompt ids: the messages (after `system_prompt`) in the tokenizer's chat
+    template ("tokenizer") or a Jinja template, with the generation prompt; or, with
+    `chat_template=None`, the messages' texts as is (one message: its text). `enable_thinking`
+    (`task.options.enable_thinking`; None: not passed) reaches the template as the variable of
+    that name: Qwen3's template opens an empty `<think></think>` block when it is false; a
+    template that does not read it renders the same."""
+    if chat_template == "tokenizer" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"task.options.chat_template='tokenizer' but the tokenizer at '{tokenizer_path}' "
+                         f"has no chat template; give a Jinja template instead (plain text: "
+                         f"task.options.chat_template=\"{{{{ messages[-1]['content'] }}}}\")")
+    if chat_template is None and system_prompt is not None:
+        raise ValueError("task.options.system_prompt needs task.options.chat_template (a system message only "
+                         "exists in a chat)")
+
+    def encode(messages: list[dict]) -> list[int]:
+        if chat_template is None:
+            return list(tokenizer.encode("\n".join(m["content"] for m in messages)))
+        system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        rendered = tokenizer.apply_chat_template(
+            system + list(messages), tokenize=False, add_generation_prompt=True,
+            chat_template=None if chat_template == "tokenizer" else chat_template, **_thinking(enable_thinking),
+        )
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+    return encode
+
+
+def user_turn(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+_SENTINEL = "\x00reply\x00"
+
+
+def _thinking(enable_thinking: bool | None) -> dict:
+    return {} if enable_thinking is None else {"enable_thinking": bool(enable_thinking)}
+
+
+def observation_encoder(tokenizer: Any, chat_template: str | None,
+                         enable_thinking: bool | None = None) -> Callable[[str], list[int]]:
+    """text -> the ids of a user turn that answers an assistant turn, up to the next
+    generation prompt: what the chat template puts after an assistant message's content
+    (its end-of-turn, the user message, the assistant header), found by rendering a
+    conversation whose assistant content is a sentinel. With `chat_template=None`: the
+    text on its own line."""
+    if chat_template is None:
+        return lambda text: list(tokenizer.encode(f"\n{text}\n", add_special_tokens=False))
+    template = None if chat_template == "tokenizer" else chat_template
+
+    def encode(text: str) -> list[int]:
+        rendered = tokenizer.apply_chat_template(
+            user_turn("?") + [{"role": "assistant", "content": _SENTINEL}] + user_turn(text), tokenize=False,
+            add_generation_prompt=True, chat_template=template, **_thinking(enable_thinking))
+        if _SENTINEL not in rendered:
+            raise ValueError("the chat template drops earlier assistant turns: a multi-turn episode cannot be "
+                             "rendered token-in/token-out with it")
+        return list(tokenizer.encode(rendered[rendered.index(_SENTINEL) + len(_SENTINEL):], add_special_tokens=False))
+
+    return encode
+
+
+def load_tokenizer(path: str | os.PathLike, key: str = "task.tokenizer_path") -> Any:
+    """A Hugging Face tokenizer from a local folder; never the hub."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{key}: folder not found: '{path}' (a local tokenizer folder, as written by "
+                                f"save_pretrained; nothing is downloaded)")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{key}: '{path}' holds no loadable tokenizer ({type(e).__name__}: {e})") from e
+
