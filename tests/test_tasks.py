@@ -1,4 +1,4 @@
-"""Text tasks (rl/tasks/task.py `math`), the answer checker, and `assign_rewards`'s reward checks.
+"""Text tasks (rl/tasks/files.py `math`), the answer checker, and `assign_rewards`'s reward checks.
 
 The tokenizer is trained here on generated text (the `tokenizers` library) and saved to a
 temp folder: nothing is downloaded.
