@@ -26,7 +26,7 @@ test-quick: $(STAMP)
 
 # one JSON line per bench (last line of each), bench/results/<name>.json and bench/results/bench.png;
 # step runs first: collate reads its step time. `make bench ARGS=--quick` for a short run.
-BENCHES := step memory collate planner cp_balance ep_balance attention state_memory memory_plan
+BENCHES := step collate planner cp_balance ep_balance state_memory memory_plan
 
 bench: $(STAMP)
 	@for b in $(BENCHES); do echo "== bench/$$b.py"; $(PY) bench/$$b.py $(ARGS) || exit 1; done

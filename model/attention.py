@@ -9,7 +9,7 @@ boundaries:
   `varlen_attn` by default, flash-attn's `flash_attn_varlen_func` if asked or if torch lacks one).
 * otherwise (CPU, fp32, or `model.attention=sdpa`): one causal sdpa call per sequence,
   `S_i x S_i` (`_per_sequence_sdpa`).
-  Chosen by bench/attention.py (torch 2.13, fp32, AVX512 kernel set, the default on this
+  Chosen by bench/results/attention.json (torch 2.13, fp32, AVX512 kernel set, the default on this
   machine; 1 thread, process CPU time), forward+backward with 6 heads / 2 KV heads / dim 64:
 
       pack                          per-sequence  held keys  K/V repeated  one [N, N] mask
@@ -19,7 +19,7 @@ boundaries:
   "held keys" is the former default: every sequence's keys zero-extended to the pack's
   longest length, to reproduce the padded batch's rounding on one kernel set. It was 2.4-2.6x
   slower and kept K/V at `S_max` for every sequence alive for backward: +73 MiB on
-  bench/memory.py's long-tail microbatch (8 sequences, S_max=482, 6 layers), memory that
+  the long-tail microbatch of bench/results/memory.json (8 sequences, S_max=482, 6 layers), memory that
   grows with the longest sequence, not with the tokens. sdpa's `enable_gqa` beats repeating
   K/V per head. FlexAttention with a document mask has no CPU backward in torch 2.13.
   Parity with the padded batch is a few fp32 ulps of the values, not bit-exactness (which

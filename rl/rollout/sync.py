@@ -10,7 +10,7 @@ its own buffer (`_gather_dim0`: no flat receive buffer to copy out of; the same 
 collective on NCCL and gloo, so the path a GPU runs is the one the CPU tests run). What a
 rank holds beyond its shards is one bucket's full tensors plus the tensor the engine is
 still copying from the previous bucket, never the full model: peak
-about `bucket_bytes` + one tensor (+ the padding of uneven splits). Measured (bench/sync_memory.py,
+about `bucket_bytes` + one tensor (+ the padding of uneven splits). Measured (bench/results/sync_memory.json,
 a 485 MiB fp32 model whose largest tensor is 62.5 MiB; peak extra and seconds, side by side): on 2
 gloo ranks 125 MiB / 0.92 s one tensor at a time (`full_parameters`), 136 MiB / 0.88 s with 64 MiB
 buckets, 434 MiB / 0.86 s with the default (242.5 MiB), 548 MiB / 0.83 s with 256 MiB; on 4 ranks
@@ -34,7 +34,7 @@ share of the model: its full bytes / world, at most `DEFAULT_BUCKET_BYTES` (256 
 least the largest tensor. The sync then holds no more full tensors at once than the rank's
 own parameter shard, so its peak falls with world size as the training state does. A larger
 bucket buys no time: every tensor is one all-gather whatever the bucket (`_gather_dim0`), the
-bucket only decides how many are gathered before the engine copies them (bench/sync_memory.py:
+bucket only decides how many are gathered before the engine copies them (bench/results/sync_memory.json:
 the same seconds, within noise, from one tensor at a time to 256 MiB). The figure is the same on every rank
 (global sizes, the world size), so every rank cuts the same buckets.
 
@@ -215,7 +215,7 @@ def _gather_dim0(locals_: list[torch.Tensor], shapes: list[tuple[int, ...]], gro
 
     One all-gather per tensor, on every backend: one flat all-gather of the whole bucket would
     need a copy out of a rank-major buffer (gloo's coalesced all-gather does that: peak 2.5 x
-    the bucket against 1.3 x one at a time on 2 ranks, bench/sync_memory.py), and coalescing
+    the bucket against 1.3 x one at a time on 2 ranks, bench/results/sync_memory.json), and coalescing
     on NCCL takes a private torch API; a collective's launch (tens of microseconds) times a
     model's few hundred tensors is a few milliseconds a sync."""
     world = dist.get_world_size(group)
