@@ -199,7 +199,7 @@ class RolloutConfig:
 
 @dataclass
 class EvalConfig:
-    """Greedy pass@1 on the task's held-out split (rl/tasks/evaluate.py)."""
+    """Greedy pass@1 on the task's held-out split (rl/rollout/evaluate.py)."""
 
     every: int = 0  # evaluate before step 0, every k steps and after the last; 0 = never
     num_prompts: int = 200  # held-out problems, split over the DP ranks

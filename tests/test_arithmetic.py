@@ -1,4 +1,4 @@
-"""`task=arithmetic` and the held-out evaluation (rl/tasks/evaluate.py).
+"""`task=arithmetic` and the held-out evaluation (rl/rollout/evaluate.py).
 
 The tokenizer is the one tests/test_tasks.py trains here (a small BPE with a chat template);
 the model is a tiny random Llama checkpoint of that vocabulary: nothing is downloaded.
@@ -14,7 +14,7 @@ from test_tasks import CHAT, tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 
 from model.models import build_model
 from model.parallel_dims import ParallelDims
-from rl.tasks.evaluate import evaluate
+from rl.rollout.evaluate import evaluate
 from rl.rollout.engine import make_record
 from rl.tasks.arithmetic import ArithmeticTask, arithmetic_value
 from rl.tasks.registry import build_task

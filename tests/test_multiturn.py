@@ -23,7 +23,8 @@ from test_arithmetic import tiny_llama  # noqa: F401 - fixture
 from test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 
 from model.models import build_model
-from rl.rollout.engine import HFRolloutEngine, sample_seed
+from rl.rollout.engine import HFRolloutEngine
+from rl.rollout.sampler import sample_seed
 from rl.rollout.episodes import run_episodes
 from rl.tasks.calls import Status
 from rl.tasks.answers import math_reward

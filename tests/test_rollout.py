@@ -14,8 +14,8 @@ if str(ROOT) not in sys.path:  # FileTask imports "tests.test_rollout:my_reward"
     sys.path.insert(0, str(ROOT))
 
 from model.models import build_model  # noqa: E402
-from rl.rollout.engine import (HFRolloutEngine, RolloutEngine, sample_inverse_cdf, sample_seed,  # noqa: E402
-                        sample_seeds, uniform_noise)
+from rl.rollout.engine import HFRolloutEngine, RolloutEngine  # noqa: E402
+from rl.rollout.sampler import sample_inverse_cdf, sample_seed, sample_seeds, uniform_noise  # noqa: E402
 from rl.tasks.base import Task, assign_rewards, load_callable  # noqa: E402
 from rl.tasks.files import FileTask  # noqa: E402
 from rl.tasks.registry import build_task  # noqa: E402

@@ -118,8 +118,8 @@ def sharded_vs_replica(rank: int, world: int, family: str, tied: bool, ep: int =
     out["replica_equal"] = all(torch.equal(replica.model.state_dict()[k], v) for k, v in reference.items())
 
     # held-out evaluation over 3 problems on 2 ranks, one at a time: rank 1 has one problem fewer, and
-    # still joins its peers' last forward (rl/tasks/evaluate.py calls generate as often on every rank)
-    from rl.tasks.evaluate import evaluate
+    # still joins its peers' last forward (rl/rollout/evaluate.py calls generate as often on every rank)
+    from rl.rollout.evaluate import evaluate
     from rl.tasks.registry import build_task
 
     task = build_task("target_token", vocab_size=SHAPE["vocab_size"], target=stop)

@@ -177,7 +177,7 @@ def test_episodes_with_vllm_are_its_tokens_and_train_as_it_sampled(vtrainer):
     """Multi-turn with the vLLM engine (rl/rollout/episodes.py): turn 2 is what vLLM generates
     from the context (token-in / token-out), the observation's slots are holes in the action
     mask, and the training forward scores the sampled tokens as vLLM did."""
-    from rl.rollout.engine import sample_seed
+    from rl.rollout.sampler import sample_seed
     from rl.rollout.episodes import run_episodes
 
     engine, task = vtrainer.engine, _IdsTask()

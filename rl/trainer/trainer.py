@@ -69,7 +69,7 @@ from rl.rollout.engine import PolicyRolloutEngine
 from rl.rollout.producer import RolloutMode, make_producer
 from rl.rollout.sync import sync_weights
 from rl.rollout.build import build_engine
-from rl.tasks.evaluate import evaluate, heldout_problems
+from rl.rollout.evaluate import evaluate, heldout_problems
 from rl.rollout.episodes import episode_metrics, run_episodes
 from rl.tasks.calls import UserCalls
 from rl.tasks.registry import build_task
@@ -225,7 +225,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- the step
     def evaluate(self) -> dict[str, float]:
-        """Greedy pass@1 of the current policy on the held-out problems (rl/tasks/evaluate.py)."""
+        """Greedy pass@1 of the current policy on the held-out problems (rl/rollout/evaluate.py)."""
         e = self.cfg.eval
         return evaluate(self._eval_engine(), self.task, self.heldout, self.dims, batch_size=e.batch_size,
                         max_new_tokens=e.max_new_tokens or self.cfg.task.max_new_tokens,
