@@ -8,7 +8,7 @@ ARGS    ?=
 
 MODEL_DIR := .cache/models/SmolLM2-135M-Instruct
 
-.PHONY: install test test-quick test-model model train demo bench bench-peer bench-speed bench-rank-memory bench-prefix bench-async clean install-vllm test-vllm
+.PHONY: install test test-quick test-model model train demo bench bench-peer bench-speed bench-rank-memory bench-prefix bench-async clean install-vllm test-vllm gpu-wheels
 
 install: $(STAMP)
 
@@ -119,6 +119,17 @@ $(VLLM_STAMP): requirements-vllm.txt constraints-vllm.txt | $(STAMP)
 # The vLLM engine's tests (pytest marker `vllm`); CI runs them after `make test`.
 test-vllm: $(VLLM_STAMP)
 	$(PY) -m pytest -m vllm tests/test_vllm_engine.py $(ARGS)
+
+# The pure-Python packages launch/gpu_check.sh needs on a bare GPU machine without network (its python3
+# has torch and transformers, not hydra): wheels into .cache/gpu-wheels (git-ignored), carried there by the
+# device tool and installed with pip --no-index --no-deps (the command: launch/gpu_check.sh's header).
+# hydra-core and omegaconf at requirements.txt's pins; antlr4 4.9.3 (omegaconf 2.3's) is built from its sdist.
+GPU_WHEELS := .cache/gpu-wheels
+
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS)
+	$(PY) -m pip wheel --quiet --no-deps -w $(GPU_WHEELS) $$(grep -E '^(hydra-core|omegaconf)==' requirements.txt) antlr4-python3-runtime==4.9.3
+	@ls $(GPU_WHEELS)
 
 clean:
 	rm -rf .venv .venv-trl .pytest_cache .hypothesis outputs multirun

@@ -1,236 +1,417 @@
-"""The GPU check: on one GPU node, in under 8 minutes, one JSON line of figures (last line).
+"""The GPU check: one bare single-GPU machine, <= 6 minutes, two files back (launch/gpu_check.sh).
 
-    launch/gpu_check.sh                                      # every section, on CUDA
-    python launch/gpu_check.py --device cpu --sections parity,shared,cp   # the CPU rehearsal (tests/test_launch.py)
+    launch/gpu_check.sh --out DIR                        # on the GPU machine (how to run it: gpu_check.sh)
+    launch/gpu_check.sh --out DIR --device cpu           # the CPU rehearsal (tests/test_gpu_check.py)
 
-Sections, each in its own process(es) with a time limit (a failure is recorded and the
-next section still runs; the exit code is 1 when any section failed):
+Writes `DIR/gpu_check.json` (the summary; also the last stdout line) and `DIR/gpu_check_logs.tar.gz`
+(every section's log, figures and run folder, checkpoint weights left out). Sections, each in its own
+process with its own time limit (LIMIT_S); a failure or a timeout is recorded in the JSON and the next
+section still runs; the exit code is 1 when one failed:
 
-  parity  packed [1, N] vs padded [B, T] log-probs of a tiny Qwen3 and Qwen3-MoE (bf16 on
-          CUDA: the varlen kernel of model.attention=auto for the pack, torch's own or
-          flash-attn, model/kernels.py; masked sdpa for the padded batch), as
-          max |diff| over max |log-prob| on the scored slots, plus the control that
-          withholds the pack's boundaries (it must break the tolerance). MoE routing is
-          recorded on the padded forward and replayed (R3) in both, so a near-tie in the
-          router cannot flip an expert between layouts; the live-routing figure is shown too.
-  shared  the shared-prompt forward (each GRPO prompt once) vs the unshared pack, dense and
-          MoE, fp32: log-probs, entropy, gradients, MoE aux loss, token counts, expert load,
-          recorded routing; and the host syncs CUDA reports in one forward
-          (scripts/gpu_shared_prompts.py).
-  cp      the actor with cp=2 (torchrun, 2 ranks; NCCL on CUDA) vs the same actor in one
-          process on each rank, packed and padded, fp32 and (CUDA) bf16.
-  grads   world-size gradient parity on NCCL: the rank body of tests/test_fsdp.py
-          (scripts/dist_train_worker.py, FSDP2) under torchrun instead of the gloo test launcher.
-  layout  `python train.py` vs `torchrun --nproc-per-node 4 train.py parallel=cp2_ep2`
-          (2 GPUs: parallel=ep2): reward, loss and grad_norm of the first 3 steps.
-  train   the 20-step `make train` (torchrun, parallel=cp2_ep2 on 4 or 8 GPUs) on CUDA:
-          reward of the first and last step.
-  async   the rollout thread on its own CUDA stream (rl/rollout/producer.py), 4 steps of the
-          default job: rollout.mode=async at max_staleness=1 vs one_step_off (the same samples:
-          reward, loss, grad_norm within the layout tolerance), async at max_staleness=2 (its
-          staleness 0, 1, 2, 2), and the overlap each measured.
+  env      torch / transformers / CUDA / NCCL versions, the device, torch's `varlen_attn` (present, its
+           signature, the keywords model/kernels.py calls it with), `torch._grouped_mm` (present, taken
+           by the MoE expert GEMMs in bf16 on this device, equal to the per-expert loop within 2 bf16
+           eps), the torch-2.13-only collectives (model/compat.py falls back without them), and the
+           modules train.py needs.
+  kernels  the pack attention as the model runs it (model/attention.py, model/context_parallel.py:
+           torch's varlen kernel on CUDA bf16, per-sequence sdpa on CPU) against masked sdpa over the
+           whole pack with an explicit [N_q, N_k] mask, on three layouts: a pack of uneven sequences,
+           shared prompts (GRPO groups holding their prompt once: keys != queries, causal bottom-right)
+           and CP segments (cp=2 zigzag shards, each rank's queries against the gathered keys). Figure:
+           max |out - truth| / max |truth|, truth = fp32 masked sdpa on the same (rounded) inputs.
+           Bound: KERNEL_BOUND (bf16: 2 eps, the output's own rounding is eps / 2; fp32: 64 eps), the
+           masked sdpa in the compute dtype reported beside it; control: the pack's boundaries withheld
+           must break the bound. Then the model: a tiny Qwen3 and Qwen3-MoE, packed (varlen kernel) vs
+           padded (masked sdpa) log-probs within TOLERANCE, with the same control.
+  train    train.py on one rank with FSDP2 (NCCL on CUDA, gloo on CPU), bf16 compute over fp32 masters
+           on CUDA, activation checkpointing, the tiny MoE: 4 steps saving at step 2, then a second run
+           resumed from that checkpoint; its steps 2-3 equal the first run's within RESUME_TOL.
+  speed    a training step (packed forward, backward, clip, fused AdamW) at SmolLM2-135M's size (random
+           init from its config: nothing downloaded), FSDP2 one rank, bf16 compute, activation
+           checkpointing: tokens/s, estimated MFU (6 N + attention FLOPs per token over the device's
+           bf16 dense peak, PEAK_TFLOPS, recompute not counted), peak memory, host syncs per step
+           (CUDA's own sync debug mode; on CPU, tests/host_syncs.py's count).
 
-Every run folder and log lands in --work (default outputs/gpu_check/<time>).
+On CPU every section runs its CPU path at small sizes; what needs CUDA says "skipped: no CUDA".
+`--drop-torch-2-13-names` deletes torch's 2.13-only names in every process first (as torch 2.11 on the
+GPU image), so a CPU rehearsal goes through model/compat.py's fallbacks.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
 import pathlib
+import runpy
 import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import traceback
+import types
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-SECTIONS = ("parity", "shared", "cp", "grads", "layout", "async", "train")  # async before train: never run on CUDA yet
-LIMIT_S = {"parity": 150, "shared": 120, "cp": 150, "grads": 240, "layout": 240, "train": 300, "async": 90}  # per run
-BUDGET_S = 460  # all sections together: the check stays under 8 minutes
-LENGTHS = [5, 200, 37, 120, 9, 64]  # uneven samples, longer than scripts/parity_check.py's CPU ones
+SECTIONS = ("env", "kernels", "train", "speed")
+LIMIT_S = {"env": 40, "kernels": 60, "train": 150, "speed": 90}  # per section; a timeout is a failure
+BUDGET_S = 330  # all sections together (the pip install and the tarball come on top: <= 6 minutes)
+TORCH_2_13_ONLY = ("all_gather_single", "reduce_scatter_single")  # model/compat.py's fallbacks replace them
+NO_CUDA = "skipped: no CUDA"
+EPS = {torch.float32: torch.finfo(torch.float32).eps, torch.bfloat16: torch.finfo(torch.bfloat16).eps}
+KERNEL_BOUND = {torch.float32: 64 * EPS[torch.float32], torch.bfloat16: 2 * EPS[torch.bfloat16]}
+TOLERANCE = {torch.float32: 64 * EPS[torch.float32], torch.bfloat16: 2 * EPS[torch.bfloat16]}  # model log-probs
+RESUME_TOL = {"cpu": 1e-6, "cuda": 1e-2}  # relative; CUDA: bf16 and the kernels' atomics in backward
+RESUME_KEYS = ("reward_mean", "loss", "grad_norm")
+# bf16 dense tensor-core peak (TFLOP/s, no sparsity) by device-name fragment, for the MFU estimate
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0,
+               "A10G": 125.0, "L4": 121.0}
+SMOLLM2_135M = dict(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+                    max_position_embeddings=8192)
+PACK_LENS = [5, 200, 37, 120, 9, 64]  # uneven samples
+SHARED_UNITS = [(40, (16, 9, 30, 1)), (7, ()), (25, (12, 12))]  # (prompt, responses) per GRPO group; () alone
 MODELS = {"dense": "qwen3", "moe": "qwen3_moe"}
-# max |diff| / max |log-prob|: 64 fp32 eps (4 x PARITY_ULPS of scripts/parity_check.py, the bound measured on
-# CPU kernel sets), 2 bf16 eps
-TOLERANCE = {torch.float32: 64 * torch.finfo(torch.float32).eps, torch.bfloat16: 2 * torch.finfo(torch.bfloat16).eps}
-GRAD_TOL = 1e-5  # tests/test_fsdp.py's bound (params relative to max |param|, grad norms relative)
-LAYOUT_TOL = 1e-4  # issue 11 item 9: same reward, loss and grad_norm for the first 3 steps
-LAYOUT_KEYS = ("reward_mean", "loss", "grad_norm")
-# world -> case -> (model, ep, cp, packed): the cases of tests/test_fsdp.py that fit the world
-GRAD_CASES = {
-    4: {"dense-dp4": ("qwen3", 1, 1, True), "moe-dp4-ep2": ("qwen3_moe", 2, 1, True),
-        "dense-dp2-cp2": ("qwen3", 1, 2, True), "dense-dp2-cp2-padded": ("qwen3", 1, 2, False),
-        "moe-dp2-cp2-ep2": ("qwen3_moe", 2, 2, True)},
-    2: {"dense-dp2": ("qwen3", 1, 1, True), "moe-dp2-ep2": ("qwen3_moe", 2, 1, True),
-        "dense-cp2": ("qwen3", 1, 2, True)},
-}
 
 
-# ------------------------------------------------------------- model bodies
-def _records(vocab: int, seed: int = 0):
+def drop_torch_2_13_names() -> None:
+    """As torch 2.11/2.12: the 2.13-only collectives gone (model/compat.py takes the older ones)."""
+    import torch.distributed as dist
+
+    for name in TORCH_2_13_ONLY:
+        if hasattr(dist, name):
+            delattr(dist, name)
+
+
+def _device(cuda: bool) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def _rel(ref: torch.Tensor, got: torch.Tensor) -> float:
+    ref, got = ref.float(), got.float()
+    return float((ref - got).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------- env
+def worker_env(args) -> dict:
+    import importlib
+    import inspect
+
+    import torch.distributed as dist
+    import transformers
+
+    from model import kernels
+    from model.moe import grouped_mm_fits
+
+    cuda = args.device == "cuda"
+    out = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+           "cuda_runtime": torch.version.cuda, "torch_2_13_collectives": all(hasattr(dist, n) for n in TORCH_2_13_ONLY)}
+    modules = {}
+    for name in ("hydra", "omegaconf", "yaml", "tqdm", "psutil", "safetensors", "peft", "vllm", "flash_attn"):
+        try:
+            modules[name] = getattr(importlib.import_module(name), "__version__", "present")
+        except ImportError:
+            modules[name] = None
+    out["modules"] = modules
+    missing = [n for n in ("hydra", "omegaconf", "yaml", "tqdm", "psutil", "safetensors") if modules[n] is None]
+    varlen = kernels.varlen_attn
+    out["varlen_attn"] = None if varlen is None else {
+        "signature": str(inspect.signature(varlen)),
+        "causal_keyword": "window_size" if "window_size" in inspect.signature(varlen).parameters else "is_causal"}
+    device = _device(cuda)
+    out["pack_kernel_auto_bf16"] = kernels.NAMES[kernels.resolve("auto", device, torch.bfloat16)]
+    out["grouped_mm"] = _grouped_mm_probe(device, grouped_mm_fits)
+    if cuda:
+        props = torch.cuda.get_device_properties(device)
+        out.update(gpu=props.name, gpus=torch.cuda.device_count(), capability=f"{props.major}.{props.minor}",
+                   memory_gib=round(props.total_memory / 2**30, 1), cudnn=torch.backends.cudnn.version(),
+                   nccl=str(torch.cuda.nccl.version()))
+    else:
+        out["gpu"] = NO_CUDA
+    ok = not missing and out["grouped_mm"].get("ok", True) and (not cuda or varlen is not None)
+    return {"ok": bool(ok), **({"missing": missing} if missing else {}), **out}
+
+
+def _grouped_mm_probe(device: torch.device, fits) -> dict:
+    """`torch._grouped_mm` on expert GEMMs of the compute dtype vs one matmul per expert."""
+    if not hasattr(torch, "_grouped_mm"):
+        return {"present": False}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    counts = [5, 0, 17, 42]  # rows per expert (one without any)
+    rows = torch.randn(sum(counts), 64, generator=gen).to(device, dtype)
+    weight = torch.randn(len(counts), 128, 64, generator=gen).to(device, dtype)  # [E, out, in], as gate_up_proj
+    taken = fits(rows, weight)
+    out = {"present": True, "taken": taken, "dtype": str(dtype).removeprefix("torch.")}
+    if taken:
+        offsets = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+        got = torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+        loop = torch.cat([r @ w.T for r, w in zip(rows.split(counts), weight)])
+        bound = 2 * EPS[dtype]
+        out.update(rel_vs_loop=_rel(loop, got), bound=bound, ok=_rel(loop, got) <= bound)
+    return out
+
+
+# --------------------------------------------------------------- kernels
+def worker_kernels(args) -> dict:
+    from model import kernels
+
+    cuda = args.device == "cuda"
+    device = _device(cuda)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    kernel = kernels.select("auto", device, dtype)  # model.attention=auto, as a run's start-up
+    out = {"dtype": str(dtype).removeprefix("torch."), "bound": KERNEL_BOUND[dtype], "pack_kernel": kernels.NAMES[kernel]}
+    if not cuda:
+        out["cuda"] = f"{NO_CUDA} (the CPU path ran: fp32, per-sequence / per-segment sdpa)"
+    elif kernel == "sdpa":
+        out["error"] = "no varlen kernel on this GPU (torch >= 2.10 has torch.nn.attention.varlen)"
+    out["attention"] = _attention_parity(device, dtype)
+    out["model"] = _model_parity(device, dtype)
+    layouts = out["attention"]
+    ok = "error" not in out and all(layouts[k]["rel"] <= KERNEL_BOUND[dtype] for k in ("pack", "shared", "cp"))
+    ok = ok and layouts["pack"]["control_rel"] > KERNEL_BOUND[dtype]
+    ok = ok and all(m["logp_rel"] <= TOLERANCE[dtype] < m["control_rel"] for m in out["model"].values())
+    return {"ok": bool(ok), **out}
+
+
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
+
+
+def _qkv(n: int, device, dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    """q `[1, H, n, D]`, k/v `[1, H_kv, n, D]`, rounded to `dtype` (the truth sees the same inputs); views of
+    `[1, n, H, D]` tensors, as a model's projections hand them to the attention."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, n, h, HEAD_DIM, generator=gen).to(device, dtype).transpose(1, 2)
+                 for h in (HEADS, KV_HEADS, KV_HEADS))
+
+
+def _masked(q, k, v, allowed: torch.Tensor) -> torch.Tensor:
+    """sdpa over the whole row with `allowed [N_q, N_k]`: `[1, N_q, H, D]`."""
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def _pack_mask(lens: list[int], device) -> torch.Tensor:
+    """Same sequence, key position <= query position: built from the lengths alone."""
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    return ((seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])).to(device)
+
+
+def _shared_mask(units, device) -> torch.Tensor:
+    """A prompt row sees its prompt causally; a response row its prompt and its own response causally."""
+    unit, seg, pos = [], [], []
+    for u, (prompt, responses) in enumerate(units):
+        for g, (start, n) in enumerate([(0, prompt)] + [(prompt, r) for r in responses]):
+            unit += [u] * n
+            seg += [g] * n
+            pos += range(start, start + n)
+    unit, seg, pos = torch.tensor(unit), torch.tensor(seg), torch.tensor(pos)
+    same = (unit[:, None] == unit[None, :]) & ((seg[None, :] == 0) | (seg[:, None] == seg[None, :]))
+    return (same & (pos[None, :] <= pos[:, None])).to(device)
+
+
+def _attention_parity(device, dtype) -> dict:
+    from model.attention import packed_attn_kwargs, varlen_attention_forward
+    from model.context_parallel import CPContext, _attend, cp_layout, shard_tokens, unshard
+    from packing.experience import Experience
+    from packing.prompts import layout_of_units
+
+    module = types.SimpleNamespace(is_causal=True, num_key_value_groups=HEADS // KV_HEADS)
+    out = {}
+
+    def figures(name, got, q, k, v, allowed):
+        truth = _masked(q.float(), k.float(), v.float(), allowed)
+        out[name] = {"rel": _rel(truth, got), "masked_sdpa_rel": _rel(truth, _masked(q, k, v, allowed)),
+                     "tokens": q.shape[2]}
+        return truth
+
+    n = sum(PACK_LENS)
+    q, k, v = _qkv(n, device, dtype, seed=1)
+    got = varlen_attention_forward(module, q, k, v, None, **packed_attn_kwargs(PACK_LENS, device=device))[0]
+    truth = figures("pack", got, q, k, v, _pack_mask(PACK_LENS, device))
+    whole = varlen_attention_forward(module, q, k, v, None, **packed_attn_kwargs([n], device=device))[0]
+    out["pack"]["control_rel"] = _rel(truth, whole)  # the boundaries withheld: one causal sequence
+
+    layout = layout_of_units(SHARED_UNITS).to(device)
+    rows = sum(p + sum(r) for p, r in SHARED_UNITS)
+    qs, ks, vs = _qkv(rows, device, dtype, seed=2)
+    got = varlen_attention_forward(module, qs, ks, vs, None, shared_prompts=layout)[0]
+    figures("shared", got, qs, ks, vs, _shared_mask(SHARED_UNITS, device))
+
+    cp = 2  # each CP rank's queries against the keys every rank holds (gathered in rank order), on one device
+    pack = Experience(sequences=torch.zeros(1, n, dtype=torch.long), packed_seq_lens=list(PACK_LENS))
+    layouts = [cp_layout(pack, cp, r) for r in range(cp)]
+    key_full, value_full = (torch.cat([shard_tokens(t, lay, dim=2) for lay in layouts], dim=2) for t in (k, v))
+    local = [_attend(module, shard_tokens(q, lay, dim=2), key_full, value_full,
+                     CPContext(lay.to(device), None, device), 0.0, None) for lay in layouts]
+    got = unshard(torch.cat(local, dim=1), layouts[0], dim=1)
+    figures("cp", got, q, k, v, _pack_mask(PACK_LENS, device))
+    out["cp"]["cp"] = cp
+    return out
+
+
+def _records(vocab: int, lengths=PACK_LENS, seed: int = 0):
     from packing.experience import Experience
 
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for n in LENGTHS:
+    for n in lengths:
         prompt = int(torch.randint(1, n, (1,), generator=gen))  # >= 1 response token
         out.append(Experience(sequences=torch.randint(0, vocab, (n,), generator=gen),
                               action_mask=torch.arange(n - 1) >= prompt - 1))
     return out
 
 
-def _actor(name: str, dtype: torch.dtype, dims):
-    """A seeded tiny model (the same weights on every rank) in an Actor, parallelized for `dims`."""
+def _model_parity(device, dtype) -> dict:
+    """Packed (the varlen kernel) vs padded (masked sdpa) log-probs of tiny models; MoE routing is
+    recorded on the padded forward and replayed in both (R3), so a router near-tie cannot flip an
+    expert between layouts. Control: the pack run as one sequence."""
     from model.actor import Actor
     from model.models import build_model
-    from model.parallelize import parallelize
-
-    # initializer_range 0.2: peaked next-token distributions, like a trained model's (as tests/test_actor_replay.py)
-    model = build_model(name, seed=0, dtype=dtype, initializer_range=0.2)
-    return parallelize(Actor(model, chunk_bytes=128 * 4 * model.config.vocab_size, dims=dims), dims).eval()
-
-
-def _one_process(device: torch.device):
-    from model.parallel_dims import ParallelDims
-
-    return ParallelDims(device=device)
-
-
-def _replayed(actor, records, device):
-    """MoE: each record gets the routing of a padded forward (R3), so every layout routes alike."""
     from model.moe import moe_blocks, record_routing
-    from packing.collate import make_experience_batch
-
-    if not moe_blocks(actor.model, strict=False):
-        return records
-    padded = make_experience_batch(records, packed=False).to(device)
-    with torch.no_grad(), record_routing(actor.model) as rec:
-        actor(padded)
-    routed = rec.routed_experts.cpu()  # [B, L, K, T]
-    return [dataclasses.replace(r, routed_experts=routed[b, ..., : r.sequences.numel()]) for b, r in enumerate(records)]
-
-
-@torch.no_grad()
-def _scored(actor, records, packed: bool, device) -> torch.Tensor:
-    """Log-probs of every scored slot (action_mask True), samples in order: the same slots in both layouts."""
-    from packing.collate import make_experience_batch
-
-    batch = make_experience_batch(records, packed=packed).to(device)
-    return actor(batch)[batch.action_mask].float().cpu()
-
-
-def _rel(ref: torch.Tensor, got: torch.Tensor) -> float:
-    return float((ref - got).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
-def _device(name: str) -> torch.device:
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda: torch.cuda.is_available() is False")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _dtypes(device: torch.device) -> list[torch.dtype]:
-    return [torch.float32, torch.bfloat16] if device.type == "cuda" else [torch.float32]
-
-
-def worker_parity(args) -> dict:
-    from model import kernels
+    from model.parallel_dims import ParallelDims
     from packing.collate import make_experience_batch
     from packing.experience import Experience
 
-    device = _device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    kernel = kernels.select("auto", device, dtype)  # model.attention=auto, as a run's start-up
-    out = {"dtype": str(dtype).removeprefix("torch."), "tolerance": TOLERANCE[dtype],
-           "pack_attention": kernels.NAMES[kernel]}
-    ok = kernel != "sdpa" or device.type == "cpu"
-    if not ok:
-        out["error"] = ("no varlen kernel on this GPU: torch >= 2.10 has torch.nn.attention.varlen, or "
-                        "pip install -r requirements-gpu.txt (flash-attn)")
+    out = {}
     for kind, name in MODELS.items():
-        actor = _actor(name, dtype, _one_process(device))
-        live = _records(actor.model.config.vocab_size)
-        records = _replayed(actor, live, device)
-        ref = _scored(actor, records, False, device)
-        rel = _rel(ref, _scored(actor, records, True, device))
-        live_ref = _scored(actor, live, False, device)
-        pack = make_experience_batch(live, packed=True).to(device)  # control: the pack as one sequence
+        # initializer_range 0.2: peaked next-token distributions, like a trained model's
+        model = build_model(name, seed=0, dtype=dtype, initializer_range=0.2).to(device)
+        actor = Actor(model, chunk_bytes=128 * 4 * model.config.vocab_size, dims=ParallelDims(device=device)).eval()
+        records = _records(model.config.vocab_size)
+        if moe_blocks(model, strict=False):
+            padded = make_experience_batch(records, packed=False).to(device)
+            with torch.no_grad(), record_routing(model) as rec:
+                actor(padded)
+            routed = rec.routed_experts.cpu()
+            records = [dataclasses.replace(r, routed_experts=routed[b, ..., : r.sequences.numel()])
+                       for b, r in enumerate(records)]
         with torch.no_grad():
-            whole = Experience(sequences=pack.sequences, attention_mask=torch.ones_like(pack.sequences, dtype=torch.bool))
+            padded = make_experience_batch(records, packed=False).to(device)
+            ref = actor(padded)[padded.action_mask].float().cpu()
+            pack = make_experience_batch(records, packed=True).to(device)
+            got = actor(pack)[pack.action_mask].float().cpu()
+            whole = Experience(sequences=pack.sequences, attention_mask=torch.ones_like(pack.sequences, dtype=torch.bool),
+                               routed_experts=pack.routed_experts)
             control = torch.nn.functional.pad(actor(whole), (0, 1))[pack.action_mask].float().cpu()
-        out[kind] = {"logp_rel": rel, "control_rel": _rel(live_ref, control), "scale": float(ref.abs().max())}
-        if kind == "moe":
-            out[kind]["live_routing_logp_rel"] = _rel(live_ref, _scored(actor, live, True, device))
-        ok = ok and rel <= TOLERANCE[dtype] < out[kind]["control_rel"]
-    return {"ok": ok, **out}
+        out[kind] = {"logp_rel": _rel(ref, got), "control_rel": _rel(ref, control), "bound": TOLERANCE[dtype]}
+    return out
 
 
-def worker_cp(args) -> dict:
+# ----------------------------------------------------------------- speed
+def worker_speed(args) -> dict:
+    import math
+
+    from model.actor import Actor
+    from model.models import build_model
     from model.parallel_dims import init_distributed
+    from model.parallelize import clip_grad_norm_, parallelize
+    from packing.collate import make_experience_batch
+    from rl.trainer.trainer import adamw_options
 
-    dims = init_distributed(cp=int(os.environ.get("WORLD_SIZE", "1")), device=args.device)
+    cuda = args.device == "cuda"
+    dims = init_distributed(device=args.device, one_rank_group=True)  # FSDP2 over one rank, as train.py
     device = dims.device
-    out, ok = {"cp": dims.cp, "backend": torch.distributed.get_backend()}, True
-    for kind, name in MODELS.items():
-        for dtype in _dtypes(device):
-            one, sharded = _actor(name, dtype, _one_process(device)), _actor(name, dtype, dims)
-            records = _replayed(one, _records(one.model.config.vocab_size), device)
-            figures = {}
-            for layout, packed in (("packed", True), ("padded", False)):
-                figures[layout] = _rel(_scored(one, records, packed, device), _scored(sharded, records, packed, device))
-            out[f"{kind}_{str(dtype).removeprefix('torch.')}"] = figures
-            ok = ok and max(figures.values()) <= TOLERANCE[dtype]
-    return {"ok": _all_ranks(ok), **out}
+    overrides = SMOLLM2_135M if cuda else dict(SMOLLM2_135M, num_hidden_layers=2, hidden_size=64,
+                                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                intermediate_size=128, vocab_size=512)
+    lengths = ([384, 512, 640, 448, 576, 320, 704, 512] * 2) if cuda else [24, 40, 16, 32]
+    warmup, timed = (3, 5) if cuda else (1, 2)
+    model = build_model("llama", seed=0, dtype=torch.float32, initializer_range=0.02, **overrides)
+    config = model.config
+    matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    actor = parallelize(Actor(model, dims=dims), dims, param_dtype=torch.bfloat16 if cuda else None,
+                        activation_checkpointing=True)
+    optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-5, **adamw_options(device))
+    batch = make_experience_batch(_records(config.vocab_size, lengths, seed=3), packed=True).to(device)
+    scored = batch.action_mask.sum()
+
+    def step():
+        logp = actor(batch)
+        (-(logp * batch.action_mask).sum() / scored).backward()
+        clip_grad_norm_(actor.parameters(), 1.0, dims)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(timed):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / timed
+    syncs, where = _host_syncs(step, cuda)
+    tokens = sum(lengths)
+    heads_dim = config.num_attention_heads * config.head_dim
+    flops = 6 * matmul_params * tokens + 6 * config.num_hidden_layers * heads_dim * sum(n * n for n in lengths)
+    out = {"model": "SmolLM2-135M config, random init" if cuda else "llama, tiny (CPU sizes)",
+           "params": sum(p.numel() for p in model.parameters()), "tokens_per_step": tokens, "sequences": len(lengths),
+           "step_s": seconds, "tokens_per_s": tokens / seconds, "flops_per_step": flops,
+           "host_syncs_per_step": syncs, "host_syncs_where": where,
+           "compute_dtype": "bfloat16" if cuda else "float32", "activation_checkpointing": True}
+    if cuda:
+        name = torch.cuda.get_device_name(device)
+        peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+        out.update(peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30, peak_tflops=peak,
+                   mfu=None if peak is None else flops / seconds / (peak * 1e12))
+    else:
+        out.update(peak_memory_gib=NO_CUDA, mfu=NO_CUDA)
+    return {"ok": math.isfinite(seconds) and seconds > 0, **out}
 
 
-def worker_grads(args) -> dict:
-    import torch.distributed as dist
+def _host_syncs(step, cuda: bool) -> tuple[int, dict[str, int]]:
+    """Host syncs of one step: CUDA's own count (one warning per synchronizing call), or on CPU
+    tests/host_syncs.py's count of the calls that would sync on a GPU."""
+    if cuda:
+        import warnings
 
-    from model.parallel_dims import init_distributed
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        found = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+        return len(found), dict(collections.Counter(found).most_common(20))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from host_syncs import count_host_syncs
 
-    from scripts.dist_train_worker import fsdp_checks  # the rank body of tests/test_fsdp.py
-
-    init_distributed(device=args.device)  # NCCL on CUDA, gloo on CPU; each case builds its meshes on this group
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world not in GRAD_CASES:
-        raise ValueError(f"grads: world {world}, expected one of {sorted(GRAD_CASES)}")
-    out, ok = {"world": world, "backend": dist.get_backend(), "tolerance": GRAD_TOL}, True
-    for case, (name, ep, cp, packed) in GRAD_CASES[world].items():
-        r = fsdp_checks(rank, world, name, ep, cp, packed)  # 3 clipped AdamW steps, FSDP2 vs one process
-        norm_diff = max(abs(a - b) / b for a, b in zip(r["norms"], r["one_norms"]))
-        worst = [None] * world
-        dist.all_gather_object(worst, max(r["param_diff"], norm_diff))
-        out[case] = max(worst)
-        ok = ok and out[case] <= GRAD_TOL
-    return {"ok": ok, **out}
-
-
-def _all_ranks(ok: bool) -> bool:
-    flags = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(flags, bool(ok))
-    return all(flags)
+    with count_host_syncs() as syncs:
+        step()
+    return syncs.total(), dict(collections.Counter(w for kind in syncs.where.values() for w in kind).most_common(20))
 
 
-def worker_shared(args) -> dict:
-    """The shared-prompt forward vs the unshared pack, dense and MoE, fp32, and the syncs CUDA
-    reports in one forward (scripts/gpu_shared_prompts.py)."""
-    from scripts.gpu_shared_prompts import figures
-
-    return figures(args.device)
-
-
-WORKERS = {"parity": worker_parity, "shared": worker_shared, "cp": worker_cp, "grads": worker_grads}
+# ----------------------------------------------------------------- train
+def worker_train_py(args) -> dict:
+    """train.py in this process (so `--drop-torch-2-13-names` holds in it), its overrides after `--`."""
+    sys.argv = [str(ROOT / "train.py"), *args.rest]
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    return {}
 
 
-# ------------------------------------------------------------ metrics files
+def train_overrides(device: str) -> list[str]:
+    """One rank, FSDP2 (model.param_dtype asks for its one-rank group), activation checkpointing, the tiny
+    MoE, a small job; bf16 compute over fp32 masters on CUDA, fp32 on CPU."""
+    compute = "bfloat16" if device == "cuda" else "float32"
+    return [f"trainer.device={device}", "model=moe_tiny", "model.dtype=float32", f"model.param_dtype={compute}",
+            "trainer.activation_checkpointing=true", "task.prompts_per_step=4", "task.samples_per_prompt=4",
+            "trainer.max_steps=4", "checkpoint.every=2", "trainer.progress=false", "trainer.plot=false"]
+
+
 def read_metrics(run_dir: pathlib.Path) -> list[dict]:
     path = pathlib.Path(run_dir) / "metrics.jsonl"
     if not path.exists():
@@ -238,37 +419,37 @@ def read_metrics(run_dir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def compare_layouts(one: list[dict], many: list[dict], steps: int = 3) -> dict:
-    """max |diff| per key of `LAYOUT_KEYS` over the first `steps` steps of two runs."""
-    if len(one) < steps or len(many) < steps:
-        raise ValueError(f"layout: runs logged {len(one)} and {len(many)} steps, expected >= {steps}")
-    out = {key: max(abs(float(a[key]) - float(b[key])) for a, b in zip(one[:steps], many[:steps]))
-           for key in LAYOUT_KEYS}
-    return {"ok": max(out.values()) <= LAYOUT_TOL, "tolerance": LAYOUT_TOL, **out}
+def compare_resume(first: list[dict], resumed: list[dict], start: int, tol: float) -> dict:
+    """The resumed run's rows equal the first run's from step `start` on, per RESUME_KEYS, within `tol`
+    relative to the first run's magnitude."""
+    want = first[start:]
+    if len(first) < start + 1 or len(resumed) != len(want):
+        raise ValueError(f"train: the first run logged {len(first)} steps, the resumed one {len(resumed)}; expected "
+                         f"{start} + {len(want)} and {len(want)}")
+    worst = {key: max(abs(float(a[key]) - float(b[key])) / max(abs(float(a[key])), 1e-12) for a, b in zip(want, resumed))
+             for key in RESUME_KEYS}
+    return {"ok": max(worst.values()) <= tol, "resume_tolerance": tol, "resume_rel": worst}
 
 
-def summarize_async(runs: dict[str, list[dict]], steps: int = 4) -> dict:
-    """async at max_staleness=1 steps as one_step_off (`compare_layouts` over every step);
-    max_staleness=2 reaches staleness 2 at step 2; every run's mean overlap."""
-    same = compare_layouts(runs["one_step_off"], runs["async_k1"], steps)
-    staleness = [float(m["rollout_staleness_max"]) for m in runs["async_k2"]]
-    want = [float(min(s, 2)) for s in range(steps)]
-    overlap = {name: sum(float(m.get("rollout_overlap", 0.0)) for m in rows) / max(len(rows), 1)
-               for name, rows in runs.items()}
-    return {"ok": same["ok"] and staleness == want, "k1_vs_one_step_off": same, "k2_staleness": staleness,
-            "overlap": overlap}
+def section_train(c: Check) -> dict:
+    first, resumed = c.work / "train_first", c.work / "train_resumed"
+    base = train_overrides(c.device)
+    c.python("train", ["--worker", "train_py", "--", *base, f"hydra.run.dir={first}"])
+    saved = first / "checkpoints" / "step_00000002"
+    c.python("train", ["--worker", "train_py", "--", *base, f"hydra.run.dir={resumed}", f"resume={saved}"])
+    log = (first / "train.log").read_text(errors="replace") if (first / "train.log").exists() else ""
+    kernel = next((line.split("packed attention kernel: ", 1)[1] for line in log.splitlines()
+                   if "packed attention kernel: " in line), None)
+    rows = read_metrics(first)
+    out = {"steps": len(rows), "backend": "nccl" if c.device == "cuda" else "gloo", "attention": kernel,
+           "overrides": base, "reward_mean": [r["reward_mean"] for r in rows],
+           **compare_resume(rows, read_metrics(resumed), 2, RESUME_TOL[c.device])}
+    if c.device == "cpu":
+        out["cuda"] = f"{NO_CUDA} (the CPU path ran: gloo, fp32 compute)"
+    return out
 
 
-def summarize_train(rows: list[dict], steps: int) -> dict:
-    """`make train` learns: all steps logged, reward rises by > 0.2 (issue 11's bar)."""
-    if not rows:
-        raise ValueError("train: metrics.jsonl is empty")
-    first, last = float(rows[0]["reward_mean"]), float(rows[-1]["reward_mean"])
-    return {"ok": len(rows) == steps and last - first > 0.2, "steps": len(rows),
-            "reward_first": first, "reward_last": last}
-
-
-# --------------------------------------------------------------- orchestration
+# ---------------------------------------------------------- orchestration
 class SectionFailed(RuntimeError):
     pass
 
@@ -278,19 +459,20 @@ class Check:
     device: str
     work: pathlib.Path
     deadline: float
-    ngpu: int
+    drop_names: bool = False
 
     def run(self, name: str, cmd: list[str], limit: float) -> None:
         """Run `cmd` from the repo root, its output in work/<name>.log; raise SectionFailed on failure."""
         log = self.work / f"{name}.log"
         left = self.deadline - time.monotonic()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                   PYTHONUNBUFFERED="1")
         if self.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
         with log.open("a") as f:
             f.write(f"$ {' '.join(cmd)}\n")
             f.flush()
-            # a session of its own: on timeout the whole tree (torchrun and its ranks) is killed
+            # a session of its own: on timeout the whole tree is killed
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 rc = proc.wait(timeout=max(1.0, min(limit, left)))
@@ -300,151 +482,98 @@ class Check:
                 rc = f"timeout after {min(limit, left):.0f} s"
         if rc != 0:
             tail = log.read_text(errors="replace").splitlines()[-12:]
-            raise SectionFailed(f"exit {rc} (log {log}): " + " | ".join(tail))
+            raise SectionFailed(f"exit {rc} (log {log.name}): " + " | ".join(tail))
 
-    def worker(self, name: str, nproc: int | None = None) -> dict:
+    def python(self, name: str, args: list[str]) -> None:
+        """This script with `args` in a child process, under the section's time limit."""
+        drop = ["--drop-torch-2-13-names"] if self.drop_names else []
+        self.run(name, [sys.executable, str(pathlib.Path(__file__).resolve()), "--device", self.device, *drop, *args],
+                 LIMIT_S[name])
+
+    def worker(self, name: str) -> dict:
         out = self.work / f"{name}.json"
-        me = [str(pathlib.Path(__file__).resolve()), "--worker", name, "--out", str(out), "--device", self.device]
-        launch = [sys.executable] if nproc is None else torchrun(nproc)
-        try:
-            self.run(name, launch + me, LIMIT_S[name])
-        except SectionFailed as e:
-            for error in sorted(self.work.glob(f"{name}.rank*.error")):  # the first rank that raised
-                lines = error.read_text().strip().splitlines()
-                raise SectionFailed(f"{error.name}: " + " | ".join(line.strip() for line in lines[-3:])) from e
-            raise
+        self.python(name, ["--worker", name, "--result", str(out)])
         return json.loads(out.read_text())
 
-    def train(self, name: str, run_dir: pathlib.Path, steps: int, nproc: int | None = None,
-              overrides: tuple[str, ...] = ()) -> list[dict]:
-        launch = [sys.executable] if nproc is None else torchrun(nproc)
-        args = [str(ROOT / "train.py"), f"trainer.device={self.device}", f"trainer.max_steps={steps}",
-                "trainer.progress=false", "trainer.plot=false", f"hydra.run.dir={run_dir}", *overrides]
-        self.run(name, launch + args, LIMIT_S[name])
-        return read_metrics(run_dir)
 
-
-def torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-
-
-def section_parity(c: Check) -> dict:
-    return c.worker("parity")
-
-
-def section_shared(c: Check) -> dict:
-    return c.worker("shared")
-
-
-def section_cp(c: Check) -> dict:
-    return c.worker("cp", nproc=2)
-
-
-def section_grads(c: Check) -> dict:
-    return c.worker("grads", nproc=4 if c.ngpu >= 4 else 2)
-
-
-def section_layout(c: Check) -> dict:
-    nproc, parallel = (4, "cp2_ep2") if c.ngpu >= 4 else (2, "ep2")
-    one = c.train("layout", c.work / "layout_1", 3)
-    many = c.train("layout", c.work / f"layout_{nproc}", 3, nproc, (f"parallel={parallel}",))
-    return {"ranks": nproc, "parallel": parallel, **compare_layouts(one, many)}
-
-
-def section_train(c: Check) -> dict:
-    nproc = min(8, c.ngpu)
-    parallel = "cp2_ep2" if nproc in (4, 8) else "auto"  # `make train`'s layout where the world allows
-    rows = c.train("train", c.work / "train", 20, nproc, (f"parallel={parallel}",))
-    return {"ranks": nproc, "parallel": parallel, **summarize_train(rows, 20)}
-
-
-def section_async(c: Check) -> dict:
-    modes = {"one_step_off": ("rollout.mode=one_step_off",),
-             "async_k1": ("rollout.mode=async", "rollout.max_staleness=1"),
-             "async_k2": ("rollout.mode=async", "rollout.max_staleness=2")}
-    return summarize_async({name: c.train("async", c.work / f"async_{name}", 4, None, (*extra, "algo.tis_cap=2.0"))
-                            for name, extra in modes.items()})
-
-
-def needs_gpus(name: str, ngpu: int, device: str) -> str | None:
-    """Why a section cannot run here (None: it can)."""
-    if device == "cpu":
-        return None
-    need = {"parity": 1, "shared": 1, "cp": 2, "grads": 2, "layout": 2, "train": 1, "async": 1}[name]
-    return f"needs {need} GPUs, found {ngpu}" if ngpu < need else None
+WORKERS = {"env": worker_env, "kernels": worker_kernels, "speed": worker_speed, "train_py": worker_train_py}
 
 
 def assemble(results: dict[str, dict], env: dict, seconds: float) -> dict:
-    """The one JSON line: environment, every section's figures, what failed and what was skipped."""
-    failed = [n for n, r in results.items() if r.get("ok") is False]
-    skipped = [n for n, r in results.items() if "skipped" in r]
-    return {"ok": not failed, "failed": failed, "skipped": skipped, "seconds": round(seconds, 1), **env, **results}
+    """The summary: what ran where, every section's figures, what failed."""
+    failed = [n for n, r in results.items() if r.get("ok") is not True]
+    return {"ok": not failed, "failed": failed, "seconds": round(seconds, 1), **env, **results}
 
 
-def environment(device: str) -> dict:
-    env = {"device": device, "torch": torch.__version__, "gpus": 0, "gpu": None, "flash_attn": None}
-    if device == "cuda" and torch.cuda.is_available():
-        env.update(gpus=torch.cuda.device_count(), gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda)
-        try:
-            import flash_attn
-
-            env["flash_attn"] = flash_attn.__version__
-        except ImportError:
-            pass
-    return env
+def write_outputs(out: pathlib.Path, work: pathlib.Path, report: dict) -> list[pathlib.Path]:
+    """`out/gpu_check.json` and `out/gpu_check_logs.tar.gz` (the work folder, checkpoints left out)."""
+    out.mkdir(parents=True, exist_ok=True)
+    summary, logs = out / "gpu_check.json", out / "gpu_check_logs.tar.gz"
+    summary.write_text(json.dumps(report, indent=1) + "\n")
+    with tarfile.open(logs, "w:gz") as tar:
+        tar.add(work, arcname="gpu_check",
+                filter=lambda info: None if "/checkpoints/" in info.name + "/" else info)
+    return [summary, logs]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: cuda if visible")
+    p.add_argument("--out", type=pathlib.Path, default=os.environ.get("OUT"),
+                   help="folder for gpu_check.json and gpu_check_logs.tar.gz (default $OUT)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
-    p.add_argument("--work", type=pathlib.Path, default=None, help="folder for logs and run folders")
+    p.add_argument("--work", type=pathlib.Path, default=None, help="folder for logs and run folders (default: a temp)")
     p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all sections together")
+    p.add_argument("--drop-torch-2-13-names", action="store_true",
+                   help=f"delete torch.distributed.{{{','.join(TORCH_2_13_ONLY)}}} in every process (as torch 2.11)")
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)  # a section's process body
-    p.add_argument("--out", type=pathlib.Path, help=argparse.SUPPRESS)
+    p.add_argument("--result", type=pathlib.Path, help=argparse.SUPPRESS)
+    p.add_argument("rest", nargs="*", help=argparse.SUPPRESS)  # train.py's overrides (after --)
     args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.drop_torch_2_13_names:
+        drop_torch_2_13_names()
 
     if args.worker:
-        try:
-            result = WORKERS[args.worker](args)
-        except Exception:  # the orchestrator reports this rank's traceback, not torchrun's summary
-            args.out.with_name(f"{args.out.stem}.rank{os.environ.get('RANK', '0')}.error").write_text(traceback.format_exc())
-            raise
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            args.out.write_text(json.dumps(result))
-        if torch.distributed.is_initialized():  # a clean exit: no communicator torn down under a live thread
-            torch.distributed.barrier()
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch.cuda.is_available() is False")
+        result = WORKERS[args.worker](args)
+        if args.result is not None:
+            args.result.write_text(json.dumps(result))
+        if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         return 0
 
+    if args.out is None:
+        p.error("--out: no output folder (and $OUT is not set)")
     names = [s for s in args.sections.split(",") if s]
     unknown = sorted(set(names) - set(SECTIONS))
     if unknown:
         p.error(f"--sections: unknown {unknown}, expected a subset of {list(SECTIONS)}")
     start = time.monotonic()
-    work = args.work or ROOT / "outputs" / "gpu_check" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="gpu_check_"))
     work.mkdir(parents=True, exist_ok=True)
-    env = environment(args.device)
-    check = Check(args.device, work, start + args.budget, env["gpus"] if args.device == "cuda" else 2)
+    check = Check(args.device, work, start + args.budget, args.drop_torch_2_13_names)
     results = {}
     for name in names:
         t0 = time.monotonic()
-        why = needs_gpus(name, check.ngpu, args.device)
-        if why is not None:
-            results[name] = {"skipped": why}
-            continue
         if time.monotonic() >= check.deadline:  # not run is not passed
             results[name] = {"ok": False, "error": f"not run: out of time (budget {args.budget:.0f} s)"}
             continue
         print(f"gpu_check: {name} ...", file=sys.stderr, flush=True)
         try:
-            results[name] = globals()[f"section_{name}"](check)
+            section = globals().get(f"section_{name}")
+            results[name] = section(check) if section is not None else check.worker(name)
         except Exception as e:  # a failed section is a figure too; the next one still runs
             results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
+            (work / f"{name}.error").write_text(traceback.format_exc())
         results[name]["seconds"] = round(time.monotonic() - t0, 1)
-        print(f"gpu_check: {name} ok={results[name].get('ok')} ({results[name]['seconds']} s)", file=sys.stderr, flush=True)
-    report = assemble(results, {**env, "work": str(work)}, time.monotonic() - start)
-    (work / "gpu_check.json").write_text(json.dumps(report) + "\n")
+        print(f"gpu_check: {name} ok={results[name].get('ok')} ({results[name]['seconds']} s)", file=sys.stderr,
+              flush=True)
+    env = {"device": args.device, "torch_2_13_names_dropped": args.drop_torch_2_13_names, "work": str(work)}
+    report = assemble(results, env, time.monotonic() - start)
+    write_outputs(args.out, work, report)
     print(json.dumps(report), flush=True)
     return 0 if report["ok"] else 1
 

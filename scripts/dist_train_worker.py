@@ -1,6 +1,6 @@
 """Rank body of the FSDP2 gradient parity: three optimizer steps with FSDP2 on a world of
 ranks vs one process on the same global batch. tests/test_fsdp.py runs it on gloo ranks
-(scripts/distributed.py), launch/gpu_check.py's `grads` section under torchrun on NCCL.
+(scripts/distributed.py).
 
 Every rank builds the same seeded model and the same global batch of records, trains on
 its own plan entry (token-mean normalized by the global action-token count), clips by the

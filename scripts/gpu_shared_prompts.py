@@ -5,9 +5,8 @@ relative to the values' magnitude), MoE aux loss / token count / expert load / r
 routing, and the host syncs CUDA itself reports in one forward (`torch.cuda.set_sync_debug_mode`,
 one warning per synchronizing call, by file:line). Last line: one JSON object.
 
-    python scripts/gpu_shared_prompts.py      # needs a CUDA device
-    launch/gpu_check.sh                       # runs it as its `shared` section (CPU rehearsal:
-                                              # launch/gpu_check.py --device cpu, no sync counts)
+    python scripts/gpu_shared_prompts.py      # needs a CUDA device (launch/gpu_check.sh checks the
+                                              # shared-prompt kernel in bf16 in its `kernels` section)
 """
 
 from __future__ import annotations
@@ -121,5 +120,5 @@ def figures(device: str = "cuda") -> dict:
 
 
 if __name__ == "__main__":
-    assert torch.cuda.is_available(), "needs a CUDA device (CPU rehearsal: launch/gpu_check.py --device cpu --sections shared)"
+    assert torch.cuda.is_available(), "needs a CUDA device"
     print(json.dumps(figures("cuda")))
