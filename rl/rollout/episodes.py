@@ -27,6 +27,14 @@ chat template's end-of-turn is the stop token, as in ChatML), the observation's 
 dropped: the turn is closed once. A reply cut at `max_new_tokens` keeps the template's
 end-of-turn from the observation.
 
+Tools (a `ToolTask`, rl/tasks/tool_task.py): a reply that calls a tool (parsed by the task's
+`toolbox`, rl/tasks/tools.py) is answered by the tools, not the environment: their outputs, rendered
+as the chat template's tool message, enter the context as observation tokens (action mask False,
+cut like an environment answer), and the model replies again. The first reply that calls none, or
+the last turn's, goes to `env.step`. A tool that raises or runs past `task.timeout_s` ends its
+episode like a failing environment; what the code run by the `python` tool did (a timeout, the
+memory limit, a refused write) is reported to the model in the tool message, and the episode goes on.
+
 Seeds: turn 1 is the single-turn call (the same prompt indices and seed), so an episode's
 first reply is the sample the single-turn task would draw. A later turn's call gives each
 sample its own index, mixed from (turn, prompt index, its place in the group), so its draws
@@ -76,6 +84,8 @@ from rl.rollout.engine import make_record
 from rl.rollout.sampler import group_places, sample_seed
 from rl.tasks.calls import Status
 from rl.tasks.base import MultiTurnTask, Task, assign_rewards, check_reward, task_calls
+from rl.tasks.tool_task import ToolTask
+from rl.tasks.tools import ToolOutput
 
 _ENV_SALT = 0x5EED_E7E7  # environment seeds are drawn apart from the engine's sample seeds
 
@@ -139,6 +149,7 @@ class _Episode:
     done: bool = False
     status: Status | None = None  # set when the episode ends otherwise than `done`
     truncated: bool = False  # an answer was cut to task.max_observation_len
+    tools: list[str] = field(default_factory=list)  # the status of each tool call it made (rl/tasks/tools.py)
 
     @property
     def turns(self) -> int:
@@ -171,6 +182,8 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
         episodes.append(ep)
     stop = getattr(engine, "stop_token_id", None)
     frame = None  # observation_ids(""): the template's frame around an answer, for cutting a long one
+    toolbox = task.toolbox if isinstance(task, ToolTask) else None
+    tool_frame = None  # the same for a tool message
     for turn in range(task.max_turns):
         playing = [i for i, ep in enumerate(episodes) if not ep.done]
         indices = ([int(prompt_indices[i]) for i in playing] if turn == 0 else
@@ -188,6 +201,22 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
             if ep.status is not None:  # failed before its first turn
                 ep.fail(ep.status)
                 continue
+            if toolbox is not None and turn < task.max_turns - 1:
+                with (guard := calls.guard(f"tools of {type(task).__name__}", f"run_episodes: sample {i} (prompt index "
+                                                                f"{int(prompt_indices[i])}), turn {turn + 1}")):
+                    ids = None
+                    if tool_calls := toolbox.parse(response, stop):
+                        outputs = [toolbox.run(call, calls) for call in tool_calls]
+                        ep.tools.extend(o.status for o in outputs)
+                        ids = toolbox.message_ids(outputs)
+                if guard.status is not None:
+                    ep.fail(guard.status)
+                    continue
+                if ids is not None:  # the tools answered: the model goes on, the environment is not asked
+                    if tool_frame is None:
+                        tool_frame = toolbox.message_ids([ToolOutput("")])
+                    _observe(ep, rec, response, ids, task.max_observation_len, stop, tool_frame)
+                    continue
             who = f"{type(ep.env).__name__}.step"
             guard = calls.guard(f"environment {name}", f"run_episodes: sample {i} (prompt index "
                                                         f"{int(prompt_indices[i])}), turn {turn + 1}")
@@ -211,20 +240,9 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
             if guard.status is not None:
                 ep.fail(guard.status)
                 continue
-            closed = stop is not None and ids and ids[0] == stop and int(response[-1]) == stop
-            if closed:
-                ids = ids[1:]  # the reply's stop token already closed the turn
-            if len(ids) > task.max_observation_len:  # start-up sized every sample with the longest
-                if frame is None:
-                    frame = list(task.observation_ids(""))
-                ids = cut_observation(ids, task.max_observation_len, frame[1:] if closed else frame)
-                ep.truncated = True
-                if ids is None:  # not even the template's frame fits: the episode ends here
-                    ep.done = True
-                    continue
-            obs = torch.tensor(ids, dtype=torch.int64)
-            ep.pieces.append((obs, False, torch.zeros(obs.numel())))
-            ep.context = torch.cat([rec.sequences, obs])
+            if frame is None and len(ids) > task.max_observation_len:
+                frame = list(task.observation_ids(""))
+            _observe(ep, rec, response, ids, task.max_observation_len, stop, frame)
     out = []
     for i, ep in enumerate(episodes):
         tokens, sampled, log_probs = zip(*ep.pieces)
@@ -238,6 +256,25 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
         rec.status = torch.tensor(int(status))
         out.append(rec)
     return out
+
+
+def _observe(ep: _Episode, rec: Experience, response: torch.Tensor, ids: list[int], limit: int, stop: int | None,
+             frame: list[int] | None) -> None:
+    """Append an answer's ids (an environment's or the tools', in the chat template) to the episode
+    as tokens the model did not sample: the reply's stop token not repeated, cut to `limit` inside
+    the template's `frame` (status truncated; the episode ends when not even the frame fits)."""
+    closed = stop is not None and ids and ids[0] == stop and int(response[-1]) == stop
+    if closed:
+        ids = ids[1:]  # the reply's stop token already closed the turn
+    if len(ids) > limit:  # start-up sized every sample with the longest
+        ids = cut_observation(ids, limit, frame[1:] if closed else frame)
+        ep.truncated = True
+        if ids is None:  # not even the template's frame fits: the episode ends here
+            ep.done = True
+            return
+    obs = torch.tensor(ids, dtype=torch.int64)
+    ep.pieces.append((obs, False, torch.zeros(obs.numel())))
+    ep.context = torch.cat([rec.sequences, obs])
 
 
 def cut_observation(ids: list[int], limit: int, frame: list[int]) -> list[int] | None:

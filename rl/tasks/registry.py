@@ -13,6 +13,7 @@ from rl.tasks.calls import UserCalls
 from rl.tasks.environment import EnvironmentTask
 from rl.tasks.files import FileTask, MathTask
 from rl.tasks.synthetic import CopyFirst, CountUp, TargetToken
+from rl.tasks.tool_task import PythonToolTask
 
 
 class TaskName(Choice):
@@ -25,6 +26,7 @@ class TaskName(Choice):
     MATH = "math"
     ARITHMETIC = "arithmetic"
     ARITHMETIC_RETRY = "arithmetic_retry"
+    PYTHON_TOOL = "python_tool"
     ENVIRONMENT = "environment"
 
 
@@ -36,6 +38,7 @@ TASKS: dict[TaskName, Callable[..., Task]] = {
     TaskName.MATH: MathTask,
     TaskName.ARITHMETIC: ArithmeticTask,
     TaskName.ARITHMETIC_RETRY: ArithmeticRetryTask,
+    TaskName.PYTHON_TOOL: PythonToolTask,
     TaskName.ENVIRONMENT: EnvironmentTask,
 }
 
