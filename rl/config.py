@@ -17,8 +17,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf, open_dict
 import torch
 
-from model.families import FAMILIES
+from model.families import FAMILIES, MOE
 from model.kernels import KERNELS, resolve as resolve_kernel
+from model.lora import LoraSettings, check_settings as check_lora
 from model.parallel_dims import ParallelDims, resolve_device
 from rl.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, get_advantage_estimator
 from rl.choice import Choice
@@ -73,6 +74,9 @@ class ModelConfig:
     # flash-attn, else per-sequence sdpa), per-sequence sdpa on CPU; torch / flash fail at start-up where they cannot run
     attention: AttentionKernel = AttentionKernel.AUTO
     overrides: Dict[str, Any] = field(default_factory=dict)  # Hugging Face config fields
+    # LoRA adapters on the policy (model/lora.py, PEFT): rank 0 = full fine-tuning; the reference is the
+    # same model with its adapters disabled, the weight sync sends adapters only
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 @dataclass
@@ -492,6 +496,8 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
                              f"model.overrides.max_position_embeddings={limit}")
     _check_imports(cfg)
     _check_experts(cfg, dims.ep)
+    family = model_family(cfg) if cfg.model.pretrained_path is not None else cfg.model.name.value
+    check_lora(cfg.model.lora, moe=family in MOE, engine=RolloutEngineName(cfg.rollout.engine).value)
     _check_device(cfg)
     _check_rollout(cfg, world_size)
     return dims
