@@ -12,6 +12,7 @@ from rl.tasks.base import Task, probe_reward
 from rl.tasks.calls import UserCalls
 from rl.tasks.environment import EnvironmentTask
 from rl.tasks.files import FileTask, MathTask
+from rl.tasks.reasoning import ReasoningGymTask
 from rl.tasks.synthetic import CopyFirst, CountUp, TargetToken
 from rl.tasks.tool_task import PythonToolTask
 
@@ -28,6 +29,7 @@ class TaskName(Choice):
     ARITHMETIC_RETRY = "arithmetic_retry"
     PYTHON_TOOL = "python_tool"
     ENVIRONMENT = "environment"
+    REASONING_GYM = "reasoning_gym"
 
 
 TASKS: dict[TaskName, Callable[..., Task]] = {
@@ -40,6 +42,7 @@ TASKS: dict[TaskName, Callable[..., Task]] = {
     TaskName.ARITHMETIC_RETRY: ArithmeticRetryTask,
     TaskName.PYTHON_TOOL: PythonToolTask,
     TaskName.ENVIRONMENT: EnvironmentTask,
+    TaskName.REASONING_GYM: ReasoningGymTask,
 }
 
 
