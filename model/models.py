@@ -139,6 +139,16 @@ def build_model(
     return lm.to(dtype)
 
 
+def compute_copy(lm: transformers.PreTrainedModel, dtype: torch.dtype) -> transformers.PreTrainedModel:
+    """`lm` (meta or real) with its parameters in the compute `dtype` and its buffers as they are: what
+    FSDP2's `MixedPrecisionPolicy(param_dtype=dtype)` computes with (it casts parameters only, so the
+    rotary `inv_freq` stays fp32). The rollout copy built this way samples from the training forward's
+    numbers. A tied head stays tied (one parameter)."""
+    for param in lm.parameters():
+        param.data = param.data.to(dtype)
+    return lm
+
+
 def model_config(name: str | None, *, pretrained_path: str | None = None,
                  **config_overrides) -> transformers.PretrainedConfig:
     """The Hugging Face config `build_model` builds its model from, without a weight: the

@@ -61,8 +61,10 @@ class ModelConfig:
     # the family of a random-init model; None with pretrained_path = the checkpoint's own (config.json)
     name: Optional[ModelName] = ModelName.QWEN3_MOE
     pretrained_path: Optional[str] = None  # a local checkpoint folder; None = tiny random init
-    dtype: DType = DType.FLOAT32  # the weights as built / loaded (FSDP keeps them as the fp32 master copy)
-    param_dtype: Optional[DType] = None  # FSDP2 compute dtype (MixedPrecisionPolicy); None = dtype; grads reduce in fp32
+    dtype: DType = DType.FLOAT32  # the master weights, as built / loaded: what AdamW steps (FSDP2 shards them)
+    # the compute dtype: FSDP2's MixedPrecisionPolicy(param_dtype), gradients reduced in fp32, the rollout copy
+    # computes in it too; null = auto: bfloat16 on CUDA over float32 masters, else model.dtype (CPU: fp32 unless asked)
+    param_dtype: Optional[DType] = None
     temperature: float = 1.0  # the sampling temperature: rollout samples and training scores the same softmax(z / T)
     # bytes of one [rows, vocab] fp32 chunk of the log-prob head: rows = bytes // (4 x vocab), so every
     # vocabulary reaches the same peak; a microbatch that fits one chunk skips the backward recompute
@@ -498,6 +500,8 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
     _check_experts(cfg, dims.ep)
     family = model_family(cfg) if cfg.model.pretrained_path is not None else cfg.model.name.value
     check_lora(cfg.model.lora, moe=family in MOE, engine=RolloutEngineName(cfg.rollout.engine).value)
+    cfg.model.param_dtype = compute_dtype(cfg.model.dtype, cfg.model.param_dtype,
+                                          resolve_device(cfg.trainer.device.value))  # auto, resolved once
     _check_device(cfg)
     _check_rollout(cfg, world_size)
     return dims
@@ -658,6 +662,15 @@ def _check_rollout_mode(cfg: Config) -> None:
         raise ValueError(f"{m} with algo.tis_cap=null and algo.old_log_probs=policy: the samples are policy "
                          "versions old and nothing would correct for it; set algo.tis_cap (truncated "
                          "importance sampling against the behaviour log-probs, e.g. 2.0) or algo.old_log_probs=rollout")
+
+
+def compute_dtype(master: DType, asked: Optional[DType], device: torch.device) -> Optional[DType]:
+    """`model.param_dtype` as a run on `device` uses it: as asked; else (null = auto) bfloat16 on CUDA over
+    float32 masters (fp32 weights and optimizer, bf16 matmuls); else null: compute in the masters' dtype
+    (a CPU computes in fp32 unless asked: its bf16 kernels are slower than fp32)."""
+    if asked is not None:
+        return asked
+    return DType.BFLOAT16 if device.type == "cuda" and master is DType.FLOAT32 else None
 
 
 def _check_device(cfg: Config) -> None:

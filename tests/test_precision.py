@@ -83,3 +83,64 @@ def test_adamw_is_fused_on_cuda_only():
     assert opt.defaults["fused"] is True
     opt.step()
     assert torch.all(p < 1)
+
+
+# ------------------------------------------- master and compute dtypes (issue 42.3)
+def test_auto_compute_dtype_is_bf16_on_cuda_over_fp32_masters_and_the_masters_dtype_on_cpu():
+    from rl.config import DType, compute_dtype
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert compute_dtype(DType.FLOAT32, None, cuda) is DType.BFLOAT16
+    assert compute_dtype(DType.FLOAT32, None, cpu) is None  # fp32 on CPU unless asked
+    assert compute_dtype(DType.FLOAT32, DType.BFLOAT16, cpu) is DType.BFLOAT16  # asked: kept
+    assert compute_dtype(DType.FLOAT32, DType.FLOAT32, cuda) is DType.FLOAT32
+    assert compute_dtype(DType.BFLOAT16, None, cuda) is None  # bf16 masters compute in bf16 (nothing to cast)
+
+
+def test_validate_resolves_model_param_dtype_for_the_runs_device(monkeypatch):
+    import rl.config as config
+    from inprocess import compose
+
+    assert compose("model=dense_tiny", "trainer.device=cpu").model.param_dtype is None
+    monkeypatch.setattr(config, "resolve_device", lambda name: torch.device("cuda"))  # as on a GPU machine
+    assert compose("model=dense_tiny").model.param_dtype is config.DType.BFLOAT16
+    assert compose("model=dense_tiny", "model.param_dtype=float32").model.param_dtype is config.DType.FLOAT32
+
+
+def test_a_pretrained_model_keeps_fp32_master_weights():
+    from inprocess import compose
+    from rl.config import DType
+
+    cfg = compose("model=pretrained", "model.pretrained_path=/checkpoint", check=False)
+    assert cfg.model.dtype is DType.FLOAT32 and cfg.model.param_dtype is None
+
+
+def _engine_and_masters(*overrides: str):
+    """A one-process trainer's rollout copy (rollout.replica=keep) and the policy's full master weights."""
+    import torch.distributed as dist
+    from inprocess import trainer
+
+    from model.parallelize import full_parameters
+
+    try:
+        tr = trainer("model=dense_tiny", "task.prompts_per_step=2", "task.samples_per_prompt=2", "trainer.device=cpu",
+                     "rollout.replica=keep", *overrides)
+        return tr.engine.model, {k: v.detach().clone() for k, v in full_parameters(tr.actor.model)}
+    finally:
+        if dist.is_initialized():  # the one-rank group of model.param_dtype: gone before the next test
+            dist.destroy_process_group()
+
+
+def test_the_rollout_copy_computes_in_the_compute_dtype_on_the_masters_rounded_to_it():
+    """model.param_dtype=bfloat16: the optimizer's masters are fp32, the copy's parameters bf16 and equal
+    to the masters rounded (what FSDP2 gathers for the training forward), its rotary buffer fp32 like
+    training's. Control: without it the copy is fp32, the masters' dtype."""
+    copy, masters = _engine_and_masters("model.param_dtype=bfloat16")
+    assert {m.dtype for m in masters.values()} == {torch.float32}
+    params = dict(copy.named_parameters())
+    assert {p.dtype for p in params.values()} == {torch.bfloat16}
+    assert {b.dtype for b in copy.buffers() if b.is_floating_point()} == {torch.float32}
+    assert params.keys() <= masters.keys()
+    assert all(torch.equal(p, masters[name].to(torch.bfloat16)) for name, p in params.items())
+    copy, _ = _engine_and_masters()
+    assert {p.dtype for p in copy.parameters()} == {torch.float32}

@@ -17,6 +17,7 @@ import tempfile
 import torch
 
 from model.loading import materialize
+from model.models import compute_copy
 from rl.config import longest_sample
 from rl.rollout.engine import HFRolloutEngine, PolicyRolloutEngine, RolloutEngine
 from rl.rollout.replica import RolloutEngineName, choose_replica
@@ -30,6 +31,9 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
     vLLM it is saved once as the checkpoint folder of a random-init run)."""
     stop = task.stop_token_id
     r = cfg.rollout
+    # a copy computes in the training compute dtype (model.param_dtype as validate resolved it, else the masters'):
+    # no systematic rollout/train gap from the dtype
+    compute = cfg.model.param_dtype or cfg.model.dtype
     bucket = resolve_bucket_bytes(actor.model, r.sync_bucket_bytes)  # smaller than the largest tensor: an error
     replica = choose_replica(cfg, dims, actor)  # rollout.replica: keep a copy, or generate from the sharded policy
     if dims.rank == 0:
@@ -39,7 +43,8 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
             actor, stop_token_id=stop, group=torch.distributed.group.WORLD if dims.distributed else None)
     elif RolloutEngineName(r.engine) is RolloutEngineName.HF:
         # the copy's storage only: the sync below fills every weight (no checkpoint read, no host copy)
-        engine = HFRolloutEngine(materialize(new_model("meta"), dims.device), stop_token_id=stop)
+        engine = HFRolloutEngine(materialize(compute_copy(new_model("meta"), getattr(torch, compute.value)), dims.device),
+                                 stop_token_id=stop)
     else:
         require_vllm()
         model_dir = cfg.model.pretrained_path
@@ -50,7 +55,7 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
         if dims.distributed and r.tensor_parallel_size > 1:
             tp_group, _ = torch.distributed.new_subgroups(group_size=r.tensor_parallel_size)
         engine = VLLMRolloutEngine(
-            model_dir, stop_token_id=stop, device=dims.device.type, dtype=cfg.model.dtype.value,
+            model_dir, stop_token_id=stop, device=dims.device.type, dtype=compute.value,
             max_model_len=max_len, seed=cfg.seed, sync_bucket_bytes=bucket,
             tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
             enable_sleep_mode=r.enable_sleep_mode, enforce_eager=r.enforce_eager, kv_cache_gb=r.kv_cache_gb,
