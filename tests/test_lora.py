@@ -75,7 +75,8 @@ def chain_rule_grads(lora_lm, merged_grads: dict) -> dict:
         if not isinstance(m, LoraLayer):
             continue
         g = merged_grads[f"model.{name}.weight"].double()
-        a, b, s = m.lora_A["default"].weight.double(), m.lora_B["default"].weight.double(), m.scaling["default"]
+        a, b, s = (m.lora_A["default"].weight.detach().double(), m.lora_B["default"].weight.detach().double(),
+                       m.scaling["default"])
         out[f"model.{name}.lora_B.default.weight"] = s * g @ a.T
         out[f"model.{name}.lora_A.default.weight"] = s * b.T @ g
     return out
@@ -228,3 +229,21 @@ def test_sync_bytes_at_rank_16_on_smollm2_shape():
     print(f"rank 16 adapters: {adapters / 2**20:.2f} MiB = {adapters / full:.4f} of a full sync "
           f"({full / 2**20:.1f} MiB, fp32)")
     assert adapters / full <= 0.05
+
+
+def test_trainer_builds_no_reference_and_steps_adapters_only():
+    """A LoRA run with a KL term builds no reference copy (the policy with adapters off is the
+    reference: the bytes a copy would take are saved) and its optimizer holds exactly the adapters."""
+    from tests.inprocess import SMALL, trainer
+
+    args = (*SMALL, "model=dense_tiny", "algo.kl_coef=0.05", "trainer.max_steps=1")
+    full, lora = trainer(*args), trainer(*args, "model.lora.rank=4")
+    saved = sum(p.numel() * p.element_size() for p in full.reference.parameters())
+    print(f"reference copy not built: {saved} bytes saved (the tiny model; SmolLM2-135M fp32: its 513 MiB)")
+    assert lora.reference is None and saved > 0
+    held = {id(p) for g in lora.optimizer.param_groups for p in g["params"]}
+    adapters = {id(p) for n, p in lora.actor.named_parameters() if ".lora_" in n}
+    assert held == adapters and len(adapters) == 2 * 7 * lora.actor.model.config.num_hidden_layers
+    metrics = lora.step(0)
+    assert metrics["kl"] >= 0 and set(map(id, lora.optimizer.state)) == adapters  # AdamW state: adapters only
+    assert 0 < metrics["weight_sync_bytes"] < 0.5 * full.step(0)["weight_sync_bytes"]

@@ -11,6 +11,12 @@ rebuilt in one process from the checkpoint's hf_config.json (the original pretra
 is not needed) and DCP fills its state dict in place from the policy's saved weights,
 gathering the shards of whatever layout saved them; the optimizer state is not read. Peak
 memory is one copy of the model.
+
+A LoRA run (`model.lora.rank > 0`, model/lora.py) checkpoints its adapters only: the base is
+rebuilt as the run built it (`model.pretrained_path`, or the seed's random init), the adapters
+are read into a PEFT model of it, and OUT gets two folders: `OUT/adapter/`, the PEFT adapter
+(`PeftModel.from_pretrained(base, "OUT/adapter")`), and OUT itself, the merged Hugging Face
+model (W + (alpha / r) B A, PEFT's `merge_and_unload`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 
-from model.models import MODELS, family
+from model.lora import LoraSettings, is_adapter, peft_config
+from model.models import MODELS, build_model, family
 from rl.trainer.checkpoint import quiet_single_process, find_checkpoint
 
 POLICY = "actor.weights."  # checkpoint keys of the policy: "actor.weights." + Actor state-dict name
@@ -35,6 +42,8 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     to the Hugging Face folder `out`; returns `out`."""
     path, out = find_checkpoint(checkpoint), Path(out)
     saved = yaml.safe_load((path / "config.yaml").read_text())
+    if saved["model"].get("lora", {}).get("rank"):
+        return _export_lora(path, out, saved)
     hf_config = path / "hf_config.json"
     config_cls, model_cls, _ = MODELS[family(json.loads(hf_config.read_text())["model_type"])]
     config = config_cls.from_json_file(str(hf_config))
@@ -51,6 +60,32 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     with quiet_single_process():
         dcp.load(state, checkpoint_id=path, no_dist=True)  # in place into the model's tensors
     model.save_pretrained(out)
+    _copy_tokenizer(saved, out)
+    return out
+
+
+def _export_lora(path: Path, out: Path, saved: dict) -> Path:
+    """The adapters of `path` on the run's base: `out/adapter` (PEFT) and `out` (merged)."""
+    from peft import get_peft_model
+
+    m = saved["model"]
+    settings = LoraSettings(**m["lora"])
+    base = build_model(m["name"], pretrained_path=m["pretrained_path"], seed=saved["seed"],
+                       dtype=getattr(torch, m["dtype"]), **m["overrides"])  # as the trainer built it
+    peft_model = get_peft_model(base, peft_config(settings))
+    # PEFT's names "base_model.model.<LM key>" <- the checkpoint's "actor.weights.model.<LM key>"
+    own = {k: v for k, v in peft_model.state_dict().items() if is_adapter(k)}
+    state = {f"{POLICY}model.{k.removeprefix('base_model.model.')}": v for k, v in own.items()}
+    stored = {k for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata if k.startswith(POLICY)}
+    if state.keys() != stored:
+        raise ValueError(f"export: checkpoint {path} does not hold the adapters of model.lora={m['lora']}: "
+                         f"missing {sorted(state.keys() - stored)[:3]}, unexpected {sorted(stored - state.keys())[:3]}")
+    with quiet_single_process():
+        dcp.load(state, checkpoint_id=path, no_dist=True)  # in place into the adapters
+    peft_model.peft_config["default"].base_model_name_or_path = (
+        str(Path(m["pretrained_path"]).resolve()) if m["pretrained_path"] else None)
+    peft_model.save_pretrained(out / "adapter")
+    peft_model.merge_and_unload().save_pretrained(out)
     _copy_tokenizer(saved, out)
     return out
 
