@@ -134,6 +134,19 @@ def test_the_prompt_declares_the_tools_and_a_result_renders_as_the_tool_message(
         "<|end|><|user|><tool_response>73</tool_response><|end|><|assistant|>"
 
 
+def test_a_template_that_ignores_tools_gets_them_described_in_the_system_turn(tokenizer_dir, tokenizer, end_id):
+    from test_tasks import CHAT  # `<|role|>text<|end|>`, no tools (as SmolLM2-135M-Instruct's)
+
+    task = build_task("python_tool", tokenizer_path=str(tokenizer_dir), chat_template=CHAT, system_prompt="Be brief.")
+    assert not task.toolbox.declared_by_template
+    text = tokenizer.decode(task.prompts(1, seed=0)[0][0].tolist())
+    assert text.startswith("<|system|>Be brief.\n\nYou may call one or more functions")
+    assert '"name": "python"' in text and "<tool_call>" in text
+    declared = _task(tokenizer_dir, end_id)  # the control: a template that declares tools is left to do it
+    assert declared.toolbox.declared_by_template
+    assert "You may call" not in tokenizer.decode(declared.prompts(1, seed=0)[0][0].tolist())
+
+
 # ------------------------------------------------------------------ episodes
 def test_a_tool_call_runs_and_its_output_enters_the_episode_as_observation_tokens(tokenizer_dir, tokenizer, end_id):
     task = _task(tokenizer_dir, end_id)

@@ -8,7 +8,8 @@ tools run, their results rendered as the template's tool message (rl/rollout/epi
     ids = box.message_ids(outputs)               # the tool message(s), up to the next generation prompt
 
 A tool is a JSON schema (`Tool.schema()`, the `{"type": "function", "function": {...}}` form that
-`tokenizer.apply_chat_template(tools=...)` renders) and a function of the call's arguments returning
+`tokenizer.apply_chat_template(tools=...)` renders; a template that ignores `tools`, such as
+SmolLM2's, gets them described in the system turn instead, `Toolbox.describe`) and a function of the call's arguments returning
 text (or a `ToolOutput`, text with a status). The reply is parsed by transformers' response parser
 (`transformers.utils.chat_parsing.parse_response`) with a template per format (`ToolFormat`):
 
@@ -157,14 +158,29 @@ class Toolbox:
         if self.template is None and not tokenizer.chat_template:
             raise ValueError("task.options.chat_template='tokenizer' but the tokenizer has no chat template: "
                              "tool calls need a chat template (give a Jinja one)")
-        self.system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
         self.extra = {} if enable_thinking is None else {"enable_thinking": bool(enable_thinking)}
+        self.system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        probe = [{"role": "user", "content": "?"}]
+        self.declared_by_template = self._render(probe) != self._render(probe, tools=False)
+        if not self.declared_by_template:  # e.g. SmolLM2's template ignores `tools`: say it in the system turn
+            described = self.describe()
+            self.system = [{"role": "system", "content": described if system_prompt is None
+                            else f"{system_prompt}\n\n{described}"}]
 
     # ------------------------------------------------------------- rendering
-    def _render(self, messages: list[dict], generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
-                                                  add_generation_prompt=generation_prompt,
-                                                  chat_template=self.template, **self.extra)
+    def _render(self, messages: list[dict], tools: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.schemas if tools else None, tokenize=False,
+                                                  add_generation_prompt=True, chat_template=self.template,
+                                                  **self.extra)
+
+    def describe(self) -> str:
+        """The tools and how to call them, for a chat template that does not declare tools itself
+        (the Hermes wording Qwen's template uses, in this task's call format)."""
+        tools = "\n".join(json.dumps(s) for s in self.schemas)
+        example = _CALL_EXAMPLE[self.format]
+        return (f"You may call one or more functions to assist with the user query. You are provided with function "
+                f"signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function "
+                f"call, write its name and arguments as JSON:\n{example}")
 
     def encode_messages(self, messages: list[dict]) -> list[int]:
         """The first turn, tools declared, up to the generation prompt."""
@@ -246,6 +262,12 @@ class Toolbox:
 
 
 _SENTINEL = "\x00reply\x00"
+_CALL_EXAMPLE = {
+    ToolFormat.HERMES: '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>',
+    ToolFormat.MISTRAL: '[TOOL_CALLS][{"name": <function-name>, "arguments": <args-json-object>}]',
+    ToolFormat.LLAMA3: '{"name": <function-name>, "parameters": <args-json-object>} (the whole reply)',
+    ToolFormat.TOKENIZER: '{"name": <function-name>, "arguments": <args-json-object>}',
+}
 
 
 def build_tools(names: Sequence[str], sandbox: dict | None = None) -> list[Tool]:
