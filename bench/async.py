@@ -1,17 +1,17 @@
-"""What do rollout.mode=one_step_off and async buy? Overlap, staleness, and a step-time simulator for GPU ratios.
+"""What does rollout.max_staleness (1: one_step_off, 2: async) buy? Overlap, staleness, and a step-time simulator.
 
 The same short job runs in three modes in one process, sync and one_step_off side by side with
 their steps interleaved (sync step k, one_step_off step k, ...: a slow spell of the shared
 machine hits both alike), then async alone (its thread generates whenever it may: interleaved,
 it would also generate during the other arms' steps):
 
-    sync          `rollout.mode=sync algo.tis_cap=2.0`
-    one_step_off  `rollout.mode=one_step_off algo.tis_cap=2.0` (step k+1's rollout generated in a
-                  thread while step k trains; rl/rollout/producer.py)
-    async         `rollout.mode=async rollout.max_staleness=2 algo.tis_cap=2.0` (a rollout thread
-                  two versions ahead, weights through a staged copy)
+    sync          `rollout.max_staleness=0 algo.tis_cap=2.0`
+    one_step_off  `rollout.max_staleness=1 algo.tis_cap=2.0` (step k+1's rollout generated in a
+                  thread while step k trains; rl/rollout/scheduler.py)
+    async         `rollout.max_staleness=2 algo.tis_cap=2.0` (a rollout thread two versions
+                  ahead, weights through a staged copy)
 
-The arms differ in `rollout.mode` only (TIS in both, so the training work is the same); the
+The arms differ in `rollout.max_staleness` only (TIS in both, so the training work is the same); the
 default job is train.py's own (tiny random MoE, target_token task, 16 prompts x 8 samples),
 built in-process as train.py builds it (Hydra compose of conf/, `build_trainer`), with
 `eval.every=0` and `trainer.max_steps=--steps`. Extra arguments are Hydra overrides for both.
@@ -25,15 +25,15 @@ not the overlap. One OpenMP thread does not spin, and each phase's time is one c
 (as bench/common.py's one-thread default).
 
 Per-phase seconds, medians over the steady-state steps (sync: steps 1.., step 0 warms up;
-one_step_off: steps 1..N-2, step 0 generates in the foreground and the last step generates
-nothing in the background), from the trainer's metrics:
+max_staleness k >= 1: the steps at staleness k but the last k, which generate nothing ahead),
+from the trainer's metrics:
 
     sync          generate = rollout_s;  sync = weight_sync_s;  train = step_s - rollout_s - weight_sync_s
                   (collate, score, advantages, updates)
-    one_step_off  generate = rollout_generate_s (step k+1's, in the thread);  exposed = rollout_s
-                  (what `take` still costs the step: the metadata all-gather, the thread's start);
-                  wait = rollout_wait_s (the generation not hidden);  sync = weight_sync_s;
-                  train = step_s - rollout_s - rollout_wait_s - weight_sync_s (under the overlap)
+    k >= 1        generate = rollout_generate_s (the step's rollout, in the thread);  exposed = rollout_s
+                  (what the rollout stage still costs the step: `take`'s wait, the metadata all-gather);
+                  wait = rollout_publish_wait_s (the sync's wait for the thread: at k=1 the generation
+                  not hidden);  sync = weight_sync_s;  train = step_s - rollout_s - wait - weight_sync_s
 
 and `rollout_overlap` (mean: the fraction of the background generation that ran while the
 step trained), the generation hidden behind training (overlap x generate), the staleness
@@ -69,7 +69,7 @@ only as far as the two Python threads do not wait on each other for the GIL (tor
 inside ops; a tiny model's ops are short, so much of its step holds it): `cores_busy` (process
 CPU seconds / wall seconds of the step, every thread) says how much of a second core was used
 (1.0 in sync). The max() assumes the two phases do not slow each other: on a GPU the thread's
-kernels run on their own CUDA stream (rl/rollout/producer.py; not yet run on a GPU) but share
+kernels run on their own CUDA stream (rl/rollout/scheduler.py; not yet run on a GPU) but share
 the device's SMs and memory bandwidth, so there too the prediction is an upper bound.
 
 Measured here (default job, 10 steps, five runs): sync 0.124-0.131 s a step (generate ~0.055,
@@ -96,9 +96,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ASYNC_K = 2  # the async arm's rollout.max_staleness
-MODES = {"sync": ("rollout.mode=sync", "algo.tis_cap=2.0"),
-         "one_step_off": ("rollout.mode=one_step_off", "algo.tis_cap=2.0"),
-         "async": ("rollout.mode=async", f"rollout.max_staleness={ASYNC_K}", "algo.tis_cap=2.0")}
+STALENESS = {"sync": 0, "one_step_off": 1, "async": ASYNC_K}  # each arm's rollout.max_staleness
+MODES = {mode: (f"rollout.max_staleness={k}", "algo.tis_cap=2.0") for mode, k in STALENESS.items()}
 SPREAD_SIGMA, SPREAD_SEED = 0.5, 0  # the simulator's varying-rollout case: lognormal generation seconds
 GPU_RATIOS = (3.0, 1.0, 0.5)  # generation seconds / training seconds
 QUICK = ("task.prompts_per_step=4", "task.samples_per_prompt=4")
@@ -123,22 +122,22 @@ def predict(generate: float, train: float, sync: float = 0.0, exposed: float = 0
             "hidden": min(generate, train) / generate if generate > 0 else 0.0}
 
 
-def simulate(generate: list[float], train: float, sync: float = 0.0, *, staleness: int | None = None,
+def simulate(generate: list[float], train: float, sync: float = 0.0, *, staleness: int = 1,
              exposed: float = 0.0) -> float:
     """Mean step seconds over len(generate) steps whose rollouts take `generate[j]` seconds (an
-    event simulation of rl/rollout/producer.py's hand-over; phases do not slow each other).
+    event simulation of rl/rollout/scheduler.py's hand-over; phases do not slow each other).
 
-    staleness=None, one_step_off: step s starts when step s-1 is done and rollout s is; rollout
-    s+1 starts with it; the sync (the engine's) waits for the training and for rollout s+1.
-    staleness=k, async: rollout j starts when rollout j-1 is done and version j-k is published
+    staleness=1 (one_step_off): step s starts when step s-1 is done and rollout s is; rollout
+    s+1 starts with it; the sync (into the engine) waits for the training and for rollout s+1.
+    staleness=k >= 2: rollout j starts when rollout j-1 is done and version j-k is published
     (the sync after step j-k-1), and first loads it into the engine (`sync` seconds again, in the
     thread); the sync after step s writes the stage (`sync` seconds) once rollout s+k has begun."""
     n = len(generate)
-    if n == 0 or min([train, sync, exposed, *generate]) < 0 or (staleness is not None and staleness < 1):
-        raise ValueError(f"simulate: expected steps, seconds >= 0 and staleness >= 1 or None, got {n} steps, "
+    if n == 0 or min([train, sync, exposed, *generate]) < 0 or staleness < 1:
+        raise ValueError(f"simulate: expected steps, seconds >= 0 and staleness >= 1, got {n} steps, "
                          f"train={train}, sync={sync}, exposed={exposed}, staleness={staleness}")
     step_end = [0.0] * n
-    if staleness is None:
+    if staleness == 1:
         r_end, prev = generate[0], 0.0  # step 0 generates in the foreground
         for s in range(n):
             start = max(prev, r_end) + exposed
@@ -170,29 +169,22 @@ def simulate(generate: list[float], train: float, sync: float = 0.0, *, stalenes
 
 
 def steady(mode: str, steps: list[dict]) -> list[dict]:
-    """The steps that show the mode's steady state: sync drops step 0 (warm-up); one_step_off
-    also keeps only steps that generated the next rollout in the background (not step 0, whose
-    rollout was generated in the foreground, nor the last)."""
-    if mode == "sync":
-        return steps[1:]
-    if mode == "async":  # staleness at its bound, the thread still generating ahead (not the last steps)
-        return [m for m in steps[:-ASYNC_K] if m["rollout_staleness_max"] == ASYNC_K]
-    return [m for m in steps[1:] if "rollout_generate_s" in m]
+    """The steps that show the mode's steady state: sync drops step 0 (warm-up); at k >= 1 the
+    steps at staleness k with the thread still generating ahead (not the last k)."""
+    k = STALENESS[mode]
+    return steps[1:] if not k else [m for m in steps[:-k] if m["rollout_staleness_max"] == k]
 
 
 def phases(mode: str, m: dict) -> dict[str, float]:
     """One step's per-phase seconds from its metrics (the module docstring's table)."""
     cores = {"cores_busy": m["process_cpu_s"] / m["step_s"]} if "process_cpu_s" in m else {}
-    if mode == "sync":
+    if not STALENESS[mode]:
         return {"generate": m["rollout_s"], "train": m["step_s"] - m["rollout_s"] - m["weight_sync_s"],
                 "sync": m["weight_sync_s"], "step": m["step_s"], **cores}
-    if mode == "async":  # rollout_s: the take's wait for the thread; weight_sync_s: into the stage
-        return {"generate": m["rollout_generate_s"], "wait": m["rollout_s"], "sync": m["weight_sync_s"],
-                "publish_wait": m["rollout_publish_wait_s"], "train": m["step_s"] - m["rollout_s"] - m["weight_sync_s"],
-                "step": m["step_s"], "overlap": m.get("rollout_overlap", 0.0), **cores}
-    return {"generate": m["rollout_generate_s"], "exposed": m["rollout_s"], "wait": m["rollout_wait_s"],
-            "train": m["step_s"] - m["rollout_s"] - m["rollout_wait_s"] - m["weight_sync_s"],
-            "sync": m["weight_sync_s"], "step": m["step_s"], "overlap": m["rollout_overlap"], **cores}
+    wait = m["rollout_publish_wait_s"]
+    return {"generate": m["rollout_generate_s"], "exposed": m["rollout_s"], "wait": wait,
+            "train": m["step_s"] - m["rollout_s"] - wait - m["weight_sync_s"], "sync": m["weight_sync_s"],
+            "step": m["step_s"], "overlap": m.get("rollout_overlap", 0.0), **cores}
 
 
 def medians(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -219,7 +211,7 @@ def staleness_histogram(steps: list[dict], samples_per_step: int) -> dict[str, i
 def spread_case(train: float, sync: float, exposed: float, steps: int = 400) -> dict[str, dict[str, float]]:
     """`simulate` at each GPU ratio with rollouts whose seconds vary from step to step (lognormal,
     sigma SPREAD_SIGMA, seeded; mean = ratio x train: a long-answer job's rollouts differ by step):
-    mean step seconds of sync, one_step_off and async at max_staleness 1 and ASYNC_K."""
+    mean step seconds of sync, one_step_off (max_staleness 1) and async (ASYNC_K)."""
     import random
 
     rng = random.Random(SPREAD_SEED)
@@ -229,7 +221,6 @@ def spread_case(train: float, sync: float, exposed: float, steps: int = 400) -> 
         gen = [r * train * x / statistics.mean(draws) for x in draws]
         out[f"{r:g}x"] = {"sync": statistics.mean(gen) + train + sync,
                           "one_step_off": simulate(gen, train, sync, exposed=exposed),
-                          "async_k1": simulate(gen, train, sync, staleness=1, exposed=exposed),
                           "async": simulate(gen, train, sync, staleness=ASYNC_K, exposed=exposed)}
     return out
 
@@ -306,8 +297,8 @@ def summarize(metrics: dict[str, list[dict]], samples_per_step: int) -> tuple[di
         "sync_cores_busy": r4(s["cores_busy"]), "off_cores_busy": r4(o["cores_busy"]),
         **{f"gpu_speedup_{k}": r4(v["speedup"]) for k, v in gpu.items()},
         "async_staleness": ASYNC_K, "async_step_s": r4(a["step"]), "async_generate_s": r4(a["generate"]),
-        "async_train_s": r4(a["train"]), "async_wait_s": r4(a["wait"]), "async_weight_sync_s": r4(a["sync"]),
-        "async_publish_wait_s": r4(a["publish_wait"]), "async_overlap_mean": r4(statistics.mean(
+        "async_train_s": r4(a["train"]), "async_wait_s": r4(a["exposed"]), "async_weight_sync_s": r4(a["sync"]),
+        "async_publish_wait_s": r4(a["wait"]), "async_overlap_mean": r4(statistics.mean(
             p["overlap"] for p in per["async"])), "measured_async_speedup": r4(s["step"] / a["step"]),
         "async_staleness_histogram": staleness_histogram(async_steps, samples_per_step),
         "async_stale_dropped": int(sum(m["rollout_stale_dropped"] for m in async_steps)),
@@ -341,12 +332,12 @@ def table(summary: dict, details: dict) -> str:
                     f"{v['one_step_off_step_s']:.4f} s, speed-up {v['speedup']:.3f}x (bound {v['bound']:.3f}x)")
     a = details["async"]
     rows.append(f"async (max_staleness={ASYNC_K}): step {a['step']:.4f} s, generate {a['generate']:.4f}, train "
-                f"{a['train']:.4f}, wait {a['wait']:.4f}, sync into the stage {a['sync']:.4f} (publish wait "
-                f"{a['publish_wait']:.4f}), overlap {summary['async_overlap_mean']:.3f}; staleness "
+                f"{a['train']:.4f}, wait {a['exposed']:.4f}, sync into the stage {a['sync']:.4f} (publish wait "
+                f"{a['wait']:.4f}), overlap {summary['async_overlap_mean']:.3f}; staleness "
                 f"{summary['async_staleness_histogram']} samples, {summary['async_stale_dropped']} dropped")
     for k, v in details["simulated_spread"].items():
         rows.append(f"  varying rollouts (lognormal sigma {SPREAD_SIGMA}), generate = {k} train: sync {v['sync']:.4f} s, "
-                    f"one_step_off {v['one_step_off']:.4f} s, async k=1 {v['async_k1']:.4f} s, async k={ASYNC_K} "
+                    f"one_step_off {v['one_step_off']:.4f} s, async k={ASYNC_K} "
                     f"{v['async']:.4f} s")
     rows.append(NOTE)
     return "\n".join(rows)

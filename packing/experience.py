@@ -68,7 +68,7 @@ class Experience:
     turns: torch.Tensor | None = _field(Kind.EPISODE, "model turns of a multi-turn episode (rl/rollout/episodes.py)")
     policy_version: torch.Tensor | None = _field(
         Kind.EPISODE, "the policy version that generated the sample: how many steps' updates its weights held "
-        "(rl/rollout/producer.py); a step's staleness is its step minus this")
+        "(rl/rollout/scheduler.py); a step's staleness is its step minus this")
     status: torch.Tensor | None = _field(
         Kind.EPISODE, "how the episode ended: rl/tasks/calls.py Status (done, max_turns, truncated, error, timeout)")
     # media

@@ -23,7 +23,7 @@ from model.lora import LoraSettings, check_settings as check_lora
 from model.parallel_dims import ParallelDims, resolve_device
 from rl.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, get_advantage_estimator
 from rl.choice import Choice
-from rl.rollout.producer import RolloutMode
+from rl.rollout.scheduler import RolloutMode
 from rl.rollout.replica import ReplicaMode, RolloutEngineName, check_sharded
 from rl.algos.losses import KLConfig, KLMode, PolicyLossConfig, check_policy_loss_config
 from rl.tasks.calls import OnError
@@ -194,13 +194,12 @@ class RolloutConfig:
     enforce_eager: bool = True  # no torch.compile / CUDA graphs (start-up in seconds)
     kv_cache_gb: float = 1.0  # cpu: VLLM_CPU_KVCACHE_SPACE
     max_model_len: Optional[int] = None  # None = the task's longest sample: prompt + every turn's reply and answer
-    # when a step's rollout is generated (rl/rollout/producer.py): sync = at the step's start, with the policy the
-    # step starts from; one_step_off = during the previous step's training, with the policy before that step's
-    # update (one version old: needs algo.tis_cap or algo.old_log_probs=rollout to correct for it); async = a
-    # rollout thread generating step after step, rollout j with the policy of version j - max_staleness
-    mode: RolloutMode = RolloutMode.SYNC
-    # policy versions a rollout may lag the step that trains on it (older: dropped); async generates this far ahead
-    max_staleness: int = 1
+    # when a step's rollout is generated (rl/rollout/scheduler.py): max_staleness k = 0 at the step's start, with
+    # the policy the step starts from; k >= 1 by a rollout thread up to k steps ahead, rollout j with the policy
+    # of version j - k (needs algo.tis_cap or algo.old_log_probs=rollout); null = from mode, else 0
+    max_staleness: Optional[int] = None
+    # an alias of max_staleness: sync = 0, one_step_off = 1, async = max_staleness (1 when not given)
+    mode: Optional[RolloutMode] = None
 
 
 @dataclass
@@ -637,18 +636,30 @@ def _check_rollout(cfg: Config, world_size: int) -> None:
     check_vllm_config(cfg, world_size, model_family(cfg))
 
 
-def _check_rollout_mode(cfg: Config) -> None:
-    """`rollout.mode` and `rollout.max_staleness` (rl/rollout/producer.py); what only the built
-    engine tells (rollout.replica=auto resolving to sharded) is `make_producer`'s check."""
-    r, algo = cfg.rollout, cfg.algo
+def max_staleness(r: RolloutConfig) -> int:
+    """`rollout.max_staleness`, or what its alias `rollout.mode` says (sync 0, one_step_off 1,
+    async 1 unless given); the two contradicting each other is an error naming both."""
+    k = r.max_staleness
+    if r.mode is None:
+        return k or 0
     mode = RolloutMode(r.mode)
-    if mode is RolloutMode.SYNC:
+    implied = {RolloutMode.SYNC: 0, RolloutMode.ONE_STEP_OFF: 1}.get(mode)  # None: async, the given k
+    if k is None:
+        return 1 if implied is None else implied
+    if (k != implied) if implied is not None else (k < 1):
+        raise ValueError(f"rollout.max_staleness={k} with rollout.mode={mode.value}: the mode means max_staleness="
+                         f"{implied if implied is not None else '>= 1'}; set one of the two")
+    return k
+
+
+def _check_rollout_mode(cfg: Config) -> None:
+    """`rollout.max_staleness` (or `rollout.mode`, rl/rollout/scheduler.py); what only the built
+    engine tells (rollout.replica=auto resolving to sharded) is `RolloutScheduler`'s check."""
+    r, algo = cfg.rollout, cfg.algo
+    k = max_staleness(r)
+    if not k:
         return
-    m = f"rollout.mode={mode.value}"
-    if r.max_staleness < 1:
-        raise ValueError(f"rollout.max_staleness={r.max_staleness} with {m}: a rollout generated during training "
-                         "is at least 1 policy version old, so each would be dropped and generated again; expected "
-                         ">= 1 (or rollout.mode=sync)")
+    m = f"rollout.mode={RolloutMode(r.mode).value}" if r.mode is not None else f"rollout.max_staleness={k}"
     if ReplicaMode(r.replica) is ReplicaMode.SHARDED:
         raise ValueError(f"{m} with rollout.replica=sharded: generation would use the training policy's shards "
                          "while they train; set rollout.replica=keep (or auto)")
@@ -657,7 +668,7 @@ def _check_rollout_mode(cfg: Config) -> None:
                          "generates in the background thread so far")
     if algo.dynamic_sampling:
         raise ValueError(f"{m} with algo.dynamic_sampling=true: its extra rounds depend on the step's gathered "
-                         "rewards; use rollout.mode=sync with dynamic sampling")
+                         "rewards; use rollout.max_staleness=0 with dynamic sampling")
     if algo.tis_cap is None and OldLogProbs(algo.old_log_probs) is not OldLogProbs.ROLLOUT:
         raise ValueError(f"{m} with algo.tis_cap=null and algo.old_log_probs=policy: the samples are policy "
                          "versions old and nothing would correct for it; set algo.tis_cap (truncated "

@@ -59,10 +59,10 @@ def test_phases_and_steady_steps_from_the_trainers_metrics():
     assert [m["step"] for m in b.steady("sync", sync)] == [1, 2, 3]  # step 0 warms up
     assert b.phases("sync", sync[2]) == pytest.approx({"generate": 0.6, "train": 2.3, "sync": 0.1, "step": 3.0})
     off = [{"step": 0, "step_s": 2.0, "rollout_s": 1.0, "weight_sync_s": 0.1, "rollout_generate_s": 0.6,
-            "rollout_wait_s": 0.2, "rollout_overlap": 0.5}]
-    off += [{**off[0], "step": k, "rollout_s": 0.05} for k in (1, 2)]
-    off.append({"step": 3, "step_s": 0.7, "rollout_s": 0.05, "weight_sync_s": 0.1})  # the last: nothing ahead
-    assert [m["step"] for m in b.steady("one_step_off", off)] == [1, 2]
+            "rollout_publish_wait_s": 0.2, "rollout_overlap": 0.5, "rollout_staleness_max": 0.0}]
+    off += [{**off[0], "step": k, "rollout_s": 0.05, "rollout_staleness_max": 1.0} for k in (1, 2, 3)]
+    assert [m["step"] for m in b.steady("one_step_off", off)] == [1, 2]  # step 0 at staleness 0; 3: nothing ahead
+    assert [m["step"] for m in b.steady("async", off)] == []  # the control: none at staleness 2
     got = b.phases("one_step_off", off[1])
     assert got["train"] == pytest.approx(2.0 - 0.05 - 0.2 - 0.1) and got["exposed"] == 0.05
     assert got["generate"] == 0.6 and got["wait"] == 0.2 and got["overlap"] == 0.5
@@ -81,20 +81,19 @@ def test_the_staleness_histogram_counts_samples_and_refuses_a_mixed_rollout():
 
 
 def test_the_event_simulator_agrees_with_the_formula_and_a_deeper_queue_absorbs_varying_rollouts():
-    """Constant phases: one_step_off and async at either staleness step at max(generate, train) +
+    """Constant phases: max_staleness 1 (one_step_off) and 2 step at max(generate, train) +
     sync (the thread loads each version as long as the sync writes it), as `predict` says, up to
     the first step's warm-up over n steps. Rollouts alternating long and short at equal mean
-    (the control for the queue): one_step_off and async at max_staleness=1 wait for every long
+    (the control for the queue): max_staleness=1 (one_step_off) waits for every long
     one; at max_staleness=2 a long rollout runs beside two steps' training, so it steps faster."""
     b = bench()
     n = 400
     for g, t, sync in [(3.0, 1.0, 0.2), (0.5, 1.0, 0.2), (1.0, 1.0, 0.0)]:
         want = b.predict(g, t, sync)["one_step_off_step_s"]
-        for staleness in (None, 1, 2):
+        for staleness in (1, 2):
             assert b.simulate([g] * n, t, sync, staleness=staleness) == pytest.approx(want, rel=2 * g / n)
     varying = [1.8, 0.2] * (n // 2)  # mean 1.0 = train
     off = b.simulate(varying, 1.0, 0.1)
-    assert b.simulate(varying, 1.0, 0.1, staleness=1) == pytest.approx(off, rel=1e-9)
     assert off == pytest.approx((1.8 + 1.0) / 2 + 0.1, rel=0.01)  # a long rollout stalls its step
     # ahead by two: generation and training each take their mean, plus the sync (the load, in the thread)
     assert b.simulate(varying, 1.0, 0.1, staleness=2) == pytest.approx(1.0 + 0.1, rel=0.01)

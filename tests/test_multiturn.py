@@ -188,7 +188,7 @@ def _run(tiny_llama, tokenizer_dir, *extra):
 
 def test_the_trainer_trains_on_episodes_and_evaluates_both_turns(tiny_llama, tokenizer_dir):
     tr = trainer(*_run(tiny_llama, tokenizer_dir, "eval.every=2", "eval.num_prompts=8"))
-    records = tr._records(0, 0, 0)
+    records = tr.source.records(0, 0, 0)
     assert any(int(r.turns) == 2 and not r.action_mask[int(r.action_mask.nonzero()[0]):].all() for r in records)
     metrics = [tr.step(s) for s in range(2)]
     assert all(math.isfinite(m["loss"]) for m in metrics)
@@ -297,7 +297,7 @@ def test_a_users_environment_trains_and_evaluates_from_the_config(tiny_llama, to
                    "+task.options.environment_options.hint='Wrong, say it.'")
     tr = trainer(*run)
     assert tr.task.environment().hint == "Wrong, say it."  # the option reaches the class
-    records = tr._records(0, 0, 0)
+    records = tr.source.records(0, 0, 0)
     hint = tr.task.observation_ids("Wrong, say it.")
     for rec in records:
         replies = _replies(rec)
@@ -345,7 +345,7 @@ def test_a_users_environment_is_checked_by_name(tiny_llama, tokenizer_dir, tmp_p
     end, assistant = tok.convert_tokens_to_ids("<|end|>"), tok.convert_tokens_to_ids("<|assistant|>")
     full = short.task.observation_ids("No. Say the number.")
     assert len(full) > 6
-    records = short._records(0, 0, 0)
+    records = short.source.records(0, 0, 0)
     cut = 0
     for rec in records:
         replies = _replies(rec)
@@ -362,4 +362,4 @@ def test_a_users_environment_is_checked_by_name(tiny_llama, tokenizer_dir, tmp_p
     metrics = short.step(0)
     assert metrics["episodes_truncated"] >= 1 and metrics["episodes_error"] == 0.0
     # the control: a long enough limit cuts nothing
-    assert all(int(r.status) != Status.TRUNCATED for r in trainer(*run)._records(0, 0, 0))
+    assert all(int(r.status) != Status.TRUNCATED for r in trainer(*run).source.records(0, 0, 0))

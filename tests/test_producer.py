@@ -1,81 +1,145 @@
-"""rollout.mode (rl/rollout/producer.py): sync is the default; one_step_off generates step k+1's
-rollout in a background thread, while step k trains, with the policy before step k's update;
-async generates rollout j with version j - max_staleness through a staged copy of the weights
-(at max_staleness=1: one_step_off's metrics); stale rollouts are dropped and counted; the
-buffered rollouts survive a checkpoint round trip; each refused combination names its field."""
+"""The rollout scheduler (rl/rollout/scheduler.py), one class parameterised by
+`rollout.max_staleness` k: 0 (the default) generates at the step's start; 1 generates step j+1's
+rollout in a thread while step j trains, with the policy before step j's update (the metrics of
+the retired one_step_off producer, recorded in tests/one_step_off_metrics.json); k >= 2 generates
+rollout j with version j - k through a staged copy of the weights. Stale rollouts are dropped and
+counted; the queued rollouts survive a checkpoint round trip; `rollout.mode` is an alias; each
+refused combination names its field."""
 
+import json
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from inprocess import SMALL, compose, trainer
 
 from packing.experience import Experience
-from rl.rollout.producer import AsyncProducer, OneStepOffProducer, RolloutMode
+from rl.config import max_staleness
+from rl.rollout.scheduler import Buffered, RolloutScheduler, pack_rollouts
 from rl.trainer.guard import DivergenceError
 
 OFF = ("rollout.mode=one_step_off", "algo.tis_cap=2.0", "eval.every=0")
+K1 = ("rollout.max_staleness=1", "algo.tis_cap=2.0", "eval.every=0")
+ASYNC = ("rollout.mode=async", "algo.tis_cap=2.0", "eval.every=0")
+FIXTURE = Path(__file__).with_name("one_step_off_metrics.json")
+TIMING = {"tokens_per_s", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "step_s", "weight_sync_s",
+          "rollout_generate_s", "rollout_wait_s", "rollout_overlap", "rollout_publish_wait_s", "rollout_queue"}
 
 
-def test_sync_is_the_default_and_refused_combinations_name_their_field():
+def test_sync_is_the_default_the_mode_is_an_alias_and_refused_combinations_name_their_field():
     cfg = compose(*SMALL)
-    assert cfg.rollout.mode is RolloutMode.SYNC and cfg.rollout.max_staleness == 1
-    compose(*SMALL, *OFF)  # the control: a valid one_step_off config passes
+    assert cfg.rollout.mode is None and cfg.rollout.max_staleness is None and max_staleness(cfg.rollout) == 0
+    for overrides, k in [(("rollout.mode=sync",), 0), (OFF, 1), (K1, 1), (ASYNC, 1),
+                         ((*ASYNC, "rollout.max_staleness=2"), 2),
+                         (("rollout.max_staleness=2", "algo.tis_cap=2.0"), 2)]:
+        assert max_staleness(compose(*SMALL, *overrides).rollout) == k, overrides
     compose(*SMALL, "rollout.mode=one_step_off", "algo.old_log_probs=rollout")  # the other correction
-    compose(*SMALL, *OFF, "rollout.mode=async", "rollout.max_staleness=2")
     for extra, match in [
         (("rollout.mode=async", "rollout.replica=sharded"), r"rollout\.mode=async with rollout\.replica=sharded"),
         (("rollout.mode=async", "rollout.max_staleness=0"), r"rollout\.max_staleness=0 with rollout\.mode=async"),
         (("rollout.max_staleness=-1",), r"rollout\.max_staleness=-1: expected >= 0"),
         (("rollout.max_staleness=0",), r"rollout\.max_staleness=0 with rollout\.mode=one_step_off"),
+        (("rollout.max_staleness=2",), r"rollout\.max_staleness=2 with rollout\.mode=one_step_off"),
+        (("rollout.mode=sync", "rollout.max_staleness=1"), r"rollout\.max_staleness=1 with rollout\.mode=sync"),
         (("rollout.replica=sharded",), r"rollout\.mode=one_step_off with rollout\.replica=sharded"),
         (("algo.dynamic_sampling=true",), r"rollout\.mode=one_step_off with algo\.dynamic_sampling=true"),
         (("algo.tis_cap=null",), r"rollout\.mode=one_step_off with algo\.tis_cap=null and algo\.old_log_probs"),
     ]:
         with pytest.raises(ValueError, match=match):
             compose(*SMALL, *OFF, *extra)
+    with pytest.raises(ValueError, match=r"rollout\.max_staleness=2 with algo\.dynamic_sampling=true"):
+        compose(*SMALL, "rollout.max_staleness=2", "algo.tis_cap=2.0", "algo.dynamic_sampling=true")
+    compose(*SMALL, "algo.dynamic_sampling=true")  # the control: dynamic sampling at max_staleness=0
 
 
 def _tokens(records: list[Experience]) -> list[list[int]]:
     return [r.sequences.tolist() for r in records]
 
 
-def test_one_step_off_generates_the_next_rollout_during_training_with_the_previous_policy():
+def _untimed(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if k not in TIMING}
+
+
+def _matches(got: list[dict], want: list[dict]) -> bool:
+    """Every step's untimed metrics: the same keys, counts and samples exactly, the losses within
+    1e-3 (what one CPU kernel set gives another: 3e-5 measured between default and avx2)."""
+    return len(got) == len(want) and all(
+        g.keys() == w.keys() and all(g[k] == pytest.approx(v, rel=1e-3, abs=1e-6) for k, v in w.items())
+        for g, w in zip(got, want))
+
+
+def test_max_staleness_1_trains_as_one_step_off_did_and_2_on_rollouts_two_versions_old():
+    """max_staleness=1 gives the retired one_step_off producer's metrics, step for step (recorded
+    with it: tests/one_step_off_metrics.json), and rollout.mode=one_step_off is the same run.
+    max_staleness=2 (the control: other metrics from step 2): step 3's samples are exactly those
+    a trainer holding version 1 (one step trained, synced) generates for step 3."""
+    def run(*extra):
+        tr = trainer(*SMALL, *extra, "trainer.max_steps=4")
+        taken, records = {}, tr.source.records
+        tr.source.records = lambda step, round_, version: taken.setdefault(step, records(step, round_, version))
+        return [tr.step(s) for s in range(4)], taken
+
+    want = json.loads(FIXTURE.read_text())
+    one, _ = run(*K1)
+    off, _ = run(*OFF)
+    two, taken = run(*ASYNC, "rollout.max_staleness=2")
+    assert _matches([_untimed(m) for m in one], want) and _matches([_untimed(m) for m in off], want)
+    assert not _matches([_untimed(m) for m in two], want)
+    assert [m["rollout_staleness_max"] for m in one] == [0.0, 1.0, 1.0, 1.0]
+    assert [m["rollout_staleness_max"] for m in two] == [0.0, 1.0, 2.0, 2.0]  # rollout j: version max(0, j - 2)
+    assert two[2]["loss"] != pytest.approx(one[2]["loss"], rel=1e-3)
+    assert all(m["rollout_stale_dropped"] == 0 for m in one + two)
+
+    v1 = trainer(*SMALL, "algo.tis_cap=2.0", "eval.every=0", "trainer.max_steps=4")
+    v1.step(0)  # version 1 in its engine
+    want3 = v1.source.records(3, 0, 1)
+    assert _tokens(want3) == _tokens(taken[3])
+    assert all(torch.equal(a.rollout_log_probs, b.rollout_log_probs) for a, b in zip(want3, taken[3]))
+    v1.step(1)  # the control: version 2 generates step 3's prompts otherwise
+    assert not all(torch.equal(a.rollout_log_probs, b.rollout_log_probs)
+                   for a, b in zip(v1.source.records(3, 0, 2), taken[3]))
+
+
+def test_max_staleness_1_generates_the_next_rollout_during_training_with_the_previous_policy():
     """Step 1's rollout is generated while step 0 trains (the generation waits until the train
     stage has begun: run in the foreground it would find it not begun), with the policy before
     step 0's update: exactly the records a fresh trainer (version 0) generates for step 1; the
     control, a trainer after step 0's update (version 1), generates other samples. Step 1 trains
-    on those records, corrected against their behaviour log-probs (staleness 1 reported)."""
-    tr = trainer(*SMALL, *OFF, "trainer.max_steps=3")
+    on those records, corrected against their behaviour log-probs (staleness 1 reported). No
+    stage: the sync writes the engine once the thread is idle."""
+    tr = trainer(*SMALL, *K1, "trainer.max_steps=3")
+    assert tr.rollout_scheduler.stage is None
     training = threading.Event()
     seen = []
-    generate, train = tr.producer._generate, tr.train
+    records, train = tr.source.records, tr.train
 
-    def generate_when_training(step, version):
+    def records_when_training(step, round_, version):
         if step > 0:
             seen.append((step, training.wait(timeout=120)))  # True only if the train stage began meanwhile
-        return generate(step, version)
+        return records(step, round_, version)
 
     def train_and_signal(minibatches):
         training.set()
         return train(minibatches)
 
-    tr.producer._generate, tr.train = generate_when_training, train_and_signal
+    tr.source.records, tr.train = records_when_training, train_and_signal
     first = tr.step(0)
     assert seen == [(1, True)]
-    buffered = tr.producer.buffer
+    buffered = tr.rollout_scheduler.queue[1]
     assert (buffered.step, buffered.version) == (1, 0)
     assert all(int(r.policy_version) == 0 for r in buffered.records)  # every sample records its version
     assert first["rollout_staleness_max"] == 0.0 and 0.0 <= first["rollout_overlap"] <= 1.0
 
-    fresh = trainer(*SMALL, *OFF, "trainer.max_steps=3")  # policy version 0
-    same = fresh._records(1, 0, 0)
+    fresh = trainer(*SMALL, *K1, "trainer.max_steps=3")  # policy version 0
+    same = fresh.source.records(1, 0, 0)
     assert _tokens(same) == _tokens(buffered.records)
     assert all(torch.equal(a.rollout_log_probs, b.rollout_log_probs) for a, b in zip(same, buffered.records))
     sync = trainer(*SMALL, "algo.tis_cap=2.0", "eval.every=0", "trainer.max_steps=3")
-    assert sync.step(0)["rollout_staleness_max"] == 0.0  # sync: every sample by the policy the step starts from
+    assert sync.step(0)["rollout_staleness_max"] == 0.0  # k=0: every sample by the policy the step starts from
     # the control: version 1 generates step 1's prompts otherwise
-    newer = sync._records(1, 0, 1)
+    newer = sync.source.records(1, 0, 1)
     assert [int(r.prompt_index) for r in newer] == [int(r.prompt_index) for r in buffered.records]
     assert not all(torch.equal(a.rollout_log_probs, b.rollout_log_probs) for a, b in zip(newer, buffered.records))
 
@@ -83,111 +147,174 @@ def test_one_step_off_generates_the_next_rollout_during_training_with_the_previo
     assert second["rollout_staleness_mean"] == 1.0 and second["rollout_stale_dropped"] == 0.0
     assert second["rollout_logprob_abs_diff"] > 0  # version 1 scores version 0's samples: the TIS weight is not 1
     third = tr.step(2)
-    assert "rollout_overlap" not in third and tr.producer.buffer is None  # nothing generated past max_steps
+    assert "rollout_overlap" not in third and not tr.rollout_scheduler.queue  # nothing generated past max_steps
 
 
-class _Stub:
-    """A producer's generate/share pair that records what it was asked."""
+# ------------------------------------------------------------------ the scheduler alone, with stand-ins
+class _Engine:
+    """A rollout engine that records the versions loaded into it (the weight's value)."""
 
-    def __init__(self, fail_at: int | None = None):
-        self.generated, self.versions, self.fail_at = [], [], fail_at
+    needs_sync, holds_base, sync_bucket_bytes, replica = True, False, None, None
 
-    def generate(self, step, version):
+    def __init__(self):
+        self.version, self.loads = 0, []
+
+    def load_weights(self, items):
+        self.version = int(dict(items)["weight"].item())
+        self.loads.append(self.version)
+
+
+class _Source:
+    """Records of `step` that name the engine's version, checked unchanged over a generation
+    that takes `hold` seconds; `fail_at`: the step whose generation raises."""
+
+    def __init__(self, engine, *, fail_at=None, hold=0.0):
+        self.engine, self.fail_at, self.hold, self.seen = engine, fail_at, hold, []
+
+    def records(self, step, round_, version):
         if step == self.fail_at:
             raise FloatingPointError("non-finite logits")
-        self.generated.append(step)
-        self.versions.append(version)
-        return [Experience(sequences=torch.tensor([step, 1, 2]), prompt_index=torch.tensor(step))]
+        held = self.engine.version
+        time.sleep(self.hold)
+        assert version == held == self.engine.version, (step, version, held, self.engine.version)
+        self.seen.append((step, version))
+        return [Experience(sequences=torch.tensor([step, version]), prompt_index=torch.tensor(step))]
 
-    def share(self, records, seconds, generated_s):
-        return [int(r.sequences[0]) for r in records]
+
+def _scheduler(engine, k, *, max_steps=6, **source):
+    return RolloutScheduler(_Source(engine, **source), engine, max_staleness=k, max_steps=max_steps,
+                            samples_per_step=4, rank=0, device=torch.device("cpu"))
 
 
-def _producer(stub, **kw):
-    return OneStepOffProducer(stub.generate, stub.share, max_steps=kw.get("max_steps", 10),
-                              max_staleness=kw.get("max_staleness", 1), samples_per_step=4, rank=0,
-                              device=torch.device("cpu"))
+def _train(s, steps, model):
+    """The trainer's side of `steps`: take, then publish the update (version step + 1)."""
+    got = []
+    for step in steps:
+        got.append([r.sequences.tolist() for r in s.take(step).records])
+        model.weight.data.fill_(step + 1)
+        s.sync(model)
+    return got
+
+
+def test_max_staleness_1_syncs_into_the_engine_once_the_thread_is_idle():
+    """k=1 over 6 steps: rollout j with version max(0, j - 1), the engine unchanged during each
+    generation (held 50 ms) and written by every sync. The control: a sync that does not wait
+    for the thread writes the engine while a rollout is generating, which that rollout sees."""
+    model = torch.nn.Linear(1, 1, bias=False)
+    engine = _Engine()
+    s = _scheduler(engine, 1, hold=0.05)
+    assert s.stage is None
+    assert _train(s, range(6), model) == [[[j, max(0, j - 1)]] for j in range(6)]
+    assert engine.loads == [1, 2, 3, 4, 5, 6]  # the last too: the final evaluation reads the engine
+
+    engine = _Engine()
+    s = _scheduler(engine, 1, hold=0.2)
+    s._done_with = lambda v: True  # the control: a sync that does not wait
+    with pytest.raises(AssertionError):
+        _train(s, range(3), model)
 
 
 def test_a_stale_rollout_is_dropped_counted_and_its_prompts_generated_again():
-    stub = _Stub()
-    p = _producer(stub, max_staleness=1, max_steps=4)  # the last step: nothing generated in the background
-    p.load_state_dict(_state(step=3, version=2), step=3)  # 1 behind: kept (the control)
-    assert p.take(3) == [3] and stub.generated == [] and p.settle()["rollout_stale_dropped"] == 0
-    p = _producer(stub, max_staleness=1)
-    p.load_state_dict(_state(step=3, version=1), step=3)  # 2 behind: dropped, step 3's prompts generated now
-    assert p.take(3) == [3] and stub.generated[0] == 3 and stub.versions[0] == 3  # by the resumed policy
-    out = p.settle()
-    assert out["rollout_stale_dropped"] == 4
-    assert p.buffer.step == 4 and p.buffer.version == 3  # the next one, generated meanwhile
+    def state(step, version):
+        rec = Experience(sequences=torch.tensor([step, version]), prompt_index=torch.tensor(step))
+        return pack_rollouts([Buffered(step, version, [rec])], rank=0)
+
+    model = torch.nn.Linear(1, 1, bias=False)
+    engine = _Engine()
+    engine.version = 3  # the checkpoint's policy, loaded by the trainer
+    s = _scheduler(engine, 1, max_steps=4)  # the last step: nothing generated ahead
+    s.load_state_dict(state(step=3, version=2), step=3)  # 1 behind: kept (the control)
+    assert _train(s, [3], model) == [[[3, 2]]] and s.source.seen == []
+    engine = _Engine()
+    engine.version = 3
+    s = _scheduler(engine, 1)
+    s.load_state_dict(state(step=3, version=1), step=3)  # 2 behind: dropped, step 3's prompts generated again
+    assert s.take(3).records[0].sequences.tolist() == [3, 3]  # by the resumed policy
+    model.weight.data.fill_(4)
+    assert s.sync(model)["rollout_stale_dropped"] == 4
+    assert (s.queue[4].step, s.queue[4].version) == (4, 3)  # the next one, generated meanwhile
+    with pytest.raises(ValueError, match="buffered rollout is step 3's, the checkpoint has 4 steps done"):
+        _scheduler(_Engine(), 1).load_state_dict(state(step=3, version=2), step=4)
 
 
-def _state(step: int, version: int) -> dict:
-    p = _producer(_Stub())
-    p.buffer = None
-    from rl.rollout.producer import Buffered
+def test_k2_hands_each_rollout_its_version_through_the_stage_and_a_checkpoint_keeps_the_queue():
+    """max_staleness=2 over 6 steps: rollout j is generated with version max(0, j - 2), each
+    version loaded once (none past the last that a rollout needs). Saved after 3 steps, the
+    checkpoint holds rollouts 3 and 4 (versions 1 and 2: the resumed run could not generate them
+    again); the resumed scheduler trains on them and generates step 5 with version 3, as the
+    uninterrupted one did. Resumed with max_staleness=1 (the control), both are dropped and counted."""
+    model = torch.nn.Linear(1, 1, bias=False)
+    engine = _Engine()
+    s = _scheduler(engine, 2)
+    assert _train(s, range(6), model) == [[[j, max(0, j - 2)]] for j in range(6)]
+    assert sorted(s.source.seen) == [(j, max(0, j - 2)) for j in range(6)] and engine.loads == [1, 2, 3]
 
-    p.buffer = Buffered(step, version, [Experience(sequences=torch.tensor([step, 1, 2]),
-                                                   prompt_index=torch.tensor(step))])
-    return p.state_dict()
+    s = _scheduler(_Engine(), 2)
+    _train(s, range(3), model)
+    state = s.state_dict()
+    assert state["buffered_step"] == 3 and [j for j, _ in s.source.seen] == [0, 1, 2, 3, 4]
+    engine2 = _Engine()
+    engine2.version = 3  # the checkpoint's policy, loaded by the trainer
+    resumed = _scheduler(engine2, 2)
+    resumed.load_state_dict(state, step=3)
+    assert _train(resumed, range(3, 6), model) == [[[3, 1]], [[4, 2]], [[5, 3]]]
+    assert resumed.source.seen == [(5, 3)] and engine2.loads == []
+
+    engine3 = _Engine()
+    engine3.version = 3
+    stale = _scheduler(engine3, 1)
+    stale.load_state_dict(state, step=3)
+    assert [r.sequences.tolist() for r in stale.take(3).records] == [[3, 3]]
+    assert stale.sync(model)["rollout_stale_dropped"] == 8
 
 
-def test_the_buffered_rollout_round_trips_and_a_background_failure_surfaces_in_the_next_take():
-    state = _state(step=5, version=4)
-    p = _producer(_Stub())
-    with pytest.raises(ValueError, match="buffered rollout is step 5's, the checkpoint has 6 steps done"):
-        p.load_state_dict(state, step=6)
-    p.load_state_dict(state, step=5)
-    (rec,) = p.buffer.records
-    assert p.buffer.version == 4 and rec.sequences.tolist() == [5, 1, 2] and int(rec.prompt_index) == 5
-    p.load_state_dict({"buffered_step": -1, "version": -1, "seconds": 0.0, "records": {"rank0": b""}}, step=5)
-    assert p.buffer is None  # saved with nothing buffered
-
-    stub = _Stub(fail_at=2)
-    p = _producer(stub)
-    p.take(1)  # starts step 2's generation, which fails in the thread
-    p.settle()
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_rollout_failure_in_the_thread_surfaces_in_the_take_that_waits_for_it(k):
+    model = torch.nn.Linear(1, 1, bias=False)
+    s = _scheduler(_Engine(), k, fail_at=2)
+    _train(s, range(2), model)
     with pytest.raises(FloatingPointError):
-        p.take(2)
+        s.take(2)
 
 
-def test_a_background_rollout_failure_is_the_divergence_error_of_the_step_that_takes_it():
-    tr = trainer(*SMALL, *OFF, "trainer.max_steps=3")
-    generate = tr.producer._generate
+# ------------------------------------------------------------------------------ the trainer
+def test_a_thread_rollout_failure_is_the_divergence_error_of_the_step_that_takes_it():
+    tr = trainer(*SMALL, *K1, "trainer.max_steps=3")
+    records = tr.source.records
 
-    def diverge(step, version):
+    def diverge(step, round_, version):
         if step == 1:
             raise FloatingPointError("non-finite logits at decode step 0")
-        return generate(step, version)
+        return records(step, round_, version)
 
-    tr.producer._generate = diverge
+    tr.source.records = diverge
     tr.step(0)
     with pytest.raises(DivergenceError, match="step 1: non-finite logits in the rollout"):
         tr.step(1)
 
 
-def test_one_step_off_refuses_an_engine_that_generates_from_the_training_shards():
+def test_a_rollout_thread_refuses_an_engine_that_generates_from_the_training_shards():
     """rollout.replica=auto resolves to sharded when the copy does not fit the budget: that engine
     has no weights of its own to generate with while the policy trains (validate cannot know)."""
-    trainer(*SMALL, *OFF, "rollout.memory_budget_gb=100")  # the control: the copy fits, one_step_off builds
-    with pytest.raises(ValueError, match=r"one_step_off needs the rollout engine's own copy.*"
+    trainer(*SMALL, *OFF, "rollout.memory_budget_gb=100")  # the control: the copy fits, the scheduler builds
+    with pytest.raises(ValueError, match=r"rollout\.max_staleness=1 needs the rollout engine's own copy.*"
                                          r"rollout\.replica=auto -> sharded"):
         trainer(*SMALL, *OFF, "rollout.memory_budget_gb=0.000001")
 
 
 def test_a_checkpoint_holds_the_buffered_rollout_and_one_without_it_generates_it_again(tmp_path):
-    """one_step_off, saved after step 0: the loaded trainer holds step 1's buffered records, field
-    by field, with their version. A sync run's checkpoint (no buffered rollout) resumed with
-    one_step_off generates step 1's prompts in the foreground (staleness 0): nothing skipped."""
+    """max_staleness=1, saved after step 0: the loaded trainer holds step 1's buffered records,
+    field by field, with their version. A sync run's checkpoint (no buffered rollout) resumed with
+    max_staleness=1 generates step 1's prompts with the resumed policy (staleness 0): nothing skipped."""
     from rl.trainer.checkpoint import load_checkpoint, save_checkpoint
 
     tr = trainer(*SMALL, *OFF, "trainer.max_steps=3")
     tr.step(0)
     save_checkpoint(tr, tmp_path / "off", 1, tr.cfg, tr.dims)
-    saved = tr.producer.buffer
+    saved = tr.rollout_scheduler.queue[1]
     again = trainer(*SMALL, *OFF, "trainer.max_steps=3")
     assert load_checkpoint(again, tmp_path / "off" / "step_00000001", again.dims) == 1
-    got = again.producer.buffer
+    got = again.rollout_scheduler.queue[1]
     assert (got.step, got.version, len(got.records)) == (saved.step, saved.version, len(saved.records)) == (1, 0, 16)
     for a, b in zip(got.records, saved.records):
         assert dict(a.items()).keys() == dict(b.items()).keys()
@@ -198,128 +325,18 @@ def test_a_checkpoint_holds_the_buffered_rollout_and_one_without_it_generates_it
     save_checkpoint(sync, tmp_path / "sync", 1, sync.cfg, sync.dims)
     off = trainer(*SMALL, *OFF, "trainer.max_steps=3")
     load_checkpoint(off, tmp_path / "sync" / "step_00000001", off.dims)
-    assert off.producer.buffer is None
+    assert not off.rollout_scheduler.queue
     step1 = off.step(1)
     assert step1["rollout_staleness_max"] == 0.0 and step1["rollout_stale_dropped"] == 0.0
 
 
-# ------------------------------------------------------------------------------ async
-ASYNC = ("rollout.mode=async", "algo.tis_cap=2.0", "eval.every=0")
-
-
-def test_async_at_staleness_1_trains_as_one_step_off_and_at_2_on_rollouts_two_versions_old():
-    """max_staleness=1: rollout j generated with version j - 1, as one_step_off's: the same metrics
-    step for step. max_staleness=2 (the control: other metrics from step 2): step 3's samples are
-    exactly those a trainer holding version 1 (one step trained, synced) generates for step 3."""
-    def run(*extra, steps=4):
-        tr = trainer(*SMALL, *extra, "trainer.max_steps=4")
-        taken, share = {}, tr.producer._share
-        tr.producer._share = lambda records, *a: taken.setdefault(len(taken), records) and share(records, *a)
-        return [tr.step(s) for s in range(steps)], taken
-
-    keys = ("loss", "reward_mean", "grad_norm", "entropy", "rollout_logprob_abs_diff")
-    off, _ = run(*OFF, "rollout.mode=one_step_off")
-    one, _ = run(*ASYNC, "rollout.max_staleness=1")
-    two, taken = run(*ASYNC, "rollout.max_staleness=2")
-    for a, b in zip(off, one):
-        assert {k: b[k] for k in keys} == pytest.approx({k: a[k] for k in keys}, rel=1e-5, abs=1e-7)
-    assert [m["rollout_staleness_max"] for m in one] == [0.0, 1.0, 1.0, 1.0]
-    assert [m["rollout_staleness_max"] for m in two] == [0.0, 1.0, 2.0, 2.0]  # rollout j: version max(0, j - 2)
-    assert two[2]["loss"] != pytest.approx(one[2]["loss"], rel=1e-3)
-    assert all(m["rollout_stale_dropped"] == 0 for m in one + two)
-
-    v1 = trainer(*SMALL, "algo.tis_cap=2.0", "eval.every=0", "trainer.max_steps=4")
-    v1.step(0)  # version 1 in its engine
-    want = v1._records(3, 0, 1)
-    assert _tokens(want) == _tokens(taken[3])
-    assert all(torch.equal(a.rollout_log_probs, b.rollout_log_probs) for a, b in zip(want, taken[3]))
-    v1.step(1)  # the control: version 2 generates step 3's prompts otherwise
-    assert not all(torch.equal(a.rollout_log_probs, b.rollout_log_probs) for a, b in zip(v1._records(3, 0, 2), taken[3]))
-
-
-class _Engine:
-    """A rollout engine that records the versions loaded into it (the weight's value)."""
-
-    needs_sync, sync_bucket_bytes = True, None
-
-    def __init__(self):
-        self.version, self.loads = 0, []
-
-    def load_weights(self, items):
-        self.version = int(dict(items)["weight"].item())
-        self.loads.append(self.version)
-
-
-def _async(engine, seen, *, max_steps=6, max_staleness=2, fail_at=None):
-    def generate(step, version):
-        if step == fail_at:
-            raise FloatingPointError("non-finite logits")
-        assert version == engine.version  # the producer names the version the engine holds (raised in take)
-        seen.append((step, engine.version))
-        return [Experience(sequences=torch.tensor([step, engine.version]), prompt_index=torch.tensor(step))]
-
-    return AsyncProducer(generate, lambda records, *a: [r.sequences.tolist() for r in records], engine,
-                         max_steps=max_steps, max_staleness=max_staleness, samples_per_step=4, rank=0,
-                         device=torch.device("cpu"))
-
-
-def _train(p, engine, steps, model):
-    """The trainer's side of `steps`: take, settle, then publish the update (version step + 1)."""
-    got = []
-    for s in steps:
-        got.append(p.take(s))
-        p.settle()
-        model.weight.data.fill_(s + 1)
-        p.sync(engine, model)
-    return got
-
-
-def test_async_hands_each_rollout_its_version_through_the_stage_and_a_checkpoint_keeps_the_queue():
-    """max_staleness=2 over 6 steps: rollout j is generated with version max(0, j - 2), each
-    version loaded once (none past the last that a rollout needs). Saved after 3 steps, the
-    checkpoint holds rollouts 3 and 4 (versions 1 and 2: the resumed run could not generate them
-    again); the resumed producer trains on them and generates step 5 with version 3, as the
-    uninterrupted one did. Resumed with max_staleness=1 (the control), both are dropped and counted."""
-    model = torch.nn.Linear(1, 1, bias=False)
-    engine, seen = _Engine(), []
-    p = _async(engine, seen)
-    got = _train(p, engine, range(6), model)
-    assert got == [[[j, max(0, j - 2)]] for j in range(6)]
-    assert sorted(seen) == [(j, max(0, j - 2)) for j in range(6)] and engine.loads == [1, 2, 3]
-
-    engine, seen = _Engine(), []
-    p = _async(engine, seen)
-    _train(p, engine, range(3), model)
-    state = p.state_dict()
-    assert state["buffered_step"] == 3 and [s for s, _ in seen][:5] == [0, 1, 2, 3, 4]
-    engine2, seen2 = _Engine(), []
-    engine2.version = 3  # the checkpoint's policy, loaded by the trainer
-    resumed = _async(engine2, seen2)
-    resumed.load_state_dict(state, step=3)
-    assert _train(resumed, engine2, range(3, 6), model) == [[[3, 1]], [[4, 2]], [[5, 3]]]
-    assert seen2 == [(5, 3)] and engine2.loads == []
-
-    stale = _async(_Engine(), seen3 := [], max_staleness=1)
-    stale.engine.version = 3
-    stale.load_state_dict(state, step=3)
-    first = stale.take(3)
-    assert first == [[3, 3]] and stale.settle()["rollout_stale_dropped"] == 8
-
-
-def test_an_async_rollout_failure_surfaces_in_the_take_that_waits_for_it():
-    model = torch.nn.Linear(1, 1, bias=False)
-    engine = _Engine()
-    p = _async(engine, [], fail_at=2)
-    _train(p, engine, range(2), model)
-    with pytest.raises(FloatingPointError):
-        p.take(2)
-
-
-def test_an_async_checkpoint_holds_the_queued_rollouts_with_their_versions(tmp_path):
+def test_a_k2_checkpoint_holds_the_queued_rollouts_with_their_versions_and_the_stage_is_one_model(tmp_path):
     """Saved after step 0 at max_staleness=2: rollouts 1 and 2 need version 0, which a resumed run
     (version 1) could not generate again, so the save waits for them; the loaded trainer holds
-    them, tokens and versions. The held-out evaluation of an async run generates from the policy
-    itself (the engine is the thread's, holding an older version)."""
+    them, tokens and versions. The held-out evaluation at k=2 generates from the policy itself
+    (the engine is the thread's, holding an older version); at k=1 from the engine. The stage
+    holds one full copy of the policy's weights: what a full weight sync sends."""
+    from model.parallelize import full_parameters
     from rl.trainer.checkpoint import load_checkpoint, save_checkpoint
 
     run = (*SMALL, *ASYNC, "rollout.max_staleness=2", "trainer.max_steps=3")
@@ -327,15 +344,18 @@ def test_an_async_checkpoint_holds_the_queued_rollouts_with_their_versions(tmp_p
     assert tr._eval_engine() is not tr.engine and not tr._eval_engine().needs_sync
     off = trainer(*SMALL, *OFF)
     assert off._eval_engine() is off.engine
-    tr.step(0)
+    first = tr.step(0)
+    staged = sum(t.numel() * t.element_size() for _, t in tr.rollout_scheduler.stage.items())
+    assert staged == sum(t.numel() * t.element_size() for _, t in full_parameters(tr.actor.model)) > 0
+    assert staged == off.step(0)["weight_sync_bytes"]  # k=1: the sync into the engine
     save_checkpoint(tr, tmp_path, 1, tr.cfg, tr.dims)
-    queued = sorted(tr.producer.queue)
-    assert queued[:2] == [1, 2]
+    queued = sorted(tr.rollout_scheduler.queue)
+    assert queued == [1, 2]
     again = trainer(*run)
     assert load_checkpoint(again, tmp_path / "step_00000001", again.dims) == 1
-    assert sorted(again.producer.queue) == queued
+    assert sorted(again.rollout_scheduler.queue) == queued
     for j in queued:
-        a, b = again.producer.queue[j], tr.producer.queue[j]
+        a, b = again.rollout_scheduler.queue[j], tr.rollout_scheduler.queue[j]
         assert (a.step, a.version) == (b.step, b.version) and a.version == max(0, j - 2)
         assert _tokens(a.records) == _tokens(b.records)
     assert again.step(1)["rollout_staleness_max"] == 1.0  # rollout 1, version 0, trained by version 1

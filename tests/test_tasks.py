@@ -254,7 +254,7 @@ def test_the_trainer_takes_each_line_once_per_epoch(tmp_path):
     path = write_jsonl(tmp_path / "lines.jsonl", [{"prompt_ids": [4 + i, 5, 6], "answer": 7} for i in range(8)])
     run = ("task=file", f"task.prompts_path={path}", "task.reward_fn=tests.test_rollout:my_reward",
            "task.prompts_per_step=4", "task.samples_per_prompt=2", "task.max_new_tokens=2", "trainer.progress=false")
-    firsts = lambda tr, s: sorted({int(r.sequences[0]) for r in tr._records(s, 0, s)})  # noqa: E731
+    firsts = lambda tr, s: sorted({int(r.sequences[0]) for r in tr.source.records(s, 0, s)})  # noqa: E731
     tr = trainer(*run)
     seen = firsts(tr, 0) + firsts(tr, 1)
     assert sorted(seen) == list(range(4, 12))  # two steps: the epoch, every line once

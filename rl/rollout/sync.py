@@ -236,7 +236,7 @@ def _gather_dim0(locals_: list[torch.Tensor], shapes: list[tuple[int, ...]], gro
 
 class StagedWeights:
     """A host copy of the policy's full weights between the trainer and a rollout thread
-    (`rollout.mode=async`, rl/rollout/producer.py): `sync_weights(stage, model)` writes it like
+    (`rollout.max_staleness` >= 2, rl/rollout/scheduler.py): `sync_weights(stage, model)` writes it like
     an engine (`needs_sync`, `sync_bucket_bytes`, `load_weights`), the thread hands `items()` to
     the real engine's `load_weights` when it is idle. The buffers are allocated on the first load
     and written in place after (pinned on CUDA, so the copies in and out run at full bus speed);

@@ -18,7 +18,7 @@ always did (a call past its deadline raises `CallTimeout`, a `TimeoutError`): fo
 The deadline (`timeout_s`, wall clock; None: none, the call runs inline) works on any thread:
 the call runs on a worker thread (one per calling thread, reused from call to call) and the
 caller waits for it at most `timeout_s`. No signal is used, so it works on the rollout thread
-of `rollout.mode=one_step_off|async` (a signal-based timeout, such as math-verify's
+of `rollout.max_staleness` >= 1 (a signal-based timeout, such as math-verify's
 `parsing_timeout`, only works on the main thread: there it fails, and is counted as an error;
 turn it off and let `task.timeout_s` bound the call). Python cannot kill a thread: a call past
 its deadline is *abandoned*: its worker is let go (a daemon thread, which never blocks the

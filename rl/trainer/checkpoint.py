@@ -33,15 +33,15 @@ What a checkpoint holds (`Trainer.state_dict` plus the two entries added here):
   actor     policy weights + AdamW state      critic    the same, when the algorithm has one
   scheduler the LR schedule                   kl_coef   the (adaptive) KL coefficient
   step      steps completed                   rng       every rank's RNG states (torch CPU/CUDA, python)
-  rollout   rollout.mode=one_step_off or async: the buffered rollouts, generated and not yet trained
-            (their steps, policy versions, and every rank's records: rl/rollout/producer.py)
+  rollout   rollout.max_staleness >= 1: the queued rollouts, generated and not yet trained
+            (their steps, policy versions, and every rank's records: rl/rollout/scheduler.py)
 The reference model is frozen and rebuilt from the same seed or pretrained path, so it is not
 saved. A step's prompts and samples come from generators seeded by (seed, step, prompt index)
-(rl/trainer/trainer.py `_records`), so the step is the prompt cursor; what one_step_off or async
+(rl/rollout/source.py), so the step is the prompt cursor; what the rollout thread
 has generated ahead of it is `rollout`, so a resumed run trains on exactly the samples the
 uninterrupted one would have. A `rollout` entry that does not apply is let go, with a log line,
 and the step's prompts are generated again (none skipped, none repeated): a checkpoint without
-one (a sync run's) resumed with one_step_off or async, one resumed with rollout.mode=sync, or one
+one (a sync run's) resumed with max_staleness >= 1, one resumed with max_staleness=0, or one
 saved on another world size (the records are per rank).
 
 Resharding: with world_size > 1 every entry is a DTensor, and DCP stores each shard at its

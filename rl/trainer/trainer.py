@@ -2,9 +2,8 @@
 
     rollout    step -> Rollouts: this DP rank's prompts generated and rewarded (the records
                stay on this rank), every rank's samples gathered as metadata (stand-ins);
-               `rollout.mode` says where they come from (rl/rollout/producer.py): generated
-               now (sync), during the previous step's training (one_step_off), or by a rollout
-               thread up to `rollout.max_staleness` steps ahead (async)
+               the scheduler (rl/rollout/scheduler.py) says when they were generated: now
+               (rollout.max_staleness=0), or by a rollout thread up to max_staleness steps ahead
     plan       stand-ins -> StepPlan: `algo.mini_batches` mini-batches, each planned into
                microbatches balanced over DP, and the ranks each sample goes to
     collate    Rollouts, StepPlan -> [MiniBatch]: each sample sent once, from the rank that
@@ -16,9 +15,9 @@
     train      [MiniBatch] -> Stats: for each epoch, for each mini-batch, per microbatch forward ->
                objective (rl/algos/objective.py: loss, terms) -> backward, then one optimizer
                step (global-norm clipping)
-    sync       the producer's background generation (one_step_off) is waited for, then the rollout
-               copy gets the new weights, bucket by bucket (none with rollout.replica=sharded;
-               async: a staged host copy, which the rollout thread loads between two rollouts)
+    sync       the rollout copy gets the new weights, bucket by bucket, once the rollout thread
+               no longer needs the old ones (none with rollout.replica=sharded; max_staleness >= 2:
+               a staged host copy, which the rollout thread loads between two rollouts)
     metrics    Stats -> every metric, reduced in one collective
 
 Data flow across ranks: each DP rank rolls out its slice of the step's prompts (CP peers
@@ -59,18 +58,19 @@ from packing.planner import flop_cost
 from packing.exchange import StandIn, exchange, gather_metadata
 from rl.algos.advantages import compute_advantages
 from rl.trainer.checkpoint import load_sharded_state, sharded_state
-from rl.config import Balance, Config, check_task_fits, model_config_value
+from rl.config import Balance, Config, check_task_fits, max_staleness, model_config_value
 from rl.trainer.guard import DivergenceGuard, poison
 from rl.algos.losses import LossAgg, build_kl_controller, loss_normalizer
 from rl.algos.objective import Objective
 from rl.algos.schedule import make_lr_scheduler
-from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups, varied_groups
+from rl.tasks.reward import filter_uniform_groups, varied_groups
 from rl.rollout.engine import PolicyRolloutEngine
-from rl.rollout.producer import RolloutMode, make_producer
+from rl.rollout.scheduler import RolloutScheduler
+from rl.rollout.source import RolloutSource
 from rl.rollout.sync import sync_weights
 from rl.rollout.build import build_engine
 from rl.rollout.evaluate import evaluate, heldout_problems
-from rl.rollout.episodes import episode_metrics, run_episodes
+from rl.rollout.episodes import episode_metrics
 from rl.tasks.calls import UserCalls
 from rl.tasks.registry import build_task
 
@@ -138,8 +138,8 @@ class Rollouts:
     global order, the same list on every rank); the records this rank generated, by
     `StandIn.source[1]` (they stay here until `collate` moves each to the ranks that run it);
     dynamic sampling's counts; the seconds the rollout stage took; and, when the samples were
-    generated off the step (rollout.mode=one_step_off: during the previous step's training;
-    async: by the rollout thread), the seconds their generation took."""
+    generated off the step (by the rollout thread: rollout.max_staleness >= 1), the seconds
+    their generation took."""
 
     samples: list[StandIn]
     records: dict[Hashable, Experience]
@@ -203,12 +203,13 @@ class Trainer:
         self.guard = DivergenceGuard(cfg.trainer.max_bad_steps, cfg.trainer.min_entropy, verbose=dims.rank == 0)
         # batch.balance=flops: the planner evens out a * tokens + b * tokens^2 (linear layers + attention)
         self.cost = flop_cost(self.hf_config) if cfg.batch.balance is Balance.FLOPS else None
-        # where the rollout stage's samples come from (rollout.mode, rl/rollout/producer.py)
-        self.producer = make_producer(cfg, dims, engine, sample=self._sample,
-                                      generate=lambda step, version: self._records(step, 0, version),
-                                      share=lambda records, seconds, generated_s: Rollouts(
-                                          *self._share(records, 0), {}, seconds, generated_s))
-        self._policy_engine = None  # rollout.mode=async: the held-out evaluation's (`_eval_engine`)
+        # where and when the rollout stage's samples are generated (rl/rollout/source.py, scheduler.py)
+        self.source = RolloutSource(cfg, dims, engine, task)
+        self.rollout_scheduler = RolloutScheduler(
+            self.source, engine, max_staleness=max_staleness(cfg.rollout), max_steps=cfg.trainer.max_steps,
+            samples_per_step=cfg.task.prompts_per_step * cfg.task.samples_per_prompt, rank=dims.rank,
+            device=dims.device)
+        self._policy_engine = None  # rollout.max_staleness >= 2: the held-out evaluation's (`_eval_engine`)
         self._sharded_on_host = sharded_on_host(actor)
         self.on_progress = None  # train.py's progress bar: on_progress(**what the step is doing now), or None
         engine.on_progress = self._progress  # decode steps and turns of a generation
@@ -232,10 +233,11 @@ class Trainer:
                         progress=self.cfg.trainer.progress and self.dims.rank == 0)
 
     def _eval_engine(self):
-        """The rollout engine, idle between steps and holding the policy the step starts from;
-        with rollout.mode=async it is the rollout thread's (and holds an older policy), so the
-        policy itself generates (PolicyRolloutEngine: its FSDP shards, gathered layer by layer)."""
-        if RolloutMode(self.cfg.rollout.mode) is not RolloutMode.ASYNC:
+        """The rollout engine, idle at the step's start and holding the policy it starts from
+        (max_staleness=1: the thread starts the next rollout at `take`); with max_staleness >= 2
+        it is the rollout thread's (and holds an older policy), so the policy itself generates
+        (PolicyRolloutEngine: its FSDP shards, gathered layer by layer)."""
+        if self.rollout_scheduler.k < 2:
             return self.engine
         if self._policy_engine is None:
             self._policy_engine = PolicyRolloutEngine(self.actor, stop_token_id=self.task.stop_token_id,
@@ -251,7 +253,7 @@ class Trainer:
         evaluation = self.evaluate() if every and step % every == 0 else {}
         t0 = time.perf_counter()
         rollouts = self.rollout(step)
-        if not self.producer.generates_during_training:
+        if not self.rollout_scheduler.k:  # nothing generates until the sync
             self.engine.sleep()  # the rollout copy's memory is free for training; the sync refills it
         self._release_memory()
         minibatches = self.collate(rollouts, self.plan(rollouts.samples))
@@ -262,16 +264,15 @@ class Trainer:
                          advantages=[b.advantages for mb in minibatches for b in mb.batches])
         stats = self.train(minibatches)
         self._release_memory()
-        produced = self.producer.settle()  # one_step_off: step+1's generation is done, the engine is free
         t_sync = time.perf_counter()
-        # in buckets; vLLM: wakes, reloads in place, resets its cache; async: into the stage the thread loads from
-        produced |= self.producer.sync(self.engine, self.actor.model)
-        t_sync = time.perf_counter() - t_sync
+        # in buckets; vLLM: wakes, reloads in place, resets its cache; max_staleness >= 2: into the stage
+        produced = self.rollout_scheduler.sync(self.actor.model)
+        t_sync = time.perf_counter() - t_sync - produced.get("rollout_publish_wait_s", 0.0)
         self._release_memory()
         metrics = self.metrics(step, rollouts, minibatches, stats, elapsed=time.perf_counter() - t0)
         metrics["weight_sync_s"] = t_sync  # trainer -> rollout engine, after the step's last update
         metrics["weight_sync_bytes"] = float(self.engine.loaded_bytes)  # what the engine received (LoRA: adapters)
-        metrics.update(produced)  # staleness and overlap (one_step_off, async); nothing for sync
+        metrics.update(produced)  # the rollout thread's waits and overlap (max_staleness >= 1)
         kl = metrics.get("kl", 0.0)
         if self.cfg.algo.kl_coef and math.isfinite(kl):  # a bad step (rl/trainer/guard.py) leaves it as is
             self.kl_ctl.update(kl, len(rollouts.samples))
@@ -280,66 +281,30 @@ class Trainer:
 
     # ----------------------------------------------------------------- rollout
     def rollout(self, step: int) -> Rollouts:
-        """The step's samples, from `rollout.mode`'s producer (rl/rollout/producer.py): `_sample`
-        now (sync), the rollout generated while the previous step trained (one_step_off), or the
-        rollout thread's (async)."""
-        with self.guard.rollout(step):  # non-finite logits: a DivergenceError naming the step
-            return self.producer.take(step)
-
-    def _sample(self, step: int) -> Rollouts:
-        """The step's samples, generated now. With dynamic sampling, groups whose rewards are all
-        equal are dropped and more prompts rolled out until the step holds `task.prompts_per_step`
-        groups (at most `algo.max_sampling_rounds`)."""
+        """The step's samples: the scheduler's rollout (rl/rollout/scheduler.py), every rank's
+        metadata gathered. With dynamic sampling (max_staleness=0 only), groups whose rewards are
+        all equal are dropped and more prompts rolled out until the step holds
+        `task.prompts_per_step` groups (at most `algo.max_sampling_rounds`)."""
         algo, want = self.cfg.algo, self.cfg.task.prompts_per_step
         t0 = time.perf_counter()
-        samples, records = self._generate(step, 0)
-        sampling = {}
-        if algo.dynamic_sampling:
-            kept, dropped = filter_uniform_groups(samples)
-            rounds = 1
-            while _groups(kept) < want and rounds < algo.max_sampling_rounds:
-                generated, local = self._generate(step, rounds)
-                records |= local
-                more, lost = filter_uniform_groups(generated)
-                kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
-            first = set(sorted({int(r.prompt_index) for r in kept})[:want])
-            sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
-            # every group uniform in every round: train on the first round (advantages 0)
-            samples = [r for r in kept if int(r.prompt_index) in first] or samples
-        return Rollouts(samples, records, sampling, time.perf_counter() - t0)
-
-    def _generate(self, step: int, round_: int) -> tuple[list[StandIn], dict[Hashable, Experience]]:
-        """One rollout round: every rank's samples as stand-ins, and this rank's records by key."""
-        return self._share(self._records(step, round_, version=step), round_)  # the engine holds version `step`
-
-    def _records(self, step: int, round_: int, version: int) -> list[Experience]:
-        """This rank's records of one rollout round, rewarded, each stamped with the policy
-        `version` the engine holds (the producer knows it); no collective (the one_step_off and
-        async producers run it in their thread). Every rank draws the round's global prompt list from
-        the same seed and takes its DP slice, so which prompt a sample comes from (and its
-        seed) never depends on the layout; prompt indices are unique within the step."""
-        task, dims, algo = self.cfg.task, self.dims, self.cfg.algo
-        per_rank = task.prompts_per_step // dims.dp
-        first = dims.dp_rank * per_rank
-        seed = self.cfg.seed * 1_000_003 + step + round_ * 1_000_000_007
-        # a JSONL task walks its lines in seeded epochs, step k from position k * prompts_per_step (rl/tasks/files.py)
-        prompts = self.task.step_prompts(task.prompts_per_step, seed=seed, run_seed=self.cfg.seed,
-                               start=step * task.prompts_per_step if round_ == 0 else None)[first:first + per_rank]
-        rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
-        base = (step * rounds + round_) * task.prompts_per_step + first
-        index = [base + i for i in range(per_rank) for _ in range(task.samples_per_prompt)]
-        records = run_episodes(  # one engine.generate, or one per turn of a multi-turn task
-            self.engine, self.task, [p for p, _ in prompts for _ in range(task.samples_per_prompt)],
-            [m for _, m in prompts for _ in range(task.samples_per_prompt)], prompt_indices=index,
-            max_new_tokens=task.max_new_tokens, temperature=self.cfg.model.temperature, seed=self.cfg.seed * 7919 + step,
-        )
-        if algo.overlong_buffer is not None:
-            apply_overlong_penalty(records, task.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
-        for rec in records:
-            rec.policy_version = torch.tensor(version)
-            if not algo.routing_replay:
-                rec.routed_experts = None
-        return records
+        with self.guard.rollout(step):  # non-finite logits: a DivergenceError naming the step
+            taken = self.rollout_scheduler.take(step)
+            samples, records = self._share(taken.records, 0)
+            sampling = {}
+            if algo.dynamic_sampling:
+                kept, dropped = filter_uniform_groups(samples)
+                rounds = 1
+                while _groups(kept) < want and rounds < algo.max_sampling_rounds:
+                    generated, local = self._share(self.source.records(step, rounds, step), rounds)
+                    records |= local
+                    more, lost = filter_uniform_groups(generated)
+                    kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
+                first = set(sorted({int(r.prompt_index) for r in kept})[:want])
+                sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
+                # every group uniform in every round: train on the first round (advantages 0)
+                samples = [r for r in kept if int(r.prompt_index) in first] or samples
+        return Rollouts(samples, records, sampling, time.perf_counter() - t0,
+                        taken.seconds if self.rollout_scheduler.k else None)
 
     def _share(self, records: list[Experience], round_: int) -> tuple[list[StandIn], dict[Hashable, Experience]]:
         """Every rank: the round's samples, DP rank by DP rank, as metadata (CP peers checked
@@ -539,14 +504,14 @@ class Trainer:
         """What a checkpoint holds of the trainer (rl/trainer/checkpoint.py): the policy and critic,
         each `{"weights", "optimizer"}` as sharded DTensors of their global shapes, the LR
         schedule, the KL coefficient, the divergence guard's count of bad steps in a row, and
-        with rollout.mode=one_step_off or async the producer's buffered rollouts (`rollout`: the
-        samples generated and not yet trained, rl/rollout/producer.py). The reference is frozen (rebuilt
+        with rollout.max_staleness >= 1 the scheduler's queued rollouts (`rollout`: the samples
+        generated and not yet trained, rl/rollout/scheduler.py). The reference is frozen (rebuilt
         from the seed or pretrained path), so it is not part of the state. `dcp.load` fills this
         dict in place; `load_state_dict` puts it back."""
         state = {"actor": sharded_state(self.actor, self.optimizer, self.dims),
                  "scheduler": self.scheduler.state_dict(), "kl_coef": self.kl_ctl.value,
                  "bad_steps": self.guard.bad_steps}
-        if produced := self.producer.state_dict():
+        if produced := self.rollout_scheduler.state_dict():
             state["rollout"] = produced
         if self.critic is not None:
             state["critic"] = sharded_state(self.critic, self.critic_optimizer, self.dims)
@@ -560,7 +525,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_ctl.value = float(state["kl_coef"])
         self.guard.bad_steps = int(state["bad_steps"])  # a streak of skipped updates continues
-        self.producer.load_state_dict(state.get("rollout"), int(state.get("step", 0)))
+        self.rollout_scheduler.load_state_dict(state.get("rollout"), int(state.get("step", 0)))
         if self.engine is not None:
             sync_weights(self.engine, self.actor.model)
 

@@ -5,7 +5,7 @@ SIGKILLs that rank (default 0) at `point`, in a run's first attempt only (torchr
 TORCHELASTIC_RESTART_COUNT is 0 or unset):
   in_save     the checkpoint of `step` steps has its shards written, not yet published
   after_step  `step` steps are done (and saved when due)
-  in_rollout  rollout.mode=one_step_off or async: the background generation of `step`'s rollout
+  in_rollout  rollout.max_staleness >= 1: the rollout thread's generation of `step`'s rollout
               has begun (while an earlier step trains: a rollout in flight)
 `RL_TEST_TRACE=<file>` (every attempt) appends one JSON line per trained step and rank: the
 attempt (torchrun's restart count), the rank, the prompt indices of the samples this rank
@@ -29,10 +29,10 @@ if SPEC and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         if where == point and step == int(at) and rank == int(who[0] if who else 0):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    from rl.rollout import producer
+    from rl.rollout import scheduler
 
     save, after_step = dcp.save, checkpoint.Checkpointer.after_step
-    run_off, run_async = producer.OneStepOffProducer._run, producer.AsyncProducer._run
+    run = scheduler.RolloutScheduler._run
 
     def _save(state, *args, **kwargs):
         out = save(state, *args, **kwargs)
@@ -44,14 +44,12 @@ if SPEC and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         _maybe_kill("after_step", step)
         return path
 
-    def _in_rollout(run):
-        def _run(self, step, *args):
-            _maybe_kill("in_rollout", step)
-            return run(self, step, *args)
-        return _run
+    def _in_rollout(self, step, *args):
+        _maybe_kill("in_rollout", step)
+        return run(self, step, *args)
 
     dcp.save, checkpoint.Checkpointer.after_step = _save, _after_step
-    producer.OneStepOffProducer._run, producer.AsyncProducer._run = _in_rollout(run_off), _in_rollout(run_async)
+    scheduler.RolloutScheduler._run = _in_rollout
 
 TRACE = os.environ.get("RL_TEST_TRACE")
 if TRACE:

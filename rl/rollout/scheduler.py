@@ -1,0 +1,296 @@
+"""When a step's rollout is generated, and with which policy version: one scheduler, one number,
+`rollout.max_staleness` k (docs/rollouts.md).
+
+    scheduler = RolloutScheduler(source, engine, max_staleness=k, ...)
+    taken = scheduler.take(step)        # the step's Buffered rollout: this rank's records, their version
+    ... gather metadata, plan, collate, score, advantages, train (rl/trainer/trainer.py) ...
+    metrics |= scheduler.sync(model)    # the step's update, into the engine or (k >= 2) its stage
+
+k = 0   `take` generates the step's rollout now (`source.records`), with the policy the step
+        starts from; nothing runs between steps.
+k >= 1  a rollout thread generates rollout after rollout, rollout j with policy version
+        max(base, j - k) (base: 0, or the resumed step), into a queue `take` pops from; it starts
+        rollout j once step j - k has been taken, so it runs at most k rollouts ahead. At k = 1
+        rollout j + 1 is generated while step j trains, with the policy before step j's update,
+        and `sync` waits until the thread is idle (no rollout left that needs version j) and
+        writes the update straight into the engine. At k >= 2 the thread must go on generating
+        (with older versions) while the trainer syncs, so `sync` writes a staged host copy
+        (rl/rollout/sync.py `StagedWeights`, one full copy of the model), which the thread loads
+        into the engine before the first rollout that needs it; the stage holds one version, so
+        `sync` after step v first waits until the engine holds version v.
+Either way every rollout gets exactly its version: the samples are a function of (seed, step,
+max_staleness), whatever the timing.
+
+Policy version: the number of steps whose update the weights hold. Every sample records it
+(`Experience.policy_version`, stamped by the source); a rollout more than k versions behind the
+step that takes it (only after a resume that lowered k) is dropped whole, counted as
+`rollout_stale_dropped`, and its step generated again with the resumed policy: a step's prompts
+are a function of (seed, step), so nothing is skipped or repeated.
+
+The thread runs `source.records` only (generation and rewards on this rank's prompts: no
+collective; the trainer gathers the metadata on the main thread, so every rank's collectives keep
+one order). On CUDA it issues its kernels on its own stream, which waits for the main stream (the
+last weight sync) and is synchronized before the records are handed over.
+
+Checkpoint (`state_dict`): the queued rollouts, generated and not yet trained (`pack_rollouts`),
+after waiting for those that need a version older than the checkpoint's (a resumed run could not
+generate them again): a run killed with a rollout in flight resumes on exactly the uninterrupted
+run's samples.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from packing.experience import Experience
+from rl.choice import Choice
+from rl.rollout.source import RolloutSource
+from rl.rollout.sync import StagedWeights, sync_weights
+
+log = logging.getLogger(__name__)
+
+
+class RolloutMode(Choice):
+    """`rollout.mode`, an alias of `rollout.max_staleness` (rl/config.py `max_staleness`)."""
+
+    SYNC = "sync"  # max_staleness=0
+    ONE_STEP_OFF = "one_step_off"  # max_staleness=1
+    ASYNC = "async"  # the given max_staleness (>= 1; 1 when not given)
+
+
+@dataclass
+class Buffered:
+    """A rollout generated and not yet trained: this rank's records of `step`'s prompts, all of
+    policy version `version`, the seconds their generation took and (once taken) the seconds
+    `take` waited for them."""
+
+    step: int
+    version: int
+    records: list[Experience]
+    seconds: float = 0.0
+    waited: float = 0.0
+
+
+class RolloutScheduler:
+    def __init__(self, source: RolloutSource, engine, *, max_staleness: int, max_steps: int,
+                 samples_per_step: int, rank: int, device: torch.device) -> None:
+        if max_staleness and not engine.needs_sync:
+            replica = f"{engine.replica.setting} -> {engine.replica.mode}" if engine.replica else "sharded"
+            raise ValueError(f"rollout.max_staleness={max_staleness} needs the rollout engine's own copy of the "
+                             f"weights, but rollout.replica={replica}"
+                             " generates with the training policy's shards (every forward a collective, the weights "
+                             "changing while they train): set rollout.replica=keep (or a rollout.memory_budget_gb "
+                             "the copy fits in)")
+        self.source, self.engine, self.k = source, engine, max_staleness
+        self.max_steps, self.samples_per_step, self.rank = max_steps, samples_per_step, rank
+        self.stage = StagedWeights(engine.sync_bucket_bytes, pin=device.type == "cuda") if self.k >= 2 else None
+        self.queue: dict[int, Buffered] = {}  # generated, not yet taken, by step
+        self._cv = threading.Condition()
+        self._base = 0  # the version the run (or its resume) starts from: no rollout gets an older one
+        self._next = 0  # the next rollout the thread generates
+        self._taken = -1  # the last step taken: rollout j starts once step j - k is
+        self._published = self._loaded = 0  # the newest version synced (into the stage or engine), and in the engine
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False  # `close`: the thread stops after its current rollout
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" and self.k else None
+        self._busy: list[tuple[float, float]] = []  # the thread's generation intervals
+        self._busy_since: float | None = None  # the start of the generation running now
+        self._dropped = 0  # samples of loaded rollouts older than the bound (counted in the next take)
+        self._metrics: dict[str, float] = {}
+        self._step_start = self._train_start = 0.0
+
+    def version_of(self, step: int) -> int:
+        """The policy version rollout `step` is generated with."""
+        return max(self._base, step - self.k)
+
+    # ------------------------------------------------------------------ the step
+    def take(self, step: int) -> Buffered:
+        """The step's rollout: generated now (k = 0), or the thread's (started on the first take)."""
+        t0 = self._step_start = time.perf_counter()
+        if not self.k:
+            records = self.source.records(step, 0, step)  # the engine holds version `step`
+            seconds = time.perf_counter() - t0
+            return Buffered(step, step, records, seconds, waited=seconds)
+        if self._thread is None:
+            self._start(step)
+        with self._cv:
+            self._taken = step
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: step in self.queue or self._error is not None or self._closed)
+            if step not in self.queue:  # the thread failed before it: raised in this step's rollout stage
+                error, self._error = self._error, None
+                raise error or RuntimeError(f"step {step}'s rollout asked of a closed RolloutScheduler")
+            taken, ready = self.queue.pop(step), len(self.queue)
+            dropped, self._dropped = self._dropped, 0
+        self._train_start = time.perf_counter()
+        taken.waited = self._train_start - t0
+        self._metrics = {"rollout_stale_dropped": float(dropped), "rollout_wait_s": taken.waited,
+                         "rollout_generate_s": taken.seconds, "rollout_queue": float(ready)}
+        return taken
+
+    def sync(self, model) -> dict[str, float]:
+        """The step's update (version v + 1) into the engine, once no rollout needs version v there
+        (k = 1: the thread is idle; k >= 2: into the stage, once the engine holds v); the step's
+        metrics, `rollout_publish_wait_s` the seconds waited."""
+        if not self.k:
+            sync_weights(self.engine, model)
+            return {}
+        now = time.perf_counter()
+        with self._cv:
+            busy = self._busy + ([(self._busy_since, now)] if self._busy_since is not None else [])
+            self._busy = []
+            v = self._published
+            self._cv.wait_for(lambda: self._done_with(v) or self._error is not None or self._closed)
+        waited = time.perf_counter() - now
+        sync_weights(self.stage or self.engine, model)  # the full tensors gathered bucket by bucket
+        with self._cv:
+            self._published = v + 1
+            self._loaded = self._loaded if self.stage else v + 1
+            self._cv.notify_all()
+        during = sum(max(0.0, min(b, now) - max(a, self._step_start)) for a, b in busy)
+        hidden = sum(max(0.0, min(b, now) - max(a, self._train_start)) for a, b in busy)
+        return {**self._metrics, "rollout_publish_wait_s": waited,
+                **({"rollout_overlap": hidden / during} if during > 0 else {})}
+
+    def _done_with(self, v: int) -> bool:
+        """No rollout will read version v from what `sync` writes next (under the lock)."""
+        if self._thread is None or self._next >= self.max_steps:
+            return True
+        if self.stage is not None:  # the rollout that needs v has loaded it, or none does
+            return self._loaded >= v or v + self.k >= self.max_steps
+        return self.version_of(self._next) > v  # the engine: none in flight, the next needs a newer one
+
+    # --------------------------------------------------------------- the thread
+    def _start(self, step: int) -> None:
+        self._next = max(self._next, step)
+        main = torch.cuda.current_stream(self._stream.device) if self._stream is not None else None
+        self._thread = threading.Thread(target=self._loop, args=(main,), name="rollout", daemon=True)
+        self._thread.start()
+        # a run left before its last step: no thread inside a torch op at exit (a weak reference: a
+        # scheduler whose thread has ended is not kept alive for it)
+        atexit.register(_close, weakref.ref(self))
+
+    def close(self) -> None:
+        """Stop the thread after the rollout it is generating (the queue stays as it is)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _loop(self, main) -> None:
+        try:
+            if self._stream is not None:
+                torch.cuda.set_device(self._stream.device)  # the current device is per thread
+            while self._next < self.max_steps:
+                with self._cv:  # the rollout's step - k taken and its version published, or closed
+                    self._cv.wait_for(lambda: self._closed or (self._next - self.k <= self._taken and
+                                                               self._published >= self.version_of(self._next)))
+                    if self._closed:
+                        return
+                    self._busy_since = time.perf_counter()
+                self._run(self._next, main)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the take that waits for this rollout
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+
+    def _run(self, step: int, main) -> None:
+        """Generate rollout `step` with its version, loading it from the stage first (k >= 2)."""
+        version, t0 = self.version_of(step), self._busy_since
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            if self._stream is not None:
+                self._stream.wait_stream(main)  # the weights the last sync wrote
+            if self.stage is not None and self._loaded < version:
+                self.engine.load_weights(self.stage.items())
+                with self._cv:
+                    self._loaded = version
+                    self._cv.notify_all()
+            records = self.source.records(step, 0, version)
+        if self._stream is not None:
+            self._stream.synchronize()  # the records are complete before the main thread reads them
+        t1 = time.perf_counter()
+        with self._cv:
+            self.queue[step] = Buffered(step, version, records, seconds=t1 - t0)
+            self._busy.append((t0, t1))
+            self._busy_since = None
+            self._next = step + 1
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The queue (none with k = 0). Taken after the step's sync, it first waits for the rollouts
+        that need a version older than the one just published (they could not be generated again
+        after a resume), so the resumed run gets every rollout with the version the uninterrupted
+        one gave it."""
+        if not self.k:
+            return {}
+        with self._cv:
+            until = min(self._published + self.k, self.max_steps)
+            self._cv.wait_for(lambda: self._next >= until or self._error is not None or self._thread is None
+                              or self._closed)
+            rollouts = [self.queue[j] for j in sorted(self.queue)]
+        return pack_rollouts(rollouts, self.rank)
+
+    def load_state_dict(self, state: dict[str, Any] | None, step: int) -> None:
+        """Put back a loaded `state_dict` before the first take: the engine holds version `step`
+        (the checkpoint's policy); the rollouts older than k are dropped (their steps generated
+        again, with version `step`) and counted in the next take."""
+        if self._thread is not None:
+            raise RuntimeError("RolloutScheduler.load_state_dict after the rollout thread started")
+        rollouts = unpack_rollouts(state, self.rank, step) if self.k else []
+        kept = [b for b in rollouts if b.step - b.version <= self.k]
+        # a rollout is kept only if every one before it is (the thread generates in step order)
+        kept = [b for i, b in enumerate(kept) if b.step == step + i]
+        self._dropped = self.samples_per_step * (len(rollouts) - len(kept))
+        if self._dropped:
+            log.info("rollout.max_staleness=%d: %d of the checkpoint's buffered rollouts dropped, their prompts "
+                     "generated again", self.k, len(rollouts) - len(kept))
+        self.queue = {b.step: b for b in kept}
+        self._base = self._published = self._loaded = step
+        self._next, self._taken = step + len(kept), step - 1
+
+
+def _close(ref) -> None:
+    if (scheduler := ref()) is not None:
+        scheduler.close()
+
+
+def pack_rollouts(rollouts: list[Buffered], rank: int) -> dict[str, Any]:
+    """Buffered rollouts as checkpoint state (the same keys with none: `dcp.load` fills a
+    placeholder in place): the first one's step (-1 for none: the prompt cursor is the
+    checkpoint's step) and version, their seconds, and this rank's records
+    (`records.rank<r>`, torch.save bytes of every rollout's step, version, seconds and fields)."""
+    blob = b""
+    if rollouts:
+        out = io.BytesIO()
+        torch.save([{"step": b.step, "version": b.version, "seconds": b.seconds,
+                     "records": [dict(rec.items()) for rec in b.records]} for b in rollouts], out)
+        blob = out.getvalue()
+    first = rollouts[0] if rollouts else None
+    return {"buffered_step": first.step if first else -1, "version": first.version if first else -1,
+            "seconds": sum(b.seconds for b in rollouts), "records": {f"rank{rank}": blob}}
+
+
+def unpack_rollouts(state: dict[str, Any] | None, rank: int, step: int) -> list[Buffered]:
+    """`pack_rollouts`'s rollouts back (none for None or no records), the first checked to be
+    `step`'s (the checkpoint's steps done)."""
+    blob = (state or {}).get("records", {}).get(f"rank{rank}", b"")
+    if not state or int(state["buffered_step"]) < 0 or not blob:
+        return []
+    if int(state["buffered_step"]) != step:
+        raise ValueError(f"checkpoint: the buffered rollout is step {state['buffered_step']}'s, the checkpoint "
+                         f"has {step} steps done (expected step {step}'s)")
+    return [Buffered(int(b["step"]), int(b["version"]), [Experience(**fields) for fields in b["records"]],
+                     seconds=float(b["seconds"])) for b in torch.load(io.BytesIO(blob), weights_only=True)]

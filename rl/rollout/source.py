@@ -1,0 +1,47 @@
+"""`RolloutSource`: this rank's rewarded records of one rollout round, a function of (seed, step,
+round, policy version) alone. The scheduler (rl/rollout/scheduler.py) calls it in the foreground
+(max_staleness=0, and dynamic sampling's extra rounds) or from its rollout thread, so it holds
+no collective: the trainer gathers the samples' metadata itself."""
+
+from __future__ import annotations
+
+import torch
+
+from packing.experience import Experience
+from rl.rollout.episodes import run_episodes
+from rl.tasks.reward import apply_overlong_penalty
+
+
+class RolloutSource:
+    def __init__(self, cfg, dims, engine, task) -> None:
+        self.cfg, self.dims, self.engine, self.task = cfg, dims, engine, task
+
+    def records(self, step: int, round_: int, version: int) -> list[Experience]:
+        """This rank's records of one rollout round, rewarded, each stamped with the policy
+        `version` the engine holds (the caller knows it). Every rank draws the round's global
+        prompt list from the same seed and takes its DP slice, so which prompt a sample comes from
+        (and its seed) never depends on the layout; prompt indices are unique within the step."""
+        task, dims, algo = self.cfg.task, self.dims, self.cfg.algo
+        per_rank = task.prompts_per_step // dims.dp
+        first = dims.dp_rank * per_rank
+        seed = self.cfg.seed * 1_000_003 + step + round_ * 1_000_000_007
+        # a JSONL task walks its lines in seeded epochs, step k from position k * prompts_per_step (rl/tasks/files.py)
+        prompts = self.task.step_prompts(task.prompts_per_step, seed=seed, run_seed=self.cfg.seed,
+                                         start=step * task.prompts_per_step if round_ == 0 else None)
+        prompts = prompts[first:first + per_rank]
+        rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
+        base = (step * rounds + round_) * task.prompts_per_step + first
+        index = [base + i for i in range(per_rank) for _ in range(task.samples_per_prompt)]
+        records = run_episodes(  # one engine.generate, or one per turn of a multi-turn task
+            self.engine, self.task, [p for p, _ in prompts for _ in range(task.samples_per_prompt)],
+            [m for _, m in prompts for _ in range(task.samples_per_prompt)], prompt_indices=index,
+            max_new_tokens=task.max_new_tokens, temperature=self.cfg.model.temperature,
+            seed=self.cfg.seed * 7919 + step,
+        )
+        if algo.overlong_buffer is not None:
+            apply_overlong_penalty(records, task.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
+        for rec in records:
+            rec.policy_version = torch.tensor(version)
+            if not algo.routing_replay:
+                rec.routed_experts = None
+        return records
