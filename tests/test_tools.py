@@ -99,6 +99,9 @@ def _play(task, engine, prompts):
      [("python", {"code": "a"})]),
     ("mistral", '[TOOL_CALLS][{"name": "python", "arguments": {"code": "a"}}]', [("python", {"code": "a"})]),
     ("llama3", '<|python_tag|>{"name": "python", "parameters": {"code": "a"}}', [("python", {"code": "a"})]),
+    ("markdown", "Let me compute:\n```python\nprint(38 * 17)\n```\nand\n```py\nx = 1\nprint(x)\n```",
+     [("python", {"code": "print(38 * 17)\n"}), ("python", {"code": "x = 1\nprint(x)\n"})]),
+    ("markdown", "The answer is `42`, see ```text\n42\n```.", []),
     ("hermes", "The answer is 42.", []),  # the controls: no call in plain text, whatever the format
     ("mistral", "The answer is 42.", []),
     ("llama3", "The answer is {42}.", []),

@@ -20,6 +20,8 @@ text (or a `ToolOutput`, text with a status). The reply is parsed by transformer
                `<|python_tag|>` (Llama 3.1+ JSON tool calling).
 * `tokenizer`- the tokenizer's own `response_template` (`tokenizer.parse_response`), for models
                that ship one.
+* `markdown` - each fenced ```python block of the reply is a call of the `python` tool (a code
+               interpreter; small chat models such as SmolLM2-135M write these unprompted).
 
 The reply is decoded with its special tokens (Mistral's `[TOOL_CALLS]` is one), the stop token at its
 end dropped. A call the model got wrong (not JSON, no such tool, arguments that do not fit) is not a
@@ -52,6 +54,7 @@ class ToolFormat(Choice):
     MISTRAL = "mistral"
     LLAMA3 = "llama3"
     TOKENIZER = "tokenizer"
+    MARKDOWN = "markdown"
 
 
 _LAX = {"allow_non_json": True}  # a call that is not JSON comes back as text: reported to the model
@@ -67,6 +70,11 @@ RESPONSE_TEMPLATES: dict[ToolFormat, dict] = {
         "content": {},
         "tool_calls": {"open_pattern": r"^\s*(?:<\|python_tag\|>)?\s*(?=\{)", "content": "json",
                        "content_args": _LAX}}},
+    ToolFormat.MARKDOWN: {"start_anchor": "<|im_start|>assistant", "fields": {
+        "content": {},
+        "tool_calls": {"open_pattern": r"```(?:python|py)[ \t]*\n", "close": "```", "repeats": True,
+                       "content_args": {"strip": False},
+                       "transform": {"name": "python", "arguments": {"code": "{content}"}}}}},
 }
 
 
@@ -151,6 +159,9 @@ class Toolbox:
         self.schemas = [t.schema() for t in tools]
         self.tokenizer = tokenizer
         self.format = ToolFormat.parse(tool_format, "task.options.tool_format")
+        if self.format is ToolFormat.MARKDOWN and "python" not in self.tools:
+            raise ValueError("task.options.tool_format=markdown runs code blocks with the python tool: add python "
+                             "to task.options.tools")
         if self.format is ToolFormat.TOKENIZER and getattr(tokenizer, "response_template", None) is None:
             raise ValueError("task.options.tool_format=tokenizer but the tokenizer has no response_template; "
                              f"pick one of {[f.value for f in ToolFormat if f is not ToolFormat.TOKENIZER]}")
@@ -267,6 +278,7 @@ _CALL_EXAMPLE = {
     ToolFormat.MISTRAL: '[TOOL_CALLS][{"name": <function-name>, "arguments": <args-json-object>}]',
     ToolFormat.LLAMA3: '{"name": <function-name>, "parameters": <args-json-object>} (the whole reply)',
     ToolFormat.TOKENIZER: '{"name": <function-name>, "arguments": <args-json-object>}',
+    ToolFormat.MARKDOWN: "```python\n<code>\n``` (a python code block is run by the python tool)",
 }
 
 
