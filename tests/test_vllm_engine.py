@@ -21,6 +21,7 @@ import torch
 
 from rl.tasks.base import MultiTurnTask
 from tests.inprocess import SMALL, compose
+from tests.test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 
 TOL = 1e-4  # fp32: |vLLM log-prob - training forward log-prob| of the same tokens, measured ~5e-7
 VLLM_TINY = ("model=dense_tiny", "+model.overrides.head_dim=32", "trainer.device=cpu", "rollout.engine=vllm",
@@ -441,3 +442,99 @@ def test_routing_replay_with_vllm_trains_the_tiny_moe(moe_trainer):
     recs = tr.engine.generate(PROMPTS, prompt_indices=[0, 1, 2, 3], max_new_tokens=8, temperature=1.0, seed=4)
     assert all(r.routed_experts is not None for r in recs)
     assert _gap(tr, recs) < TOL
+
+
+# ------------------------------------------------------------ vLLM: one process, in process
+def _hf_gap(model, records) -> float:
+    """max |log-prob of the sampled tokens under `model` (a HF causal LM) - the engine's|."""
+    gaps = []
+    for rec in records:
+        with torch.no_grad():
+            logits = model(rec.sequences[None], use_cache=False).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, rec.sequences[1:, None])[:, 0]
+        gaps.append(float((lp - rec.rollout_log_probs)[rec.action_mask].abs().max()))
+    return max(gaps)
+
+
+@pytest.mark.vllm
+def test_one_process_engine_runs_in_process_and_reloads_moe_weights(tmp_path, monkeypatch):
+    """The layout of one GPU without torchrun, on CPU: vLLM's uniprocess executor with its engine
+    core in this process, weights synced as tensors (no shared memory), MoE routes read in
+    process. After a reload the CPU MoE experts are prepacked again; control: without that
+    step the same weights score the tokens 1e-3+ apart."""
+    from model.models import build_model
+    from rl.rollout.vllm_engine import VLLMRolloutEngine, WorkerExtension
+
+    model = build_model("qwen3_moe", head_dim=32, vocab_size=64, max_position_embeddings=512,
+                        attn_implementation="sdpa")
+    model.save_pretrained(tmp_path)
+    engine = VLLMRolloutEngine(tmp_path, max_model_len=64, in_process=True, routed_experts=True)
+    try:
+        assert type(engine.llm.llm_engine.engine_core).__name__ == "InprocClient"
+        assert engine.llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend == "uni"
+
+        def sample(seed):
+            return engine.generate(PROMPTS, prompt_indices=[0, 1, 2, 3], max_new_tokens=6, temperature=1.0,
+                                   seed=seed)
+
+        recs = sample(1)
+        assert _hf_gap(model, recs) < TOL and all(r.routed_experts.shape[:2] == (2, 2) for r in recs)
+        engine.load_weights(model.state_dict())  # in process: the tensors themselves, no /dev/shm buckets
+        assert "buckets" not in engine.last_sync and engine.last_sync["reload_s"] > 0
+        assert _hf_gap(model, sample(2)) < TOL
+        monkeypatch.setattr(WorkerExtension, "_rl_after_reload", lambda self: None)
+        engine.load_weights(model.state_dict())
+        unpacked = _hf_gap(model, sample(2))
+        monkeypatch.undo()
+        print(f"after a reload: max |dlogp| without the prepack {unpacked:.2e}")
+        assert unpacked > 1e-3
+        engine.load_weights(model.state_dict())
+        assert _hf_gap(model, sample(3)) < TOL
+    finally:
+        engine.close()
+
+
+# ------------------------------------------------------------ vLLM: multi-turn lengths
+@pytest.fixture(scope="module")
+def retry_run(tmp_path_factory, tokenizer, tokenizer_dir):
+    from model.models import build_model
+
+    folder = tmp_path_factory.mktemp("llama32")
+    build_model("llama", seed=0, vocab_size=len(tokenizer), tie_word_embeddings=True, head_dim=32,
+                attn_implementation="sdpa").save_pretrained(folder)
+    return ("model=pretrained", f"model.pretrained_path={folder}", "model.dtype=float32", "task=arithmetic_retry",
+            f"task.tokenizer_path={tokenizer_dir}", "task.options.max_turns=3", "task.prompts_per_step=2",
+            "task.samples_per_prompt=4", "task.max_new_tokens=6", "trainer.progress=false", "trainer.device=cpu",
+            "rollout.engine=vllm", "trainer.lr=1e-3")
+
+
+@pytest.mark.vllm
+def test_three_turn_episodes_train_with_vllm_within_the_computed_length(retry_run):
+    """rollout.engine=vllm with a 3-turn task: `max_model_len` is the task's longest sample
+    (rl/config.py longest_sample), the last turn's longest context still gets its full reply,
+    episodes reach turn 3 and two steps train on them as vLLM sampled them."""
+    from rl.config import longest_sample
+    from tests.inprocess import trainer
+
+    tr = trainer(*retry_run)
+    try:
+        task, engine = tr.task, tr.engine
+        longest = task.max_prompt_len + 3 * 6 + 2 * task.max_observation_len
+        assert engine.max_model_len == longest_sample(task, 6) == longest
+        last_turn = torch.arange(longest - 6) % 200 + 10  # the longest context turn 3 can have
+        (rec,) = engine.generate([last_turn], prompt_indices=[0], max_new_tokens=6, temperature=1.0, seed=0)
+        assert rec.sequences.numel() <= longest
+        with pytest.raises(ValueError, match=f"max_model_len={longest}"):  # control: one token more is refused
+            engine.generate([torch.cat([last_turn, last_turn[:1]])], prompt_indices=[0], max_new_tokens=6,
+                            temperature=1.0, seed=0)
+        from rl.rollout.episodes import run_episodes
+
+        drawn = task.prompts(4, seed=3)
+        records = run_episodes(engine, task, [p for p, _ in drawn], [m for _, m in drawn], prompt_indices=[0, 1, 2, 3],
+                               max_new_tokens=6, temperature=1.0, seed=5)
+        assert max(int(r.turns) for r in records) == 3 and max(r.sequences.numel() for r in records) <= longest
+        assert _gap(tr, records) < TOL
+        metrics = [tr.step(s) for s in range(2)]
+        assert all(m["rollout_logprob_abs_diff_max"] < TOL and m["turns_mean"] > 2.0 for m in metrics), metrics
+    finally:
+        tr.engine.close()
