@@ -1,4 +1,4 @@
-"""Host syncs in one actor forward, counted on the CPU (issue 25.3, the forward part).
+"""Host syncs in one actor forward, and in a whole training step, counted on the CPU (issues 25.3, 42.6).
 
 A device-to-host read (`.item()`, `bool()`/`int()` of a tensor, `.tolist()`, `.cpu()`,
 `.numpy()`, and ops whose output shape depends on the data: `nonzero`, boolean indexing,
@@ -129,3 +129,57 @@ def test_control_device_lengths_alone_are_read_back_per_layer(dense, pack, monke
     layers = dense.config.num_hidden_layers
     assert hits[("scalar", "attention.py")] == layers  # the longest sequence, per layer
     assert hits[("to_host", "attention.py")] == 2 * layers  # cu_seq_lens_q/k, per layer
+
+
+# ------------------------------------------------ a whole training step (issue 42.6)
+GUARD = ("scalar", "guard.py")  # rl/trainer/guard.py: the non-finite verdict of each loss term, read per update
+STEP = ("scalar", "trainer.py")  # the global norm's finite check (skip the update) and the step's metric sums
+
+
+def _training_syncs(model: str) -> tuple[collections.Counter, int]:
+    """Host syncs of the training stage of one step (every microbatch's forward and backward, the clipping
+    and the optimizer step) of a one-process trainer, AdamW fused as on CUDA (rl/trainer/trainer.py
+    `adamw_options`: torch's default CPU AdamW reads each parameter's step count, a CPU-only cost), and the
+    number of policy forwards it ran. The rollout's decode loop: tests/test_decode_syncs.py; the sample
+    bookkeeping (plan, collate, advantages) runs on host-resident records and is not a device read."""
+    from inprocess import SMALL, trainer
+
+    tr = trainer(model, *SMALL, "trainer.device=cpu")
+    for group in tr.optimizer.param_groups:
+        group["fused"] = True
+    forwards, counted, right, train = [], collections.Counter(), Actor.forward, tr.train
+
+    def forward(self, *args, **kwargs):
+        forwards.append(1)
+        return right(self, *args, **kwargs)
+
+    def training(*args, **kwargs):
+        with count_host_syncs() as hits:
+            out = train(*args, **kwargs)
+        counted.update((kind, Path(at.rsplit(" @ ", 1)[1].rsplit(":", 1)[0]).name)
+                       for kind, where in hits.where.items() for at in where)
+        return out
+
+    tr.train = training
+    tr.step(0)  # the first step builds the optimizer state
+    counted.clear()
+    Actor.forward = forward
+    try:
+        tr.step(1)
+    finally:
+        Actor.forward = right
+    return counted, len(forwards)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["model=dense_tiny", "model=moe_tiny"])
+def test_a_training_step_reads_back_the_forwards_syncs_and_one_verdict_per_update(model):
+    """Per forward: transformers' mask check, the action rows (actions_only) and, MoE, the per-expert
+    counts per layer; per update: the guard's three term flags (read twice) and the trainer's finite
+    check and metric sum. Nothing per parameter, per layer of the backward or per gradient."""
+    counted, forwards = _training_syncs(model)
+    layers = 2 if model == "model=moe_tiny" else 0  # the tiny MoE: every layer sparse
+    want = {MASK: forwards, ACTIONS: forwards, GUARD: 6, STEP: 2}
+    if layers:
+        want[EXPERTS] = layers * forwards
+    assert forwards >= 1 and counted == want, (forwards, counted)
