@@ -245,6 +245,30 @@ def test_a_long_tool_output_is_cut_to_max_observation_len(tokenizer_dir, tokeniz
     assert int(ended.status) == Status.TRUNCATED and int(ended.turns) == 1
 
 
+@pytest.mark.slow
+def test_a_turns_tool_calls_overlap(tokenizer_dir, tokenizer, end_id, monkeypatch):
+    """Four samples each run code that sleeps 1.5 s: on the pool's threads the turn takes about one
+    sleep, not four (the control: a pool of one thread takes them one after the other)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rl.rollout import episodes
+
+    task = _task(tokenizer_dir, end_id)
+    engine = Scripted(tokenizer, end_id, lambda text, turn: call("import time\ntime.sleep(1.5)\nprint('slept')")
+                      if turn == 0 else "done")
+    prompts = task.prompts(4, seed=5)
+    seconds = []
+    for pool in (None, ThreadPoolExecutor(1)):
+        if pool is not None:
+            monkeypatch.setattr(episodes, "_tool_pool", pool)
+        start = time.monotonic()
+        records = _play(task, engine, prompts)
+        seconds.append(time.monotonic() - start)
+        assert all("<tool_response>slept</tool_response>" in tokenizer.decode(r.sequences.tolist()) for r in records)
+    assert seconds[0] < 4.5 <= 6.0 <= seconds[1], seconds
+
+
 # ------------------------------------------------------------------ the trainer
 @pytest.mark.slow
 def test_the_trainer_runs_python_tool_episodes(tiny_llama, tokenizer_dir):

@@ -30,7 +30,8 @@ end-of-turn from the observation.
 Tools (a `ToolTask`, rl/tasks/tool_task.py): a reply that calls a tool (parsed by the task's
 `toolbox`, rl/tasks/tools.py) is answered by the tools, not the environment: their outputs, rendered
 as the chat template's tool message, enter the context as observation tokens (action mask False,
-cut like an environment answer), and the model replies again. The first reply that calls none, or
+cut like an environment answer), and the model replies again. A turn's calls run on a few threads
+at once (a sandboxed call mostly waits for its process). The first reply that calls none, or
 the last turn's, goes to `env.step`. A tool that raises or runs past `task.timeout_s` ends its
 episode like a failing environment; what the code run by the `python` tool did (a timeout, the
 memory limit, a refused write) is reported to the model in the tool message, and the episode goes on.
@@ -74,6 +75,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -82,10 +84,10 @@ import torch
 from packing.experience import Experience
 from rl.rollout.engine import make_record
 from rl.rollout.sampler import group_places, sample_seed
-from rl.tasks.calls import Status
+from rl.tasks.calls import Status, UserCalls
 from rl.tasks.base import MultiTurnTask, Task, assign_rewards, check_reward, task_calls
 from rl.tasks.tool_task import ToolTask
-from rl.tasks.tools import ToolOutput
+from rl.tasks.tools import Toolbox, ToolOutput
 
 _ENV_SALT = 0x5EED_E7E7  # environment seeds are drawn apart from the engine's sample seeds
 
@@ -149,7 +151,6 @@ class _Episode:
     done: bool = False
     status: Status | None = None  # set when the episode ends otherwise than `done`
     truncated: bool = False  # an answer was cut to task.max_observation_len
-    tools: list[str] = field(default_factory=list)  # the status of each tool call it made (rl/tasks/tools.py)
 
     @property
     def turns(self) -> int:
@@ -184,6 +185,7 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
     frame = None  # observation_ids(""): the template's frame around an answer, for cutting a long one
     toolbox = task.toolbox if isinstance(task, ToolTask) else None
     tool_frame = None  # the same for a tool message
+    tools_of = f"tools of {type(task).__name__}"
     for turn in range(task.max_turns):
         playing = [i for i, ep in enumerate(episodes) if not ep.done]
         indices = ([int(prompt_indices[i]) for i in playing] if turn == 0 else
@@ -192,6 +194,13 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
             engine.on_progress(turn=f"{turn + 1}/{task.max_turns}")
         records = engine.generate([episodes[i].context for i in playing], prompt_indices=indices,
                                   max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        answered = {}  # sample -> (a failure's status or None, its tool outputs: [] when it called none)
+        if toolbox is not None and turn < task.max_turns - 1:
+            where = lambda i: (f"run_episodes: sample {i} (prompt index {int(prompt_indices[i])}), "  # noqa: E731
+                               f"turn {turn + 1}")
+            answered = _run_tools(toolbox, calls, stop, tools_of, where,
+                                  [(i, rec.sequences[episodes[i].context.numel():]) for i, rec in zip(playing, records)
+                                   if episodes[i].status is None])
         for i, rec in zip(playing, records):
             ep, n = episodes[i], episodes[i].context.numel()
             response = rec.sequences[n:]
@@ -201,18 +210,16 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
             if ep.status is not None:  # failed before its first turn
                 ep.fail(ep.status)
                 continue
-            if toolbox is not None and turn < task.max_turns - 1:
-                with (guard := calls.guard(f"tools of {type(task).__name__}", f"run_episodes: sample {i} (prompt index "
-                                                                f"{int(prompt_indices[i])}), turn {turn + 1}")):
-                    ids = None
-                    if tool_calls := toolbox.parse(response, stop):
-                        outputs = [toolbox.run(call, calls) for call in tool_calls]
-                        ep.tools.extend(o.status for o in outputs)
+            if i in answered:
+                status, outputs = answered[i]
+                if status is None and outputs:
+                    with (guard := calls.guard(tools_of, where(i))):
                         ids = toolbox.message_ids(outputs)
-                if guard.status is not None:
-                    ep.fail(guard.status)
+                    status = guard.status
+                if status is not None:
+                    ep.fail(status)
                     continue
-                if ids is not None:  # the tools answered: the model goes on, the environment is not asked
+                if outputs:  # the tools answered: the model goes on, the environment is not asked
                     if tool_frame is None:
                         tool_frame = toolbox.message_ids([ToolOutput("")])
                     _observe(ep, rec, response, ids, task.max_observation_len, stop, tool_frame)
@@ -255,6 +262,37 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
             Status.TRUNCATED if ep.truncated else ep.status or Status.DONE
         rec.status = torch.tensor(int(status))
         out.append(rec)
+    return out
+
+
+_TOOL_THREADS = 8
+# one pool for the process (its threads start on first use): they keep their UserCalls workers from turn to turn
+_tool_pool = ThreadPoolExecutor(_TOOL_THREADS, thread_name_prefix="tools")
+
+
+def _run_tools(toolbox: Toolbox, calls: UserCalls, stop: int | None, what: str, where,
+               replies: list[tuple[int, torch.Tensor]]) -> dict[int, tuple[Status | None, list[ToolOutput]]]:
+    """Each reply's tool calls, parsed here and run on up to `_TOOL_THREADS` threads (a sandboxed
+    call mostly waits for its child process, so a turn's calls overlap), a sample's calls in order.
+    An exception or a timeout fails that sample only: its status, through `calls`."""
+    out: dict[int, tuple[Status | None, list[ToolOutput]]] = {}
+    parsed = {}
+    for i, response in replies:
+        with (guard := calls.guard(what, where(i))):
+            parsed[i] = toolbox.parse(response, stop)
+        if guard.status is not None:
+            out[i] = (guard.status, [])
+
+    def run(i: int) -> tuple[Status | None, list[ToolOutput]]:
+        outputs: list[ToolOutput] = []
+        with (guard := calls.guard(what, where(i))):
+            outputs = [toolbox.run(call, calls) for call in parsed[i]]
+        return guard.status, outputs if guard.status is None else []
+
+    futures = {i: _tool_pool.submit(run, i) for i in parsed if parsed[i]}
+    for i in parsed:
+        if i not in out:
+            out[i] = futures[i].result() if i in futures else (None, [])
     return out
 
 
