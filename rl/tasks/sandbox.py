@@ -22,7 +22,9 @@ only against code that stays in Python, which is why the escapes from Python are
 * processes (`max_processes`): RLIMIT_NPROC. Kernel, with two caveats: it counts every process
   of the user id (and the kernel ignores it for root), so when the parent runs as root the
   child first drops to the `nobody` user (uid/gid 65534), and the limit is this user's
-  processes at start plus `max_processes`. A fork refused is an `OSError` in the code.
+  processes at start plus `max_processes`. A fork refused is an `OSError` in the code. As
+  `nobody` it keeps one capability, CAP_DAC_READ_SEARCH, to read the interpreter wherever it is
+  installed (none where the parent lacks it, as root in a default Docker container).
 * file size (`max_file_mb`): RLIMIT_FSIZE, and RLIMIT_NOFILE (64 open files). Kernel.
 * network: the child first tries a new network namespace (unshare(CLONE_NEWNET) as root,
   unshare(CLONE_NEWUSER | CLONE_NEWNET) otherwise, where unprivileged user namespaces are
@@ -132,10 +134,13 @@ CLONE_NEWUSER, CLONE_NEWNET, PR_SET_KEEPCAPS, CAP_DAC_READ_SEARCH = 0x10000000, 
 def _read_only_caps():
     # keep one capability, CAP_DAC_READ_SEARCH (read any file: the interpreter may live in a
     # folder `nobody` cannot read, such as /root), and nothing else: no write, no resource override
-    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
-    data = (ctypes.c_uint32 * 6)(1 << CAP_DAC_READ_SEARCH, 1 << CAP_DAC_READ_SEARCH, 0, 0, 0, 0)
-    if libc.capset(header, data) != 0:
-        raise OSError(ctypes.get_errno(), "capset")
+    # (where the parent never had it, e.g. root in a default Docker container: none at all)
+    for keep in (1 << CAP_DAC_READ_SEARCH, 0):
+        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+        data = (ctypes.c_uint32 * 6)(keep, keep, 0, 0, 0, 0)
+        if libc.capset(header, data) == 0:
+            return
+    raise OSError(ctypes.get_errno(), "capset")
 
 try:
     if os.geteuid() == 0:
