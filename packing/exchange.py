@@ -10,7 +10,7 @@ normalizers, dynamic sampling, the microbatch plan) is a handful of numbers per 
                                                       each sample from the rank that generated
                                                       it to the ranks `dest` names, flat tensors
 
-A `StandIn` is an `Experience` holding only the episode scalars (`rewards`, `prompt_index`,
+A `StandIn` holds only the episode scalars (`rewards`, `prompt_index`,
 `response_length`, `total_length`, a multi-turn episode's `turns`, the `policy_version` that
 generated it, the episode's `status`, with the records' dtypes)
 and its record's count of action tokens (`action_tokens`: what the token-mean normalizer
@@ -73,18 +73,24 @@ class Wire:
     high: int
 
 
-class StandIn(Experience):
-    """A sample of the step as every rank sees it: episode scalars and its record's number of
-    action tokens (see the module docstring); `source = (dp rank holding the record, key)`,
-    `wire` its round's `Wire`."""
+@dataclass(frozen=True, eq=False)
+class StandIn:
+    """A sample of the step as every rank sees it (see the module docstring): its episode
+    scalars as 0-d tensors with the records' dtypes, read by the same names as an
+    `Experience`'s (the advantage estimators, the planner and the metrics take either), and
+    its record's number of action tokens; `source = (dp rank holding the record, key)`, `wire`
+    its round's `Wire`. Not an `Experience`: it has no token fields, and nothing writes to it."""
 
     source: tuple[int, Hashable]
     wire: Wire
-    actions: int
-
-    @property
-    def action_tokens(self) -> int:
-        return self.actions
+    action_tokens: int
+    rewards: torch.Tensor
+    prompt_index: torch.Tensor
+    total_length: torch.Tensor
+    response_length: torch.Tensor | None = None
+    turns: torch.Tensor | None = None
+    policy_version: torch.Tensor | None = None
+    status: torch.Tensor | None = None
 
 
 def routing_dtype(low: int, high: int) -> torch.dtype:
@@ -183,18 +189,13 @@ def gather_metadata(records: Sequence[Experience], key: Hashable = 0, *, dp_rank
     out = []
     for src, block in enumerate(parts):
         for i, (prompt, T, R, bits, actions, _, turns, version, status) in enumerate(block.tolist()):
-            s = StandIn(rewards=torch.tensor(torch.tensor(bits).view(torch.float64).item(), dtype=dtype["rewards"]),
-                        prompt_index=torch.tensor(prompt, dtype=dtype["prompt_index"]))
-            if "response_length" in dtype:
-                s.response_length = torch.tensor(R, dtype=dtype["response_length"])
-            s.total_length = torch.tensor(T, dtype=dtype.get("total_length", torch.int64))
-            if "turns" in dtype:
-                s.turns = torch.tensor(turns, dtype=dtype["turns"])
-            if "policy_version" in dtype:
-                s.policy_version = torch.tensor(version, dtype=dtype["policy_version"])
-            if "status" in dtype:
-                s.status = torch.tensor(status, dtype=dtype["status"])
-            s.source, s.wire, s.actions = (src, (key, i)), wire, actions
+            episode = {name: torch.tensor(value, dtype=dtype[name])
+                       for name, value in (("response_length", R), ("turns", turns), ("policy_version", version),
+                                           ("status", status)) if name in dtype}
+            s = StandIn(source=(src, (key, i)), wire=wire, action_tokens=actions,
+                        rewards=torch.tensor(torch.tensor(bits).view(torch.float64).item(), dtype=dtype["rewards"]),
+                        prompt_index=torch.tensor(prompt, dtype=dtype["prompt_index"]),
+                        total_length=torch.tensor(T, dtype=dtype.get("total_length", torch.int64)), **episode)
             out.append(s)
     return out
 

@@ -279,8 +279,8 @@ def _row_view(item: Experience) -> tuple[Callable, Callable]:
 
 
 def _what(item: Experience, i: int) -> str:
-    """How an error names item i: a record, a stand-in (no action mask left) or a batch."""
-    if item.action_mask is None:
+    """How an error names item i: a stand-in (packing/exchange.py), a record or a batch."""
+    if not isinstance(item, Experience):
         return f"sample {i}"
     return f"record {i}" if item.action_mask.dim() == 1 else f"batch {i}"
 
