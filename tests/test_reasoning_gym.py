@@ -94,6 +94,7 @@ def test_bad_options_name_the_field(tokenizer_dir):
         gym(tokenizer_dir, dataset="basic_arithmetic", dataset_config=SMALL, size=40).heldout(150)
 
 
+@pytest.mark.slow
 def test_the_config_composes_and_a_run_trains_and_evaluates(tiny_llama, tokenizer_dir):
     run = ("model=pretrained", f"model.pretrained_path={tiny_llama}", "model.dtype=float32", "task=reasoning_gym",
            "task.options.dataset=basic_arithmetic", f"task.tokenizer_path={tokenizer_dir}", "task.options.size=50",
