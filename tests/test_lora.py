@@ -229,6 +229,15 @@ def test_sync_bytes_at_rank_16_on_smollm2_shape():
     print(f"rank 16 adapters: {adapters / 2**20:.2f} MiB = {adapters / full:.4f} of a full sync "
           f"({full / 2**20:.1f} MiB, fp32)")
     assert adapters / full <= 0.05
+    # training state per rank at 4 FSDP ranks, fp32: full fine-tuning holds weights, grads and two AdamW
+    # moments of every parameter (16 bytes each); LoRA those of the adapters, beside the frozen base's weights
+    # (`full` and `adapters` are fp32 weight bytes: weights + grads + moments are 4 x those, over 4 ranks)
+    full_ft, trainable = 4 * full / 4, 4 * adapters / 4
+    with_base = trainable + full / 4
+    print(f"per-rank training state at 4 ranks: full fine-tuning {full_ft / 2**20:.1f} MiB, LoRA adapters "
+          f"{trainable / 2**20:.1f} MiB ({trainable / full_ft:.3f}), with the frozen fp32 base shard "
+          f"{with_base / 2**20:.1f} MiB ({with_base / full_ft:.3f})")
+    assert trainable / full_ft <= 0.1
 
 
 def test_trainer_builds_no_reference_and_steps_adapters_only():
