@@ -253,15 +253,14 @@ SandboxRefused = _install(scratch, cfg["report_fd"])
 del libc, ctypes, _read_only_caps, _mine, _install, json, resource, cfg
 try:
     exec(compile(source, "<python>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-except SandboxRefused as e:
+except SystemExit:
+    raise
+except BaseException as e:  # the traceback from the code's first frame on: the bootstrap is not the model's
     import traceback
-    traceback.print_exc()
-    sys.exit(%(refused)d)
-except MemoryError:
-    import traceback
-    traceback.print_exc()
-    print("sandbox: memory limit reached", file=sys.stderr)
-    sys.exit(%(memory)d)
+    traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+    if isinstance(e, MemoryError):
+        print("sandbox: memory limit reached", file=sys.stderr)
+    sys.exit(%(refused)d if isinstance(e, SandboxRefused) else %(memory)d if isinstance(e, MemoryError) else 1)
 ''' % {"refused": _REFUSED_EXIT, "memory": _MEMORY_EXIT, "setup": _SETUP_EXIT}
 
 
