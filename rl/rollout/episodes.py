@@ -151,10 +151,28 @@ class _Episode:
     done: bool = False
     status: Status | None = None  # set when the episode ends otherwise than `done`
     truncated: bool = False  # an answer was cut to task.max_observation_len
+    past: int = 0  # replies turned into context by task.strip_thinking
 
     @property
     def turns(self) -> int:
-        return sum(sampled for _, sampled, _ in self.pieces)
+        return self.past + sum(sampled for _, sampled, _ in self.pieces)
+
+    def forget_thinking(self, task: MultiTurnTask) -> None:
+        """task.strip_thinking: the replies so far lose their reasoning (`task.without_thinking`, as a
+        Qwen3-style template renders past turns) and become context, not actions: the next reply is
+        sampled from the stripped history, and only the last reply is trained (the earlier ones were
+        sampled from a context the record no longer holds)."""
+        if self.routing:
+            raise ValueError("task.options.strip_thinking with recorded MoE routing: the routing of stripped "
+                             "tokens cannot be kept; set task.options.strip_thinking=false")
+        pieces = []
+        for tokens, sampled, log_probs in self.pieces:
+            if sampled:
+                tokens = torch.tensor(task.without_thinking(tokens.tolist()), dtype=torch.int64)
+                log_probs, sampled, self.past = torch.zeros(tokens.numel()), False, self.past + 1
+            pieces.append((tokens, sampled, log_probs))
+        self.pieces = pieces
+        self.context = torch.cat([self.prompt, *(tokens for tokens, _, _ in pieces)])
 
     def fail(self, status: Status) -> None:
         self.status, self.done, self.reward = status, True, 0.0
@@ -188,6 +206,9 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
     tools_of = f"tools of {type(task).__name__}"
     for turn in range(task.max_turns):
         playing = [i for i, ep in enumerate(episodes) if not ep.done]
+        if task.strip_thinking and turn > 0:
+            for i in playing:
+                episodes[i].forget_thinking(task)
         indices = ([int(prompt_indices[i]) for i in playing] if turn == 0 else
                    [sample_seed(turn, int(prompt_indices[i]), place[i]) for i in playing])
         if getattr(engine, "on_progress", None) is not None:

@@ -10,7 +10,7 @@ import torch
 
 from rl.tasks.answers import math_reward
 from rl.tasks.base import MultiTurnTask, Prompt
-from rl.tasks.chat import TextTask, chat_encoder, load_tokenizer, observation_encoder, user_turn
+from rl.tasks.chat import TextTask, chat_encoder, load_tokenizer, observation_encoder, thinking_ids, user_turn
 
 
 class ArithmeticTask(TextTask):
@@ -122,8 +122,11 @@ class ArithmeticRetryTask(ArithmeticTask, MultiTurnTask):
     second try scores as one solved on the first. `max_turns` model turns at most."""
 
     def __init__(self, tokenizer_path: str | os.PathLike, *, feedback: str = "Incorrect, try again.",
-                 max_turns: int = 2, **kwargs: Any) -> None:
+                 max_turns: int = 2, strip_thinking: bool = False, **kwargs: Any) -> None:
         super().__init__(tokenizer_path, **kwargs)
+        self.strip_thinking = bool(strip_thinking)
+        if self.strip_thinking:
+            thinking_ids(self.tokenizer)  # the option's tokens exist
         if max_turns < 1:
             raise ValueError(f"task.options.max_turns={max_turns}: expected >= 1")
         self.feedback, self.max_turns = feedback, max_turns

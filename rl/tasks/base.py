@@ -102,6 +102,11 @@ class MultiTurnTask(Task):
 
     encode_messages: Callable[[list[dict]], list[int]]
     observation_ids: Callable[[str], list[int]]
+    strip_thinking: bool = False  # task.options.strip_thinking: past replies' reasoning leaves the context
+
+    def without_thinking(self, ids: list[int]) -> list[int]:
+        """A past reply as the next turn's context holds it (`strip_thinking`): unchanged here."""
+        return ids
 
     @abstractmethod
     def environment(self) -> Environment:

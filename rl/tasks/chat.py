@@ -18,6 +18,31 @@ class TextTask(Task):
     def decode(self, ids: Any) -> str:
         return self.tokenizer.decode(as_ids(ids), skip_special_tokens=True)
 
+    def without_thinking(self, ids: list[int]) -> list[int]:
+        """A past reply without its reasoning, as a Qwen3-style template renders an earlier assistant
+        turn (`content.split('</think>')[-1].lstrip('\\n')`): every token up to the last `</think>`
+        and the newlines after it dropped; a reply without `</think>` unchanged."""
+        close = thinking_ids(self.tokenizer)[1]
+        if close not in ids:
+            return ids
+        rest = ids[len(ids) - ids[::-1].index(close):]
+        while rest and set(self.tokenizer.decode([rest[0]])) <= {"\n"} and self.tokenizer.decode([rest[0]]):
+            rest = rest[1:]
+        return rest
+
+
+def thinking_ids(tokenizer: Any) -> tuple[int, int]:
+    """The ids of `<think>` and `</think>`: single tokens of the tokenizer (Qwen3's are), else an error
+    naming task.options.strip_thinking."""
+    ids = []
+    for token in ("<think>", "</think>"):
+        found = tokenizer.convert_tokens_to_ids(token)
+        if found is None or found == tokenizer.unk_token_id or tokenizer.decode([found]) != token:
+            raise ValueError(f"task.options.strip_thinking=true but '{token}' is not one token of the tokenizer "
+                             f"(a template with <think> blocks, such as Qwen3's, has it): nothing to strip")
+        ids.append(found)
+    return ids[0], ids[1]
+
 
 def chat_encoder(tokenizer: Any, chat_template: str | None, system_prompt: str | None,
                   tokenizer_path: Any, enable_thinking: bool | None = None) -> Callable[[list[dict]], list[int]]:

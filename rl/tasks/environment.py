@@ -32,7 +32,7 @@ import torch
 
 from rl.choice import Choice
 from rl.tasks.base import Environment, MultiTurnTask, Prompt, load_callable
-from rl.tasks.chat import TextTask, chat_encoder, load_tokenizer, observation_encoder, user_turn
+from rl.tasks.chat import TextTask, chat_encoder, load_tokenizer, observation_encoder, thinking_ids, user_turn
 from rl.tasks.files import FileTask, read_prompts
 
 _HELDOUT_SEEDS = 1 << 31  # a gym-style environment's training seeds are below, its held-out ones from here
@@ -160,7 +160,7 @@ class EnvironmentTask(TextTask, FileTask, MultiTurnTask):
                  *, environment: str | type | None = None, environment_options: dict | None = None,
                  interface: Interface | str = Interface.AUTO, max_turns: int = 2, max_observation_len: int = 64,
                  heldout_path: str | os.PathLike | None = None, max_prompt_len: int | None = None,
-                 chat_template: str | None = "tokenizer", system_prompt: str | None = None,
+                 strip_thinking: bool = False, chat_template: str | None = "tokenizer", system_prompt: str | None = None,
                  enable_thinking: bool | None = None, vocab_size: int | None = None,
                  stop_token_id: int | None = None) -> None:
         if environment is None:
@@ -183,6 +183,9 @@ class EnvironmentTask(TextTask, FileTask, MultiTurnTask):
         self.encode_messages = chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path, enable_thinking)
         self.observation_ids = observation_encoder(tokenizer, chat_template, enable_thinking)
         self.stop_token_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
+        self.strip_thinking = bool(strip_thinking)
+        if self.strip_thinking:
+            thinking_ids(tokenizer)  # the option's tokens exist
         if self.interface is Interface.GYM:
             if prompts_path is not None or heldout_path is not None:
                 raise ValueError(f"task.prompts_path / task.options.heldout_path with a gym-style environment "
