@@ -4,19 +4,20 @@
     wrapper = parallelize(Actor(lm, ...), dims)                    # EP + FSDP2 on meta: shard shapes only
     load_sharded(wrapper, path, dims)                              # allocate the local shards, fill them
 
-A rank never holds a full copy of the weights in host memory: every parameter's local
-tensor (its FSDP2 `Shard(0)` rows; under EP, rows of this rank's experts only) is read as a
-row range straight from the checkpoint's safetensors (`safe_open(...).get_slice(name)[a:b]`)
-and cast into place. What `from_pretrained` would do is reproduced exactly, so the loaded
-weights are bit-identical to a plain load (tests/test_sharded_load.py):
+The reading is torch's own: `dcp.load(state, storage_reader=HuggingFaceStorageReader(path))`
+into the parallelized model's tensors. For an FSDP2 DTensor DCP reads this rank's chunk only,
+as a slice of the safetensors (`safe_open(...).get_slice(key)[rows]`), and `copy_`s it into
+the local shard: the same round-to-nearest cast a plain load's `.to(dtype)` does. A rank never
+holds a full copy of the weights, and the loaded weights are bit-identical to a plain
+`from_pretrained` (tests/test_sharded_load.py; per-rank peak memory in bench/load_memory.py).
+What is left here:
 
-- names: the checkpoint's keys are the module's state-dict keys, except the fused experts
-  of `qwen3_moe`, which transformers merges at load time from per-expert tensors
-  (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`, what `save_pretrained` writes):
-  `gate_up_proj[e] = cat(gate_proj[e], up_proj[e])`, `down_proj[e] = down_proj[e]`; here only
-  the rank's experts are read. A family with any other load-time conversion is refused.
-- dtype: the skeleton is built in `model.dtype`; each slice is cast by `copy_` (the same
-  round-to-nearest a plain load's `.to(dtype)` does).
+- the fused experts of `qwen3_moe`: transformers merges them at load time from per-expert
+  tensors (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`, what `save_pretrained`
+  writes): `gate_up_proj[e] = cat(gate_proj[e], up_proj[e])`, `down_proj[e] = down_proj[e]`.
+  The key adapter gives DCP, for each expert in this rank's rows (under EP: its experts
+  only), the per-expert keys as views of those rows. A family with any other load-time
+  conversion is refused.
 - tied weights: a tied output head is the input embedding's Parameter (named once), so it
   is read once and stays tied (checked after allocation).
 - buffers: non-persistent buffers (rotary `inv_freq`) are recomputed by the model's own
@@ -25,18 +26,20 @@ weights are bit-identical to a plain load (tests/test_sharded_load.py):
 
 Bad input fails before any weight is read, naming `model.pretrained_path`, the tensor and
 both shapes (a config override that does not match the checkpoint, a missing tensor).
-`.bin` checkpoints are read memory-mapped (`torch.load(mmap=True)`), sliced the same way.
+Safetensors only: a `.bin` checkpoint is refused with the conversion to run.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -46,7 +49,7 @@ from model.parallel_dims import ParallelDims, local_tensor
 
 KEY = "model.pretrained_path"
 # The load-time key conversions of transformers (`conversion_mapping`, what `from_pretrained`
-# applies to a checkpoint's keys) that `_source` reproduces: (sources, targets, operations).
+# applies to a checkpoint's keys) that `_expert_keys` reproduces: (sources, targets, operations).
 # A family with any other conversion is refused rather than loaded wrongly.
 SUPPORTED_CONVERSIONS = {
     (("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"), ("mlp.experts.gate_up_proj",),
@@ -55,158 +58,76 @@ SUPPORTED_CONVERSIONS = {
 }
 
 
-# ------------------------------------------------------------------ the checkpoint
-class Checkpoint:
-    """The tensors of a checkpoint folder, by key: shapes from the headers, row ranges on demand.
+class _SliceReader(HuggingFaceStorageReader):
+    """DCP's Hugging Face reader with one memory map per read: its own keeps a file mapped for all
+    of the file's reads, so every page read stays resident until the end (the whole file at world
+    size 1); here only the slice being read is (bench/load_memory.py)."""
 
-    A safetensors file is memory-mapped for one read at a time (`safe_open` per read): only
-    the pages of the rows read become resident, and only until the read returns, so a rank's
-    resident set never holds more of the file than one slice."""
+    def read_data(self, plan, planner):
+        from safetensors import safe_open
 
-    def __init__(self, folder: str | Path) -> None:
-        self.folder = Path(folder)
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        self._bin: dict[str, _MappedStateDict] = {}  # .bin files: mapped once, until close
-        index = self._index()
-        if index is None:
-            raise ValueError(f"{KEY}={str(folder)!r}: no model.safetensors, model.safetensors.index.json, "
-                             f"pytorch_model.bin or pytorch_model.bin.index.json in the folder")
-        self.files: dict[str, str] = index  # key -> file name
-
-    def _index(self) -> dict[str, str] | None:
-        for single, sharded in (("model.safetensors", "model.safetensors.index.json"),
-                                ("pytorch_model.bin", "pytorch_model.bin.index.json")):
-            if (self.folder / sharded).is_file():
-                return dict(json.loads((self.folder / sharded).read_text())["weight_map"])
-            if (self.folder / single).is_file():
-                return {key: single for key in self._read(single, lambda f: list(f.keys()))}
-        return None
-
-    def _read(self, file: str, fn: Callable):
-        """`fn(handle)` on the open file (safetensors' `safe_open` interface)."""
-        if file.endswith(".safetensors"):
-            from safetensors import safe_open
-
-            with safe_open(str(self.folder / file), framework="pt", device="cpu") as handle:
-                return fn(handle)
-        if file not in self._bin:  # a zip-format torch.save: storages stay on disk, slices read their pages
-            self._bin[file] = _MappedStateDict(torch.load(self.folder / file, map_location="cpu", mmap=True,
-                                                          weights_only=True))
-        return fn(self._bin[file])
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.files
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        if key not in self._shapes:  # every shape of the file from its header, at once
-            file = self.files[key]
-            mine = [k for k, f in self.files.items() if f == file]
-            self._shapes.update(self._read(file, lambda f: {k: tuple(f.get_slice(k).get_shape()) for k in mine}))
-        return self._shapes[key]
-
-    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows `[start, stop)` of dim 0 of tensor `key` (a 0-d tensor: itself), a fresh CPU tensor
-        of the stored dtype."""
-        if self.shape(key) == ():
-            return self._read(self.files[key], lambda f: f.get_tensor(key))
-        return self._read(self.files[key], lambda f: f.get_slice(key)[start:stop])
-
-    def whole(self, keys: list[str]) -> list[torch.Tensor]:
-        """The tensors `keys`, whole, each file opened once."""
-        out = {}
-        for file in dict.fromkeys(self.files[k] for k in keys):
-            mine = [k for k in keys if self.files[k] == file]
-            out.update(self._read(file, lambda f: {k: f.get_tensor(k) for k in mine}))
-        return [out[k] for k in keys]
-
-    def close(self) -> None:
-        self._bin.clear()
-
-    def __enter__(self) -> "Checkpoint":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        for item in plan.items:
+            with safe_open(filename=self.storage_data[item.storage_index].relative_path, framework="pt") as f:
+                self._process_read_request(f, item, planner)
+        return super().read_data(dataclasses.replace(plan, items=[]), planner)
 
 
-class _MappedStateDict:
-    """A memory-mapped `torch.load` state dict with safetensors' `keys`/`get_slice` interface."""
-
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        self.state = state
-
-    def keys(self):
-        return self.state.keys()
-
-    def get_slice(self, key: str):
-        return _MappedSlice(self.state[key])
-
-    def get_tensor(self, key: str) -> torch.Tensor:
-        return self.state[key].clone()
+def _reader(folder: str) -> tuple[HuggingFaceStorageReader, dict[str, tuple[int, ...]]]:
+    """DCP's reader of the folder's safetensors and every tensor's shape (headers only)."""
+    if not any(Path(folder).glob("*.safetensors")):
+        found = "pytorch_model.bin weights" if any(Path(folder).glob("pytorch_model*.bin")) else "no weights"
+        raise ValueError(f"{KEY}={folder!r}: {found}; the sharded loader reads safetensors only (convert once: "
+                         f"`from_pretrained(path).save_pretrained(path, safe_serialization=True)`)")
+    reader = _SliceReader(folder)
+    return reader, {k: tuple(md.size) for k, md in reader.read_metadata().state_dict_metadata.items()}
 
 
-class _MappedSlice:
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    def get_shape(self) -> list[int]:
-        return list(self.tensor.shape)
-
-    def __getitem__(self, rows: slice) -> torch.Tensor:
-        return self.tensor[rows].clone()
-
-
-# ----------------------------------------------------------------- where each row comes from
-@dataclass
-class _Source:
-    """How to read rows of one model tensor from the checkpoint: its full (checkpoint) shape
-    and a function `rows(start, stop)`."""
-
-    shape: tuple[int, ...]
-    rows: Callable[[int, int], torch.Tensor]
-    what: str  # the checkpoint key(s), for messages
-
-
-def _source(ckpt: Checkpoint, name: str) -> _Source | None:
-    """The checkpoint source of the model tensor `name` (a Hugging Face state-dict key)."""
-    if name in ckpt:
-        return _Source(ckpt.shape(name), lambda a, b: ckpt.rows(name, a, b), name)
-    prefix, _, leaf = name.rpartition(".")
+# ------------------------------------------------------------------ the fused experts
+def _expert_keys(shapes: dict[str, tuple[int, ...]], folder: str,
+                 key: str) -> tuple[tuple[int, ...], list[list[str]], str] | None:
+    """The full shape of the fused expert tensor `key` ([E, *, *], transformers' MergeModulelist +
+    Concatenate), its per-expert checkpoint keys expert by expert, and their description for
+    messages; None when `key` is not one."""
+    prefix, _, leaf = key.rpartition(".")
     if not prefix.endswith("mlp.experts") or leaf not in EXPERT_PARAM_NAMES:
         return None
-    # fused experts [E, *, *] from per-expert linears (transformers' MergeModulelist + Concatenate)
     parts = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
     count = 0
-    while f"{prefix}.{count}.{parts[0]}.weight" in ckpt:
+    while f"{prefix}.{count}.{parts[0]}.weight" in shapes:
         count += 1
     if count == 0:
         return None
     keys = [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(count)]
-    first = [ckpt.shape(k) for k in keys[0]]
+    first = [shapes[k] for k in keys[0]]
     for row in keys:
-        for k, want in zip(row, first):
-            if k not in ckpt or ckpt.shape(k) != want:
-                raise ValueError(f"{KEY}={str(ckpt.folder)!r}: expert tensor {k} is "
-                                 f"{'missing' if k not in ckpt else list(ckpt.shape(k))}, expected {list(want)} "
-                                 f"like {keys[0][parts.index(k.rsplit('.', 2)[1])]}")
-    shape = (count, sum(s[0] for s in first), *first[0][1:])
+        for k, want, like in zip(row, first, keys[0]):
+            if shapes.get(k) != want:
+                raise ValueError(f"{KEY}={folder!r}: expert tensor {k} is "
+                                 f"{list(shapes[k]) if k in shapes else 'missing'}, expected {list(want)} like {like}")
+    return ((count, sum(s[0] for s in first), *first[0][1:]), keys,
+            f"{prefix}.{{0..{count - 1}}}.{'+'.join(parts)}.weight")
 
-    def rows(a: int, b: int) -> torch.Tensor:  # experts a..b-1 only
-        if b <= a:
-            return torch.empty((0, *shape[1:]), dtype=ckpt.rows(keys[0][0], 0, 0).dtype)
-        flat, n = ckpt.whole([k for e in range(a, b) for k in keys[e]]), len(parts)
-        return torch.stack([torch.cat(flat[i:i + n]) for i in range(0, len(flat), n)])
 
-    return _Source(shape, rows, f"{prefix}.{{0..{count - 1}}}.{'+'.join(parts)}.weight")
+def _expert_views(local: torch.Tensor, keys: list[list[str]], first: int,
+                  shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint key -> the view of `local` (this rank's rows of a fused expert
+    tensor, global experts `first`..) it fills: gate_proj then up_proj along dim 1."""
+    views = {}
+    for i in range(local.shape[0]):
+        row = 0
+        for key in keys[first + i]:
+            views[key] = local[i, row:row + shapes[key][0]]
+            row += shapes[key][0]
+    return views
 
 
 # ----------------------------------------------------------------------- the load
 @dataclass
 class _Entry:
     name: str  # in the wrapper
-    source: _Source
-    offset: int  # first checkpoint row of this rank's local rows
-    rows: int  # local rows
+    key: str  # in the checkpoint, or the fused expert tensor's model key
+    experts: list[list[str]] | None  # a fused expert tensor's per-expert keys
+    first_expert: int  # under EP: this rank's first global expert
 
 
 def _lm_prefix(wrapper: nn.Module) -> tuple[str, nn.Module]:
@@ -258,38 +179,41 @@ def load_sharded(wrapper: nn.Module, path: str | Path, dims: ParallelDims) -> nn
     folder = str(path)
     prefix, lm = _lm_prefix(wrapper)
     _check_conversions(lm, folder)
+    reader, shapes = _reader(folder)
     head, embed = lm.get_output_embeddings(), lm.get_input_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight
     modules = dict(wrapper.named_modules())
     non_persistent = {f"{m}.{b}" if m else b for m, mod in modules.items() for b in mod._non_persistent_buffers_set}
 
-    with Checkpoint(folder) as ckpt:
-        plan, keep, init = [], {}, set()
-        named = list(wrapper.named_parameters()) + list(wrapper.named_buffers())
-        for name, tensor in named:  # named once each: a tied head is the embedding's Parameter
-            if not local_tensor(tensor).is_meta:
-                keep[name] = local_tensor(tensor).detach().clone()
-                continue
-            owner = name.rpartition(".")[0]
-            if name in non_persistent:
-                init.add(owner)
-                continue
-            if not name.startswith(prefix):
-                raise ValueError(f"load_sharded: {name} is on the meta device but outside the Hugging Face model "
-                                 f"(nothing in the checkpoint fills it)")
-            key = stock_name(name[len(prefix):])  # a LoRA-wrapped linear's base weight: its checkpoint key
-            plan.append(_plan_entry(ckpt, folder, name, key, tensor, modules.get(owner)))
+    plan, keep, init = [], {}, set()
+    for name, tensor in list(wrapper.named_parameters()) + list(wrapper.named_buffers()):
+        if not local_tensor(tensor).is_meta:  # named once each: a tied head is the embedding's Parameter
+            keep[name] = local_tensor(tensor).detach().clone()
+            continue
+        owner = name.rpartition(".")[0]
+        if name in non_persistent:
+            init.add(owner)
+            continue
+        if not name.startswith(prefix):
+            raise ValueError(f"load_sharded: {name} is on the meta device but outside the Hugging Face model "
+                             f"(nothing in the checkpoint fills it)")
+        key = stock_name(name[len(prefix):])  # a LoRA-wrapped linear's base weight: its checkpoint key
+        plan.append(_plan_entry(shapes, folder, name, key, tensor, modules.get(owner)))
 
-        _allocate(wrapper, lm, dims.device, tied)
-        tensors = dict(wrapper.named_parameters()) | dict(wrapper.named_buffers())
-        for name, value in keep.items():
-            local_tensor(tensors[name]).copy_(value)
-        for owner in sorted(init):
-            lm._init_weights(modules[owner])
-        for e in plan:
-            local = local_tensor(tensors[e.name])
-            if e.rows:
-                local.copy_(e.source.rows(e.offset, e.offset + e.rows).reshape(local.shape))
+    _allocate(wrapper, lm, dims.device, tied)
+    tensors = dict(wrapper.named_parameters()) | dict(wrapper.named_buffers())
+    for name, value in keep.items():
+        local_tensor(tensors[name]).copy_(value)
+    for owner in sorted(init):
+        lm._init_weights(modules[owner])
+    state = {}  # checkpoint key -> what it fills: the DTensor itself, or a view of this rank's expert rows
+    for e in plan:
+        if e.experts is None:
+            state[e.key] = tensors[e.name]
+        else:
+            state |= _expert_views(local_tensor(tensors[e.name]), e.experts,
+                                   e.first_expert + _local_rows(tensors[e.name])[0], shapes)
+    dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
     return wrapper
 
 
@@ -324,21 +248,24 @@ def _allocate(module: nn.Module, lm: nn.Module, device: torch.device, tied: bool
             raise RuntimeError("the tied output head came apart while allocating")
 
 
-def _plan_entry(ckpt: Checkpoint, folder: str, name: str, key: str, tensor: torch.Tensor,
+def _plan_entry(shapes: dict[str, tuple[int, ...]], folder: str, name: str, key: str, tensor: torch.Tensor,
                 owner: nn.Module | None) -> _Entry:
-    """Where the local rows of `tensor` (model key `key`) come from; a ValueError naming the
-    folder, the key and both shapes when the checkpoint cannot fill it."""
-    source = _source(ckpt, key)
+    """Where `tensor` (model key `key`) comes from; a ValueError naming the folder, the key and
+    both shapes when the checkpoint cannot fill it."""
     full = tuple(tensor.shape)  # global shape (a DTensor's), before FSDP; after EP for experts
     first = 0
     if isinstance(owner, ExpertParallelExperts):  # this EP rank's experts: rows first_expert.. of the checkpoint
         first = owner.first_expert
         full = (owner.num_experts, *full[1:])
-    if source is None:
+    shape, experts, what = (shapes[key], None, key) if key in shapes else \
+        _expert_keys(shapes, folder, key) or (None, None, key)
+    if shape is None:
         raise ValueError(f"{KEY}={folder!r}: the checkpoint has no tensor {key} (shape {list(full)} in the model "
                          f"built from its config.json and model.overrides)")
-    if tuple(source.shape) != full:
-        raise ValueError(f"{KEY}={folder!r}: checkpoint tensor {source.what} has shape {list(source.shape)}, the "
+    if experts is None and isinstance(owner, ExpertParallelExperts) and tensor.shape[0] != owner.num_experts:
+        raise ValueError(f"{KEY}={folder!r}: {key} is stored fused ([experts, ...]) and parallel.ep splits the "
+                         f"experts: save the checkpoint with transformers' save_pretrained (per-expert tensors)")
+    if shape != full:
+        raise ValueError(f"{KEY}={folder!r}: checkpoint tensor {what} has shape {list(shape)}, the "
                          f"model built from its config.json and model.overrides expects {list(full)} for {key}")
-    offset, rows = _local_rows(tensor)
-    return _Entry(name, source, first + offset, rows)
+    return _Entry(name, key, experts, first)

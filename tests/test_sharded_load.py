@@ -11,8 +11,12 @@ naming model.pretrained_path, the tensor and both shapes.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from scripts.distributed import run_distributed
 
@@ -51,16 +55,20 @@ def load_and_compare(rank: int, world_size: int, cases: list, control: str | Non
     for path, ep, dtype, other in cases:
         dims = init_distributed(ep=ep)
         plain = build_model(None, pretrained_path=other or path, dtype=dtype)  # the reference: a plain load
-        read = []  # every tensor read from the checkpoint
-        rows, whole, local_rows = loading.Checkpoint.rows, loading.Checkpoint.whole, loading._local_rows
-        loading.Checkpoint.rows = lambda self, *a: (read.append(t := rows(self, *a)), t)[1]
-        loading.Checkpoint.whole = lambda self, keys: (read.extend(t := whole(self, keys)), t)[1]
-        if control == "shifted":  # every rank reads rank 0's rows: rank 1 holds the wrong slice
-            loading._local_rows = lambda t: (0, local_rows(t)[1])
+        read = []  # the elements of every slice DCP's reader reads from the checkpoint
+        process = HuggingFaceStorageReader._process_read_request
+
+        def counted(self, f, req, planner):
+            if control == "shifted":  # every rank reads from row 0: rank 1 holds rank 0's slice
+                req = dataclasses.replace(req, storage_offsets=torch.Size([0] * len(req.storage_offsets)))
+            read.append(math.prod(req.lengths))
+            return process(self, f, req, planner)
+
+        HuggingFaceStorageReader._process_read_request = counted
         try:
             actor = sharded_actor(path, dims, dtype)
         finally:
-            loading.Checkpoint.rows, loading.Checkpoint.whole, loading._local_rows = rows, whole, local_rows
+            HuggingFaceStorageReader._process_read_request = process
         full = dict(full_parameters(actor.model))
         want = plain.state_dict()
         differ = sorted(k for k, v in want.items() if k not in full or full[k].dtype != v.dtype
@@ -68,7 +76,7 @@ def load_and_compare(rank: int, world_size: int, cases: list, control: str | Non
         buffers = dict(actor.model.named_buffers())
         differ += sorted(k for k, v in plain.named_buffers() if not torch.equal(buffers[k], v))
         held = sum(_local(p).numel() for p in actor.parameters())
-        out.append({"differ": differ, "checked": len(want), "read": sum(t.numel() for t in read), "held": held,
+        out.append({"differ": differ, "checked": len(want), "read": sum(read), "held": held,
                     "total": sum(v.numel() for k, v in want.items() if k != "lm_head.weight" or not
                                  plain.config.tie_word_embeddings),
                     "tied": actor.model.get_output_embeddings().weight is actor.model.get_input_embeddings().weight,
@@ -119,12 +127,13 @@ def test_one_process_load_is_the_plain_load_and_reads_each_element_once(folders)
         assert r["differ"] == [] and r["read"] == r["held"] == r["total"], r
 
 
-def test_a_bin_checkpoint_loads_the_same(tmp_path):
+def test_a_bin_checkpoint_is_refused_with_the_conversion_to_run(tmp_path):
     model = build_model("qwen3", seed=3)  # transformers 5 writes safetensors only: a .bin folder by hand
     model.config.save_pretrained(tmp_path)
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
-    r = load_and_compare(0, 1, [(str(tmp_path), 1, torch.float32, None)])[0]
-    assert r["differ"] == [] and r["read"] == r["total"]
+    with pytest.raises(ValueError, match=r"model.pretrained_path=.*pytorch_model.bin weights; the sharded loader "
+                                         r"reads safetensors only .*save_pretrained\(path, safe_serialization=True\)"):
+        sharded_actor(str(tmp_path), ParallelDims(), torch.float32)
 
 
 # ---------------------------------------------------------------------- bad input
