@@ -125,7 +125,7 @@ def _engine_and_masters(*overrides: str):
     try:
         tr = trainer("model=dense_tiny", "task.prompts_per_step=2", "task.samples_per_prompt=2", "trainer.device=cpu",
                      "rollout.replica=keep", *overrides)
-        return tr.engine.model, {k: v.detach().clone() for k, v in full_parameters(tr.actor.model)}
+        return tr.engine, {k: v.detach().clone() for k, v in full_parameters(tr.actor.model)}
     finally:
         if dist.is_initialized():  # the one-rank group of model.param_dtype: gone before the next test
             dist.destroy_process_group()
@@ -134,13 +134,17 @@ def _engine_and_masters(*overrides: str):
 def test_the_rollout_copy_computes_in_the_compute_dtype_on_the_masters_rounded_to_it():
     """model.param_dtype=bfloat16: the optimizer's masters are fp32, the copy's parameters bf16 and equal
     to the masters rounded (what FSDP2 gathers for the training forward), its rotary buffer fp32 like
-    training's. Control: without it the copy is fp32, the masters' dtype."""
-    copy, masters = _engine_and_masters("model.param_dtype=bfloat16")
+    training's; the start-up memory plan counts it at 2 bytes a weight. Control: without it the copy is
+    fp32, the masters' dtype, and counted at 4."""
+    engine, masters = _engine_and_masters("model.param_dtype=bfloat16")
+    copy, planned = engine.model, engine.replica.replica_bytes
     assert {m.dtype for m in masters.values()} == {torch.float32}
     params = dict(copy.named_parameters())
     assert {p.dtype for p in params.values()} == {torch.bfloat16}
     assert {b.dtype for b in copy.buffers() if b.is_floating_point()} == {torch.float32}
     assert params.keys() <= masters.keys()
     assert all(torch.equal(p, masters[name].to(torch.bfloat16)) for name, p in params.items())
-    copy, _ = _engine_and_masters()
-    assert {p.dtype for p in copy.parameters()} == {torch.float32}
+    assert planned == 2 * sum(m.numel() for m in masters.values())
+    engine, _ = _engine_and_masters()
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+    assert engine.replica.replica_bytes == 2 * planned

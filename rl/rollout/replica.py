@@ -1,6 +1,6 @@
 """Where the rollout's weights live: a start-up memory plan (`rollout.replica`).
 
-    keep     the HF engine holds an unsharded copy of the policy (in `model.dtype`) and gets
+    keep     the HF engine holds an unsharded copy of the policy (in the compute dtype) and gets
              the new weights after every update (rl/rollout/sync.py, bucket by bucket); the
              copy's storage is released for the training step (`HFRolloutEngine.sleep`: the
              sync rewrites all of it), so it adds to the rollout and the sync, not to training
@@ -139,7 +139,10 @@ def choose_replica(cfg, dims, actor: nn.Module) -> ReplicaChoice:
     from rl.rollout.sync import full_tensor_bytes
 
     r = cfg.rollout
-    replica = sum(full_tensor_bytes(actor.model).values())
+    # the copy is built in the compute dtype (rl/rollout/build.py): bf16 on CUDA is half the fp32 masters' bytes
+    copy, master = (torch.finfo(getattr(torch, d.value)).bits for d in (cfg.model.param_dtype or cfg.model.dtype,
+                                                                         cfg.model.dtype))
+    replica = sum(full_tensor_bytes(actor.model).values()) * copy // master
     shards = local_shard_bytes(actor)
     state = 3 * shards * (2 if cfg.algo.uses_critic else 1)  # grads + AdamW moments; a critic about the policy's size
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size if dims.device.type == "cpu" else 1))
