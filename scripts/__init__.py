@@ -9,4 +9,5 @@ bench/common.py); a program runs as `python scripts/<name>.py`.
     dist_train_worker.py  the FSDP2 gradient-parity rank body (tests/test_fsdp.py on gloo)
     distributed.py        `run_distributed`: a function on N gloo ranks over 127.0.0.1
     records.py            `make_records`: seeded per-sample records for the tiny models
+    vllm_replay_gap.py    MoE routing replay from vLLM: the rollout/training log-prob gap, replay on vs off
 """
