@@ -66,7 +66,7 @@ def test_a_documented_command_composes_as_written(doc, command):
 
 
 # what a command needs beyond this checkout: a checkpoint, files, an extra, the SmolLM2 model
-NEEDS_MORE = ("_path=", "reward_fn=", "engine=vllm", "+experiment=")
+NEEDS_MORE = ("_path=", "reward_fn=", "engine=vllm", "+experiment=", "model=smollm2")
 
 
 def test_a_command_with_a_wrong_key_fails_the_check():  # the control
