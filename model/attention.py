@@ -25,7 +25,7 @@ boundaries:
   Parity with the padded batch is a few fp32 ulps of the values, not bit-exactness (which
   kernel set rounds alike differs by machine anyway): worst 4.3 eps32 relative over
   log-probs, entropy and grads, dense and MoE, under the default, AVX2 and AVX512 kernel
-  sets with 1 and 2 threads (tests/test_portable_parity.py, tolerance in scripts/parity_check.py).
+  sets with 1 and 2 threads (tests/test_portable_parity.py, tolerance in tests/parity_check.py).
 * no `cu_seq_lens_q` (a padded batch, or generation with a cache): sdpa with the mask the
   model built (`_masked_sdpa`: on CPU with `enable_gqa` instead of transformers' per-head
   copy of K/V, which the rollout engine paid for the whole cache at every decode step).

@@ -80,7 +80,7 @@ def run(model, pack, share: bool) -> dict:
     return out
 
 
-LIMIT_EPS = 16  # the suite's fp32 parity limit (scripts/parity_check.py)
+LIMIT_EPS = 16  # the suite's fp32 parity limit (tests/parity_check.py)
 
 
 def figures(device: str = "cuda") -> dict:

@@ -1,7 +1,7 @@
 """Context-parallel helpers for tests/test_context_parallel.py and the gloo worker it launches.
 
 `cp_checks(rank, world_size)` runs on every rank of a cp-sized gloo group
-(scripts/distributed.py), runs every CP case once and returns the outputs; the test compares
+(tests/distributed.py), runs every CP case once and returns the outputs; the test compares
 them with a one-process reference built from stock "sdpa" on the padded batch (code that
 never touches model/context_parallel.py). Every rank builds the same seeded model and
 batches itself, so only results cross processes.

@@ -1,6 +1,6 @@
 """Tiny Qwen3-MoE helpers for tests/test_moe.py and the ep=2 worker it launches.
 
-`ep_checks(rank, world_size)` runs in every rank of a gloo group (scripts/distributed.py) and
+`ep_checks(rank, world_size)` runs in every rank of a gloo group (tests/distributed.py) and
 returns the measured figures; the test asserts on them. Every rank builds the same seeded
 model and the single-process references itself, so nothing but figures crosses processes.
 """

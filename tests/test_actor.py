@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_records
-from scripts.parity_check import assert_control_fails, assert_parity
+from tests.parity_check import assert_control_fails, assert_parity
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from model.actor import Actor, Critic, _forward_slots, _local_view, _slot_targets
@@ -94,7 +94,7 @@ def test_packed_log_probs_entropy_and_grads_match_padded(lm, records, padded, pa
     lp_pad, ent_pad = actor(padded, return_entropy=True)
     lp_pack, ent_pack = actor(pack, return_entropy=True)
     assert lp_pad.shape == padded.action_mask.shape and lp_pack.shape == pack.action_mask.shape
-    # a few fp32 ulps of the values (~5.5), on every kernel set: scripts/parity_check.py
+    # a few fp32 ulps of the values (~5.5), on every kernel set: tests/parity_check.py
     assert_parity("log-probs packed vs padded", scored_diff(lp_pad, padded, lp_pack, pack, records), lp_pad.abs().max())
     assert_parity("entropy packed vs padded", scored_diff(ent_pad, padded, ent_pack, pack, records), ent_pad.abs().max())
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import make_records
-from scripts.parity_check import assert_control_fails, assert_parity
+from tests.parity_check import assert_control_fails, assert_parity
 from model.actor import Actor
 from model.models import build_model
 from model.moe import shard_experts, record_routing

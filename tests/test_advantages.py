@@ -17,7 +17,7 @@ from rl.algos.advantages import (
     whiten_with_moments,
 )
 from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups, overlong_penalty
-from scripts.distributed import run_distributed
+from tests.distributed import run_distributed
 
 
 def record(mask, reward=0.0, prompt=0, kl=None, values=None):

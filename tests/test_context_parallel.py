@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cp_worker import CHANGED, LENGTHS, SINGLE, cp_checks, local_slots, records, tiny_qwen3, token_logp, token_mean_loss
-from scripts.distributed import run_distributed
-from scripts.parity_check import assert_control_fails, assert_parity
+from tests.distributed import run_distributed
+from tests.parity_check import assert_control_fails, assert_parity
 from nemo_automodel.components.distributed.context_parallel.sharder import round_robin_local_indices
 
 from model.attention import packed_attn_kwargs

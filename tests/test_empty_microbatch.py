@@ -5,7 +5,7 @@ one process's."""
 
 import pytest
 
-from scripts.distributed import run_distributed
+from tests.distributed import run_distributed
 from inprocess import steps_rank
 
 pytestmark = pytest.mark.slow

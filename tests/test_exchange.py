@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from scripts.distributed import run_distributed
+from tests.distributed import run_distributed
 from packing import Experience, plan_microbatches
 from packing.exchange import FIELDS, StandIn, exchange, gather_metadata, routing_dtype
 

@@ -3,7 +3,7 @@
 Each family is a tiny random checkpoint written here with `save_pretrained` (tied and untied
 output heads), loaded the way a run loads it (`build_model(None, pretrained_path=...)`: the
 family comes from its config.json). The parity tests carry the suite's fp32 tolerance
-(scripts/parity_check.py) and a control: the same pack with its boundaries withheld misses it.
+(tests/parity_check.py) and a control: the same pack with its boundaries withheld misses it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from conftest import make_records
 from inprocess import SMALL, compose, trainer
 from omegaconf import OmegaConf
-from scripts.parity_check import assert_control_fails, assert_parity
+from tests.parity_check import assert_control_fails, assert_parity
 from transformers import AutoModelForCausalLM
 
 from model.actor import Actor

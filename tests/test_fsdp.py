@@ -3,7 +3,7 @@ ranks equals one process on the same global batch; state is sharded."""
 
 import pytest
 import torch
-from scripts.distributed import run_distributed
+from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +18,7 @@ CASES = {  # name, ep, cp, packed
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_sharded_steps_equal_one_process(case):
-    from scripts.dist_train_worker import CLIP, fsdp_checks
+    from tests.dist_train_worker import CLIP, fsdp_checks
 
     results = run_distributed(fsdp_checks, 4, *CASES[case], timeout=300)
     for rank, r in enumerate(results):
@@ -38,7 +38,7 @@ def test_sharded_steps_equal_one_process(case):
 
 
 def test_world8_moe_dp4_cp2_ep2_equals_one_process():
-    from scripts.dist_train_worker import fsdp_checks
+    from tests.dist_train_worker import fsdp_checks
 
     for r in run_distributed(fsdp_checks, 8, "qwen3_moe", 2, 2, True, timeout=420):
         assert r["param_diff"] <= 1e-5
@@ -46,7 +46,7 @@ def test_world8_moe_dp4_cp2_ep2_equals_one_process():
 
 
 def test_control_mean_reduction_differs():
-    from scripts.dist_train_worker import fsdp_checks
+    from tests.dist_train_worker import fsdp_checks
 
     results = run_distributed(fsdp_checks, 4, "qwen3", 1, 1, True, True, timeout=300)
     print(f"mean instead of sum: param diff {results[0]['param_diff']:.2e}, norms {results[0]['norms']}")

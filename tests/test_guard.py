@@ -10,7 +10,7 @@ import torch
 
 import rl.algos.objective as objective_module
 import rl.trainer.trainer as trainer_module
-from scripts.distributed import run_distributed
+from tests.distributed import run_distributed
 from inprocess import SMALL, all_finite, nan_loss_on_one_rank, trainer, weights
 from rl.trainer.guard import DivergenceError
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_records, reference_flash_varlen
-from scripts.parity_check import assert_control_fails, assert_parity
+from tests.parity_check import assert_control_fails, assert_parity
 
 from model import kernels
 from model.actor import Actor

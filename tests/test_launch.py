@@ -159,9 +159,9 @@ def test_the_stale_reference_check_reports_a_missing_path_and_module(tmp_path):
     """Control: the check that passes above reports what names nothing (and only that)."""
     gone = "test_" + "grad_sync"  # built here, so this file names no missing path itself
     note = tmp_path / "note.md"
-    note.write_text(f"the rank body of tests/{gone}.py (scripts/dist_train_worker.py); outputs/tests/x.py;\n"
+    note.write_text(f"the rank body of tests/{gone}.py (tests/dist_train_worker.py); outputs/tests/x.py;\n"
                     f"packing.{gone}.run beside packing.experience.routing_shape and rl.rollout.sync.{gone};\n"
-                    "python scripts/parity_check.py, tests/test_fsdp.py's bound, conf/model/*.yaml, rl.config")
+                    "python tests/parity_check.py, tests/test_fsdp.py's bound, conf/model/*.yaml, rl.config")
     assert stale_references(note) == [f"packing.{gone}.run", f"rl.rollout.sync.{gone}", f"tests/{gone}.py"]
 
 

@@ -21,7 +21,7 @@ from model.models import build_model
 from model.moe import shard_experts
 from model.parallelize import apply_activation_checkpointing
 from packing.collate import make_experience_batch
-from scripts.parity_check import assert_control_fails, assert_parity, max_abs
+from tests.parity_check import assert_control_fails, assert_parity, max_abs
 from tests.test_shared_prompt import grpo_records, scored
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dist_moe_worker import RANK_LENGTHS, logits_of, packed_batch, tiny_moe, token_log_probs, weighted_loss
-from scripts.distributed import run_distributed
-from scripts.parity_check import PARITY_ULPS as SHARED_ULPS, assert_control_fails, assert_parity
+from tests.distributed import run_distributed
+from tests.parity_check import PARITY_ULPS as SHARED_ULPS, assert_control_fails, assert_parity
 from model.moe import (
     shard_experts,
     ep_suffix_length,

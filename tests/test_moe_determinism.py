@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from scripts.parity_check import assert_parity
+from tests.parity_check import assert_parity
 from torch import nn
 
 from model import moe

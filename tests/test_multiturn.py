@@ -30,7 +30,7 @@ from rl.tasks.calls import Status
 from rl.tasks.answers import math_reward
 from rl.tasks.arithmetic import ArithmeticRetryTask, RetryEnvironment
 from rl.tasks.registry import build_task
-from scripts.distributed import run_distributed
+from tests.distributed import run_distributed
 
 
 @pytest.fixture(scope="module")

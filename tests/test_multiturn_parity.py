@@ -10,7 +10,7 @@ on reply t's slots the episode and its turn t must agree:
 * forward (model/actor.py `Actor`, `actions_only=True` as the trainer builds it): log-probs and
   entropy of the packed collate (shared prompts on and off) and of the padded one, dense and MoE
   (live routing, and replaying the record's `routed_experts`), within the suite's 16 eps32
-  (scripts/parity_check.py);
+  (tests/parity_check.py);
 * losses (rl/trainer/trainer.py `train_microbatch` on the holey pack): every registered policy
   loss under every `loss_agg`, truncated IS per token and per sequence, the KL and entropy terms,
   the step's metrics and the parameter gradients, against the library's losses on hole-free rows
@@ -36,7 +36,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from scripts.parity_check import assert_control_fails, assert_parity, max_abs
+from tests.parity_check import assert_control_fails, assert_parity, max_abs
 from test_host_syncs import dense, moe  # noqa: F401 - fixtures (tiny Qwen3 / Qwen3-MoE)
 from test_shared_moe import routing_per_sample
 from test_shared_prompt import body_tokens, scored
@@ -527,7 +527,7 @@ def test_the_holey_pack_at_cp2_equals_one_process(dense):
     gradients, of the holey pack (shared prompts off and on: the compressed rows sharded with the
     zigzag) and of the padded batch, equal one process's; the packed ones equal the per-turn
     reference too. Control: chunks in the wrong order."""
-    from scripts.distributed import run_distributed
+    from tests.distributed import run_distributed
 
     ranks = run_distributed(holey_cp_rank, 2, timeout=240)
     records = cp_episodes()

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from conftest import make_records
-from scripts.distributed import run_distributed
-from scripts.parity_check import assert_control_fails, assert_parity
+from tests.distributed import run_distributed
+from tests.parity_check import assert_control_fails, assert_parity
 from model import parallelize as par
 from model.actor import Actor
 from model.models import build_model

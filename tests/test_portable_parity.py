@@ -1,7 +1,7 @@
 """Packed = padded on every CPU kernel set and thread count, within the stated fp32 tolerance.
 
 torch fixes its CPU kernel set at start-up, so each kernel set is a fresh interpreter
-running scripts/parity_check.py (dense and MoE: packed vs padded log-probs, entropy and
+running tests/parity_check.py (dense and MoE: packed vs padded log-probs, entropy and
 grads, and the withheld-boundaries control) under `ATEN_CPU_CAPABILITY`, with 1 then 2
 threads (the thread count only splits reductions, so it may change within a process).
 The launches run two at a time; each prints one JSON line of figures in eps32 units
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from scripts.parity_check import CONTROL_MARGIN, PARITY_ULPS
+from tests.parity_check import CONTROL_MARGIN, PARITY_ULPS
 
 CHECK = Path(__file__).resolve().parents[1] / "scripts" / "parity_check.py"
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scripts.distributed import run_distributed  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
 
 SHAPE = dict(vocab_size=1024, hidden_size=32, head_dim=8, intermediate_size=64)  # a vocab matrix > a layer
 MIB = 2**20
@@ -41,7 +41,7 @@ def reduce_scatter_sizes(rank: int, world: int, tied: bool, split: bool) -> dict
     from model.models import build_model
     from model.parallel_dims import init_distributed
     from packing import make_experience_batch
-    from scripts.records import make_records
+    from tests.records import make_records
 
     if not split:  # the control: the root unit holds the embedding as well as the lm head
         par.tied_embeddings = lambda model: True

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from scripts.parity_check import assert_parity
+from tests.parity_check import assert_parity
 
 from model.actor import Actor
 from model.models import build_model

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from scripts.distributed import run_distributed
+from tests.distributed import run_distributed
 
 import model.loading as loading
 from model.actor import Actor

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scripts.distributed import run_distributed  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
 
 # odd vocabulary and layer sizes: FSDP2's dim-0 shards are uneven on 2 ranks
 SHAPE = dict(vocab_size=19, intermediate_size=66, max_position_embeddings=128)
@@ -64,7 +64,7 @@ def sharded_vs_replica(rank: int, world: int, family: str, tied: bool, ep: int =
     from model.parallelize import full_parameters
     from rl.rollout.engine import HFRolloutEngine, PolicyRolloutEngine
     from rl.rollout.sync import buckets, sync_weights
-    from scripts.records import make_records
+    from tests.records import make_records
     from packing import make_experience_batch
 
     torch.set_num_threads(1)

@@ -28,7 +28,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # as a program
 
-from scripts.parity_check import assert_control_fails, assert_parity, max_abs, ulps  # noqa: E402
+from tests.parity_check import assert_control_fails, assert_parity, max_abs, ulps  # noqa: E402
 from test_shared_prompt import SHARED_ULPS, body_tokens, grpo_records  # noqa: E402
 
 from model import actor as actor_module  # noqa: E402
@@ -380,7 +380,7 @@ def test_the_default_moe_run_at_dp2_cp2_ep2_trains_on_the_shared_forward():
     path (the compressed rows sharded over CP, experts over EP), and the step's loss, grad norm,
     entropy and expert tokens equal the one-process run's (the default run)."""
     from inprocess import SMALL, trainer
-    from scripts.distributed import run_distributed
+    from tests.distributed import run_distributed
 
     one = trainer("model=moe_tiny", *SMALL).step(0)
     ranks = run_distributed(shared_forward_rank, 4, ("model=moe_tiny", *SMALL, "parallel=cp2_ep2"), timeout=300)

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, when run as a program
 
-from scripts.parity_check import (CONTROL_MARGIN, EPS32, PARITY_ULPS, assert_control_fails,  # noqa: E402
+from tests.parity_check import (CONTROL_MARGIN, EPS32, PARITY_ULPS, assert_control_fails,  # noqa: E402
                                   assert_parity, max_abs, ulps)
 
 from model import actor as actor_module  # noqa: E402
@@ -39,7 +39,7 @@ from packing.collate import make_experience_batch  # noqa: E402
 from packing.experience import Experience  # noqa: E402
 from packing.prompts import layout_of_units  # noqa: E402
 
-# The suite's fp32 tolerance (scripts/parity_check.py, 16 eps32 relative): sharing sums a prompt's
+# The suite's fp32 tolerance (tests/parity_check.py, 16 eps32 relative): sharing sums a prompt's
 # gradient over its members before the matmuls instead of inside them, yet the worst measured over
 # {default, avx2, avx512} x {1, 2} threads and the five families (AVX512 machine, torch 2.13) is
 # 4.3 eps (entropy; grads <= 3.9 eps of the largest gradient), as packed vs padded.

@@ -21,7 +21,7 @@ log-probs, entropy and gradients, plus the withheld-boundaries control) under wh
 kernel set its environment forces, once per thread count asked for, and prints one JSON
 line: tests/test_portable_parity.py launches it once per kernel set with 1 and 2 threads.
 
-    ATEN_CPU_CAPABILITY=avx2 python scripts/parity_check.py --threads 1,2
+    ATEN_CPU_CAPABILITY=avx2 python tests/parity_check.py --threads 1,2
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def core_parity(name: str) -> dict:
     from model.models import build_model
     from packing.collate import make_experience_batch
     from packing.experience import Experience
-    from scripts.records import make_records
+    from tests.records import make_records
 
     records = make_records(LENGTHS, seed=1)
     padded = make_experience_batch(records, packed=False)
@@ -128,7 +128,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default=None, help="comma-separated thread counts, run one after the other")
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: model, packing, scripts
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: model, packing, tests
     runs = {}
     for threads in [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]:
         torch.set_num_threads(threads)
