@@ -41,6 +41,7 @@ bench: $(STAMP)
 # `make bench-peer JOB=long`: the long-answer job (256 new tokens, worked steps; STEPS=12 by default,
 # ~40-50 min idle: ~1 min a step here, ~2 min in TRL),
 # bench/results/peer-long.json.
+# `make bench-peer JOB=lora`: the short job with rank-16 LoRA on both sides (TRL: peft_config), bench/results/peer-lora.json.
 TRL_PY    := .venv-trl/bin/python
 TRL_STAMP := .venv-trl/.installed-$(shell cat requirements-trl.txt constraints-trl.txt | sha1sum | cut -c1-12)
 

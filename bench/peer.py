@@ -1,6 +1,6 @@
 """How does this project compare with TRL's GRPOTrainer on the same job? (`make bench-peer`)
 
-Two jobs (`--job`, `make bench-peer JOB=long`), both on SmolLM2-135M-Instruct learning two-digit
+Three jobs (`--job`, `make bench-peer JOB=long|lora`), all on SmolLM2-135M-Instruct learning two-digit
 addition (task=arithmetic), 4 prompts x 8 samples per step, temperature 1.0, lr 1e-5, GRPO with a
 token-mean loss, no KL, one update per step, grad clip 1.0, fp32, 2 threads:
 
@@ -10,6 +10,10 @@ token-mean loss, no KL, one update per step, grad clip 1.0, fp32, 2 threads:
                      showing your work, and give the final answer at the end." (~59 prompt tokens),
                      256 new tokens (answers of ~130-150 tokens, some run to 256; the reward reads the
                      last number); bench/results/peer-long.json
+    lora             `+experiment=smollm2_arithmetic_lora`: the short job with rank-16 LoRA adapters on
+                     every attention and MLP projection (alpha 32) and LoRA's lr 2e-4, on both sides
+                     (TRL: the same PEFT LoraConfig as its `peft_config`); the transformers engine only
+                     (vLLM with LoRA is refused); bench/results/peer-lora.json
 
 The job's shape (template, max_new_tokens, prompts and samples per step) is read from its experiment
 config, so both arms get the same one. The arms run one after the other, never side by side:
@@ -42,6 +46,7 @@ and, last line, one JSON object (also bench/results/peer.json, or peer-long.json
 
     .venv/bin/python bench/peer.py --steps 40              # the comparison (`make bench-peer`)
     .venv/bin/python bench/peer.py --job long              # the long job (`make bench-peer JOB=long`)
+    .venv/bin/python bench/peer.py --job lora              # LoRA on both sides (`make bench-peer JOB=lora`)
     .venv/bin/python bench/peer.py --steps 2 --eval-prompts 16   # a check of the plumbing
 
 Run it on an idle machine: on 2 shared cores a busy neighbour slows each 2-thread arm by a
@@ -80,6 +85,7 @@ class Job:
 JOBS = {
     "short": Job("smollm2_arithmetic", "peer", steps=40, eval_prompts=200),
     "long": Job("smollm2_arithmetic_steps", "peer-long", steps=12, eval_prompts=64),
+    "lora": Job("smollm2_arithmetic_lora", "peer-lora", steps=40, eval_prompts=200),
 }
 
 
@@ -91,6 +97,8 @@ class Shape:
     samples_per_prompt: int
     max_new_tokens: int
     options: dict  # every task.options entry (operands, low, high, operators, template)
+    lr: float  # trainer.lr
+    lora: dict  # model.lora (rank 0 = full fine-tuning)
 
     @property
     def template(self) -> str | None:
@@ -112,14 +120,17 @@ def job_shape(job: Job) -> Shape:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = load(compose("config", overrides=[f"+experiment={job.experiment}"]))
     options = dict(cfg.task.options)
-    return Shape(cfg.task.prompts_per_step, cfg.task.samples_per_prompt, cfg.task.max_new_tokens, options)
+    lora = dataclasses.asdict(cfg.model.lora)
+    return Shape(cfg.task.prompts_per_step, cfg.task.samples_per_prompt, cfg.task.max_new_tokens, options,
+                 cfg.trainer.lr, lora)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--job", choices=sorted(JOBS), default=os.environ.get("JOB") or "short",
                    help="short: 16-token answers (bench/results/peer.json); long: 256 new tokens, worked steps "
-                        "(bench/results/peer-long.json)")
+                        "(bench/results/peer-long.json); lora: the short job with rank-16 adapters on both sides "
+                        "(bench/results/peer-lora.json)")
     p.add_argument("--steps", type=int, default=int(os.environ["STEPS"]) if os.environ.get("STEPS") else None,
                    help="training steps of every arm (default: the job's, 40 short, 12 long)")
     p.add_argument("--eval-prompts", type=int, default=None,
@@ -249,13 +260,17 @@ def run_trl(args, out: Path, env: dict, shape: Shape) -> dict:
     cmd = [args.trl_python, "bench/peer_trl.py", "--model", str(MODEL_DIR), "--steps", str(args.steps),
            "--eval-prompts", str(args.eval_prompts), "--threads", str(args.threads), "--out", str(result_path),
            "--prompts-per-step", str(shape.prompts_per_step), "--samples-per-prompt", str(shape.samples_per_prompt),
-           "--max-new-tokens", str(shape.max_new_tokens), "--task-options", json.dumps(shape.options)]
+           "--max-new-tokens", str(shape.max_new_tokens), "--task-options", json.dumps(shape.options),
+           "--lr", str(shape.lr)]
+    if shape.lora["rank"]:  # the same adapters through TRL's peft_config
+        cmd += ["--lora-rank", str(shape.lora["rank"]), "--lora-alpha", str(shape.lora["alpha"]),
+                "--lora-dropout", str(shape.lora["dropout"]), "--lora-targets", ",".join(shape.lora["target_modules"])]
     rc, wall, load = run_logged(cmd, out / "trl.log", env)
     if rc != 0:
         raise SystemExit(f"peer: the TRL arm exited {rc}; see {out / 'trl.log'}")
     res = json.loads(result_path.read_text())
     return summarize(res["per_step"], res["accuracy_before"], res["accuracy_after"], wall,
-                     shape.samples_per_step) | load | {"trl": res["trl"], "config": res["config"],
+                     shape.samples_per_step) | load | {"trl": res["trl"], "config": res["config"], "lora": res.get("lora"),
                                                        "per_step": res["per_step"]}
 
 
@@ -275,10 +290,12 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(args.threads)  # the machine line of the result reads the arms' thread count
 
-    engines, why = project_engines(args.engines)
-    option = engine_option_exists()
     job = JOBS[args.job]
     shape = job_shape(job)
+    engines, why = project_engines(args.engines)
+    if shape.lora["rank"] and "vllm" in engines:  # train.py refuses vLLM with LoRA at start-up (docs/lora.md)
+        engines, why = [e for e in engines if e != "vllm"], "vLLM with model.lora is refused at start-up"
+    option = engine_option_exists()
     print(f"peer: job {args.job} (+experiment={job.experiment}: {shape.max_new_tokens} new tokens, "
           f"{shape.prompts_per_step} prompts x {shape.samples_per_prompt} samples), {args.steps} steps, "
           f"{args.eval_prompts} held-out problems, {args.threads} threads; project engines {engines} ({why}); "
@@ -337,6 +354,9 @@ def main(argv=None) -> dict:
         "engines": engines,
         "vllm_note": why,
         "trl": trl.get("trl"),
+        "lr": shape.lr,
+        "lora": shape.lora if shape.lora["rank"] else None,
+        "trl_lora": trl.get("lora"),
         "runs": str(out),
     }
     if "error" in vllm:

@@ -71,6 +71,11 @@ def parse_args(argv=None):
     p.add_argument("--samples-per-prompt", type=int, default=8, help="task.samples_per_prompt (num_generations)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="task.max_new_tokens (max_completion_length)")
     p.add_argument("--task-options", default="{}", help="task.options as JSON (ArithmeticTask keywords)")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank r through TRL's peft_config (0 = full fine-tuning)")
+    p.add_argument("--lora-alpha", type=float, default=32.0)
+    p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                   help="LoRA target_modules, comma-separated")
     p.add_argument("--out", required=True, help="JSON file for the figures")
     return p.parse_args(argv)
 
@@ -228,8 +233,14 @@ def main(argv=None) -> dict:
         report_to="none",
         disable_tqdm=True,
     )
+    peft_config = None
+    if args.lora_rank:  # LoRA as a TRL user asks for it: a PEFT LoraConfig handed to the trainer
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                 target_modules=args.lora_targets.split(","), task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[timer])
+                          processing_class=tokenizer, callbacks=[timer], peft_config=peft_config)
     t_train = time.perf_counter()
     trainer.train()
     train_wall = time.perf_counter() - t_train
@@ -268,6 +279,11 @@ def main(argv=None) -> dict:
             "epsilon_high", "importance_sampling_level", "optim", "weight_decay", "bf16", "gradient_checkpointing",
             "shuffle_dataset", "use_vllm", "use_transformers_continuous_batching", "mask_truncated_completions")},
         "task_options": json.loads(args.task_options),
+        "lora": peft_config and {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
+                                 "target_modules": args.lora_targets.split(","),
+                                 "peft": __import__("peft").__version__,
+                                 "trainable_parameters": sum(p.numel() for p in trainer.model.parameters()
+                                                             if p.requires_grad)},
         "per_step": steps, "trl_logs": timer.logs,
     }
     result["config"] = {k: (v.value if hasattr(v, "value") else v) for k, v in result["config"].items()}

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from tests.parity_check import CONTROL_MARGIN, PARITY_ULPS
 
-CHECK = Path(__file__).resolve().parents[1] / "scripts" / "parity_check.py"
+CHECK = Path(__file__).resolve().parent / "parity_check.py"
 
 
 def kernel_sets() -> list[str]:
