@@ -9,6 +9,8 @@ evaluations and the checkpoint, in arms run side by side:
               (the control that prices model/allocator.py's `release_memory`)
     fixed128k glibc's mmap and trim thresholds fixed at 128 KiB (the allocator before issue 39;
               `--arms default system fixed128k`)
+    lora      the same job with rank-16 adapters (+experiment=smollm2_arithmetic_lora, docs/lora.md):
+              `--arms default lora` writes bench/results/speed-lora.json
 
 The arms are interleaved: `--rounds` rounds, each one process per arm of `--steps` steps, so a
 neighbour's load or the machine's clock falls on both. A process's first step is dropped (its first
@@ -17,6 +19,7 @@ allocations, warm caches). Figures per arm, medians over the kept steps (seconds
     step_s      the whole step (rollout, scoring, update, weight sync)
     rollout_s   generation and rewards
     train_s     step_s - rollout_s (collate, scoring, forward/backward, optimizer, sync)
+    max_rss_gb  the process's peak resident memory (median over its processes)
 
 Then the default arm against the last recorded runs, each named by its commit and date:
 bench/results/speed.json's default arm (as it was before this run replaces it) and
@@ -44,30 +47,38 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, ROOT, emit, provenance  # noqa: E402
 
-ARMS = {"default": {}, "system": {"RL_ALLOCATOR": "system"},
-        "fixed128k": {"RL_ALLOCATOR": "system", "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}}
+ARMS = {"default": {}, "system": {"RL_ALLOCATOR": "system"},  # arm -> environment (and experiment, EXPERIMENTS)
+        "fixed128k": {"RL_ALLOCATOR": "system", "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"},
+        "lora": {}}
+EXPERIMENTS = {"lora": "smollm2_arithmetic_lora"}
 PHASES = ("step_s", "rollout_s", "train_s")
+FIGURES = (*PHASES, "max_rss_gb")
 EXPERIMENT = "smollm2_arithmetic"
 MODEL_DIR = ROOT / ".cache/models/SmolLM2-135M-Instruct"
 
 
 def run_arm(arm: str, steps: int, work: Path) -> list[dict]:
-    """One train.py process of the headline job; its per-step phases (first step dropped)."""
+    """One train.py process of the headline job; its per-step phases (first step dropped) and peak RSS."""
     run_dir = work / f"{arm}-{time.monotonic_ns()}"
-    cmd = [sys.executable, "train.py", f"+experiment={EXPERIMENT}", f"trainer.max_steps={steps}", "eval.every=0",
+    cmd = [sys.executable, "train.py", f"+experiment={EXPERIMENTS.get(arm, EXPERIMENT)}", f"trainer.max_steps={steps}", "eval.every=0",
            "checkpoint.every=0", "checkpoint.final=false", "trainer.plot=false", "trainer.progress=false",
            f"hydra.run.dir={run_dir}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_ALLOCATOR", "MALLOC_"))} | ARMS[arm]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"speed: arm {arm} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    log = work / f"{run_dir.name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)  # the child's own rusage: its peak RSS
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise SystemExit(f"speed: arm {arm} failed ({code}):\n{log.read_text()[-4000:]}")
+    rss = usage.ru_maxrss / 2**20  # KiB -> GiB
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return [{"step": r["step"], "step_s": r["step_s"], "rollout_s": r["rollout_s"],
-             "train_s": r["step_s"] - r["rollout_s"]} for r in rows if "step_s" in r][1:]
+             "train_s": r["step_s"] - r["rollout_s"], "max_rss_gb": rss} for r in rows if "step_s" in r][1:]
 
 
 def medians(per_step: list[dict]) -> dict:
-    return {k: round(statistics.median(r[k] for r in per_step), 3) for k in PHASES}
+    return {k: round(statistics.median(r[k] for r in per_step), 3) for k in FIGURES}
 
 
 def recorded() -> dict:
@@ -111,9 +122,9 @@ def main(argv=None) -> dict:
                      "loadavg_1m_max": round(max(load), 2)}
     for arm, rows in per_arm.items():
         summary |= {f"{arm}_{k}": v for k, v in medians(rows).items()}
-    if "system" in per_arm and "default" in per_arm:
-        summary |= {f"default_vs_system_{k}": round(summary[f"default_{k}"] / summary[f"system_{k}"], 3)
-                    for k in PHASES}
+    for a, b in (("default", "system"), ("lora", "default")):  # a ratio above 1: a slower step / more memory
+        if a in per_arm and b in per_arm:
+            summary |= {f"{a}_vs_{b}_{k}": round(summary[f"{a}_{k}"] / summary[f"{b}_{k}"], 3) for k in FIGURES}
     now = provenance()
     for name, rec in before.items():
         ratios = {k: round(summary[f"default_{k}"] / rec[k], 3) for k in PHASES if rec.get(k)}
@@ -124,7 +135,7 @@ def main(argv=None) -> dict:
     if args.quick:  # a check, not a record
         print(json.dumps(summary | now), flush=True)
         return summary
-    return emit("speed", summary, {"per_step": per_arm})
+    return emit("speed-lora" if "lora" in per_arm else "speed", summary, {"per_step": per_arm})
 
 
 if __name__ == "__main__":

@@ -64,10 +64,8 @@ def check_settings(settings: LoraSettings, *, moe: bool, engine: str) -> None:
         raise ValueError(f"model.lora.alpha={settings.alpha}: expected > 0")
     if not 0 <= settings.dropout < 1:
         raise ValueError(f"model.lora.dropout={settings.dropout}: expected in [0, 1)")
-    if engine == "vllm":
-        raise ValueError(f"model.lora.rank={settings.rank}>0 with rollout.engine=vllm: adapter sync to vLLM "
-                         "(enable_lora) is not implemented; use rollout.engine=hf (adapters only per sync) or "
-                         "model.lora.rank=0")
+    if engine == "vllm" and settings.rank > 512:
+        raise ValueError(f"model.lora.rank={settings.rank} with rollout.engine=vllm: vLLM's largest adapter rank is 512")
     check_targets(list(settings.target_modules), moe=moe)
 
 

@@ -170,8 +170,9 @@ def test_start_up_refusals_name_the_field():
     ok = LoraSettings(rank=8)
     check_settings(ok, moe=False, engine="hf")
     check_settings(LoraSettings(rank=8, target_modules=ATTENTION), moe=True, engine="hf")
-    with pytest.raises(ValueError, match=r"model.lora.rank=8>0 with rollout.engine=vllm"):
-        check_settings(ok, moe=False, engine="vllm")
+    check_settings(ok, moe=False, engine="vllm")  # vLLM takes adapters (enable_lora) up to its largest rank
+    with pytest.raises(ValueError, match=r"model.lora.rank=1024 with rollout.engine=vllm"):
+        check_settings(LoraSettings(rank=1024), moe=False, engine="vllm")
     with pytest.raises(ValueError, match=r"model.lora.target_modules=.*MLP projections.*MoE"):
         check_settings(ok, moe=True, engine="hf")
     with pytest.raises(ValueError, match=r"model.lora.target_modules=.*router"):

@@ -4,11 +4,11 @@ Tests marked `vllm` need the extra (`make install-vllm`) and run with `make test
 (CI runs it after `make test`); the others (LLM arguments, thread binding, the install
 hint, the mismatch metrics with the HF engine) run everywhere.
 
-The vLLM tests start four engines (~20-60 s each on 2 cores), each shared by the assertions
+The vLLM tests start five engines (~20-60 s each on 2 cores), each shared by the assertions
 that need it: a dense tiny Qwen3 trainer (records, multi-turn, weight sync), a tiny
 Qwen3-MoE trainer (routing replay from vLLM), a multi-turn arithmetic trainer (three turns
-within the computed `max_model_len`) and a one-process in-process engine (the layout of one
-GPU without torchrun). vLLM's CPU attention has no kernel for head_dim 16, so the tiny
+within the computed `max_model_len`), a LoRA trainer (adapter versions) and a one-process
+in-process engine (the layout of one GPU without torchrun). vLLM's CPU attention has no kernel for head_dim 16, so the tiny
 models use head_dim 32.
 """
 
@@ -340,6 +340,40 @@ def test_load_weights_is_strict(vtrainer):
     engine.load_weights(full_parameters(vtrainer.actor.model))  # a failed sync leaves a usable engine
     recs = engine.generate(PROMPTS[:1], prompt_indices=[0], max_new_tokens=4, temperature=1.0, seed=2)
     assert _gap(vtrainer, recs) < TOL
+
+
+# ------------------------------------------------------------ vLLM: LoRA adapters
+@pytest.mark.vllm
+def test_lora_adapters_reach_vllm_as_adapter_versions_and_only_they_sync():
+    """model.lora.rank=8 with rollout.engine=vllm: the first sync loads the base in place, each
+    sync after it sends the adapters alone (weight_sync_bytes = their bytes), registered as the
+    next vLLM adapter version, the previous one removed; vLLM's log-probs are the adapted
+    training forward's. Control: the same engine generating without the adapter misses."""
+    from model.lora import adapter_bytes
+    from tests.inprocess import trainer
+
+    tr = trainer(*VLLM_TINY, "model.lora.rank=8", "trainer.lr=1e-2")
+    try:
+        engine = tr.engine
+        assert engine.holds_base and engine.adapter.lora_int_id == 1  # the start-up sync: base + version 1
+        for s in range(2):
+            m = tr.step(s)
+            assert m["rollout_logprob_abs_diff_max"] < TOL, m
+            assert m["weight_sync_bytes"] == adapter_bytes(tr.actor.model), m
+        assert engine.adapter.lora_int_id == 3 and set(engine.llm.llm_engine.list_loras()) == {3}
+        kw = dict(prompt_indices=[0, 1, 2, 3], max_new_tokens=8, temperature=1.0, seed=11)
+        adapted = _gap(tr, engine.generate(PROMPTS, **kw))
+        live, engine.adapter = engine.adapter, None
+        try:
+            bare = _gap(tr, engine.generate(PROMPTS, **kw))
+        finally:
+            engine.adapter = live
+        print(f"LoRA with vLLM: max |dlogp| {adapted:.2e} with the adapter, {bare:.2e} without (control)")
+        assert adapted < TOL and bare > 100 * TOL
+        with pytest.raises(KeyError, match="base tensors sent to a LoRA engine that holds its base"):
+            engine.load_weights([("model.norm.weight", torch.ones(64))])
+    finally:
+        tr.engine.close()
 
 
 @pytest.mark.vllm

@@ -18,6 +18,7 @@ import torch
 
 from model.families import MOE
 from model.loading import materialize
+from model.lora import has_adapters, merged_state_dict
 from model.models import compute_copy
 from rl.config import longest_sample, model_family
 from rl.rollout.engine import HFRolloutEngine, PolicyRolloutEngine, RolloutEngine
@@ -60,7 +61,8 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
             max_model_len=max_len, seed=cfg.seed, sync_bucket_bytes=bucket,
             tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
             enable_sleep_mode=r.enable_sleep_mode, enforce_eager=r.enforce_eager, kv_cache_gb=r.kv_cache_gb,
-            tp_group=tp_group, routed_experts=cfg.algo.routing_replay and model_family(cfg) in MOE)
+            tp_group=tp_group, routed_experts=cfg.algo.routing_replay and model_family(cfg) in MOE,
+            lora=cfg.model.lora)
     engine.sync_bucket_bytes, engine.replica = bucket, replica
     sync_weights(engine, actor.model)  # bucket by bucket (rl/rollout/sync.py); nothing for the sharded policy
     return engine
@@ -79,7 +81,9 @@ def engine_max_len(cfg, task) -> int | None:
 def _random_init_folder(new_model, dims, seed: int) -> str:
     folder = os.path.join(tempfile.gettempdir(), f"rl-vllm-init-{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}")
     if dims.rank == 0:
-        new_model().save_pretrained(folder)
+        model = new_model()
+        # LoRA: the checkpoint of the base under stock names (adapters start at B = 0: merged = base)
+        model.save_pretrained(folder, state_dict=merged_state_dict(model) if has_adapters(model) else None)
     if dims.distributed:
         torch.distributed.barrier()
     return folder

