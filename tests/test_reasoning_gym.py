@@ -69,6 +69,12 @@ def test_the_reward_is_the_datasets_own_score_answer(tokenizer_dir, tokenizer):
     assert score(f"<answer>{answer} apples</answer>") == reference.score_answer(f"{answer} apples", meta) < 1.0
     whole = gym(tokenizer_dir, dataset="basic_arithmetic", dataset_config=SMALL, size=10, answer_tag="")
     assert whole.reward(ids, tokenizer.encode(f" {answer} "), meta) == 1.0
+    prose = f"{meta['question'].rstrip('.').split()[-3]} + x = {answer}"
+    assert 0 < whole.reward(ids, tokenizer.encode(prose), meta) < 1.0  # the whole reply: partial credit
+    last = gym(tokenizer_dir, dataset="basic_arithmetic", dataset_config=SMALL, size=10, answer_pattern=r"-?\d+")
+    assert last.reward(ids, tokenizer.encode(prose), meta) == 1.0  # its last number is the answer
+    assert last.reward(ids, tokenizer.encode(f"{answer} + 1 = {int(answer) + 1}"), meta) == 0.0  # control
+    assert last.reward(ids, tokenizer.encode("no number"), meta) == 0.0
 
 
 def test_datasets_mix_by_weight_and_each_scores_its_own(tokenizer_dir, tokenizer):
@@ -90,6 +96,8 @@ def test_bad_options_name_the_field(tokenizer_dir):
         gym(tokenizer_dir, dataset="no_such_dataset")
     with pytest.raises(ValueError, match=r"task.options.datasets.chain_sum.weight=0.0"):
         gym(tokenizer_dir, datasets={"chain_sum": {"weight": 0}})
+    with pytest.raises(ValueError, match=r"task.options.answer_pattern='\(': not a regular expression"):
+        gym(tokenizer_dir, dataset="basic_arithmetic", dataset_config=SMALL, answer_pattern="(")
     with pytest.raises(ValueError, match=r"eval.num_prompts=150: only \d+ held-out problems"):
         gym(tokenizer_dir, dataset="basic_arithmetic", dataset_config=SMALL, size=40).heldout(150)
 

@@ -14,13 +14,15 @@ scores a problem the run trains on, in a small problem space too.
 
 A reply is scored by the dataset's own `score_answer(answer, entry)`: the answer is the text in
 the reply's last `<answer>...</answer>` (`answer_tag`, reasoning-gym's convention; an empty tag: the
-whole reply, stripped). reasoning-gym's default scorer gives 1.0 for the exact answer and
+whole reply, stripped), or, with `answer_pattern` (a regular expression), its last match in the
+reply (none: no answer), for models that answer in prose ("9 + 8 = 17"). reasoning-gym's default scorer gives 1.0 for the exact answer and
 len(answer) / len(reply) when the reply contains it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import torch
@@ -39,7 +41,8 @@ class ReasoningGymTask(TextTask, FileTask):
 
     def __init__(self, tokenizer_path: str | os.PathLike, *, dataset: str | None = None,
                  dataset_config: dict | None = None, datasets: dict | None = None, size: int = 1000,
-                 dataset_seed: int = 0, answer_tag: str = "answer", template: str = "{question}",
+                 dataset_seed: int = 0, answer_tag: str = "answer", answer_pattern: str | None = None,
+                 template: str = "{question}",
                  chat_template: str | None = "tokenizer", system_prompt: str | None = None,
                  enable_thinking: bool | None = None, vocab_size: int | None = None,
                  stop_token_id: int | None = None) -> None:
@@ -50,7 +53,12 @@ class ReasoningGymTask(TextTask, FileTask):
             raise ValueError(f"task.options.size={size}: expected >= 1 training problems")
         if "{question}" not in template:
             raise ValueError(f"task.options.template={template!r} has no '{{question}}' field")
-        self.answer_tag, self.template = answer_tag, template
+        if answer_pattern is not None:
+            try:
+                re.compile(answer_pattern)
+            except re.error as e:
+                raise ValueError(f"task.options.answer_pattern={answer_pattern!r}: not a regular expression ({e})") from e
+        self.answer_tag, self.answer_pattern, self.template = answer_tag, answer_pattern, template
         self.tokenizer = tokenizer = load_tokenizer(tokenizer_path)
         self.encode_messages = chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path, enable_thinking)
 
@@ -101,8 +109,11 @@ class ReasoningGymTask(TextTask, FileTask):
         return [(torch.tensor(ids, dtype=torch.int64), dict(meta)) for ids, meta in self._heldout[:n]]
 
     def answer(self, text: str) -> str | None:
-        """The answer in a reply: its last `<answer_tag>` block (None when it has none), or the whole
-        reply stripped when `answer_tag` is empty."""
+        """The answer in a reply: the last match of `answer_pattern` when given, else its last
+        `<answer_tag>` block (None when it has none), or the whole reply stripped when `answer_tag` is empty."""
+        if self.answer_pattern is not None:
+            found = re.findall(self.answer_pattern, text)
+            return found[-1] if found else None
         if not self.answer_tag:
             return text.strip()
         from reasoning_gym.utils import extract_answer
