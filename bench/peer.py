@@ -271,8 +271,8 @@ def run_trl(args, out: Path, env: dict, shape: Shape) -> dict:
         raise SystemExit(f"peer: the TRL arm exited {rc}; see {out / 'trl.log'}")
     res = json.loads(result_path.read_text())
     return summarize(res["per_step"], res["accuracy_before"], res["accuracy_after"], wall,
-                     shape.samples_per_step) | load | {"trl": res["trl"], "config": res["config"], "lora": res.get("lora"),
-                                                       "per_step": res["per_step"]}
+                     shape.samples_per_step) | load | {"trl": res["trl"], "config": res["config"],
+                                                       "lora": res.get("lora"), "per_step": res["per_step"]}
 
 
 def ratio(a, b) -> float | None:

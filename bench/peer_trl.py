@@ -71,7 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--samples-per-prompt", type=int, default=8, help="task.samples_per_prompt (num_generations)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="task.max_new_tokens (max_completion_length)")
     p.add_argument("--task-options", default="{}", help="task.options as JSON (ArithmeticTask keywords)")
-    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank r through TRL's peft_config (0 = full fine-tuning)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="LoRA rank r through TRL's peft_config (0 = full fine-tuning)")
     p.add_argument("--lora-alpha", type=float, default=32.0)
     p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",

@@ -60,8 +60,8 @@ MODEL_DIR = ROOT / ".cache/models/SmolLM2-135M-Instruct"
 def run_arm(arm: str, steps: int, work: Path) -> list[dict]:
     """One train.py process of the headline job; its per-step phases (first step dropped) and peak RSS."""
     run_dir = work / f"{arm}-{time.monotonic_ns()}"
-    cmd = [sys.executable, "train.py", f"+experiment={EXPERIMENTS.get(arm, EXPERIMENT)}", f"trainer.max_steps={steps}", "eval.every=0",
-           "checkpoint.every=0", "checkpoint.final=false", "trainer.plot=false", "trainer.progress=false",
+    cmd = [sys.executable, "train.py", f"+experiment={EXPERIMENTS.get(arm, EXPERIMENT)}", f"trainer.max_steps={steps}",
+           "eval.every=0", "checkpoint.every=0", "checkpoint.final=false", "trainer.plot=false", "trainer.progress=false",
            f"hydra.run.dir={run_dir}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_ALLOCATOR", "MALLOC_"))} | ARMS[arm]
     log = work / f"{run_dir.name}.log"

@@ -40,6 +40,7 @@ ADAPTER = "default"  # PEFT's adapter name: state-dict keys read "...q_proj.lora
 BASE = ".base_layer"  # PEFT's name of the wrapped linear: "...q_proj.base_layer.weight"
 ROUTER = ("gate", "router")  # MoE routers: never adapted
 MLP = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")  # dense MLP names; in qwen3_moe fused experts
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's `max_lora_rank` choices
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -64,8 +65,9 @@ def check_settings(settings: LoraSettings, *, moe: bool, engine: str) -> None:
         raise ValueError(f"model.lora.alpha={settings.alpha}: expected > 0")
     if not 0 <= settings.dropout < 1:
         raise ValueError(f"model.lora.dropout={settings.dropout}: expected in [0, 1)")
-    if engine == "vllm" and settings.rank > 512:
-        raise ValueError(f"model.lora.rank={settings.rank} with rollout.engine=vllm: vLLM's largest adapter rank is 512")
+    if engine == "vllm" and settings.rank > VLLM_LORA_RANKS[-1]:
+        raise ValueError(f"model.lora.rank={settings.rank} with rollout.engine=vllm: vLLM's largest adapter rank "
+                         f"is {VLLM_LORA_RANKS[-1]}")
     check_targets(list(settings.target_modules), moe=moe)
 
 

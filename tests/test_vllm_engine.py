@@ -8,8 +8,8 @@ The vLLM tests start five engines (~20-60 s each on 2 cores), each shared by the
 that need it: a dense tiny Qwen3 trainer (records, multi-turn, weight sync), a tiny
 Qwen3-MoE trainer (routing replay from vLLM), a multi-turn arithmetic trainer (three turns
 within the computed `max_model_len`), a LoRA trainer (adapter versions) and a one-process
-in-process engine (the layout of one GPU without torchrun). vLLM's CPU attention has no kernel for head_dim 16, so the tiny
-models use head_dim 32.
+in-process engine (the layout of one GPU without torchrun). vLLM's CPU attention has no kernel
+for head_dim 16, so the tiny models use head_dim 32.
 """
 
 from __future__ import annotations

