@@ -166,6 +166,28 @@ def test_only_adapters_train():
     assert len(trainable_parameters(plain)) == len(list(plain.parameters())) and not has_adapters(plain)
 
 
+def test_checkpoint_state_is_adapters_only_with_tied_embeddings():
+    """A tied-embedding model (SmolLM2's layout): the checkpoint's weights are the adapters and
+    nothing else. Control: DCP's ignore_frozen_params alone keeps the tied lm_head.weight (a
+    frozen base tensor the size of the embedding, which made every SmolLM2 LoRA checkpoint 6x
+    too big and the export refuse it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from model.parallel_dims import ParallelDims
+    from rl.trainer.checkpoint import sharded_state
+
+    lm = build_model("llama", seed=0, tie_word_embeddings=True)
+    apply_lora(lm, LoraSettings(rank=4, alpha=8, target_modules=ATTENTION))
+    assert lm.lm_head.weight is lm.model.embed_tokens.weight
+    actor = Actor(lm)
+    optimizer = torch.optim.AdamW(trainable_parameters(actor))
+    state = sharded_state(actor, optimizer, ParallelDims())
+    adapters = {n for n, _ in actor.named_parameters() if ".lora_" in n}
+    assert set(state["weights"]) == adapters and set(state["optimizer"]["state"]) <= adapters
+    kept, _ = get_state_dict(actor, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    assert set(kept) - adapters == {"model.lm_head.weight"}  # the control
+
+
 def test_start_up_refusals_name_the_field():
     ok = LoraSettings(rank=8)
     check_settings(ok, moe=False, engine="hf")

@@ -79,7 +79,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
-from model.lora import has_adapters
+from model.lora import has_adapters, is_adapter
 from model.moe import is_expert_param
 from model.parallel_dims import ParallelDims
 
@@ -147,6 +147,8 @@ def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer, dims: Par
     (model/lora.py) the frozen base is left out: it is rebuilt from the seed or
     `model.pretrained_path`, like the reference."""
     weights, optim = get_state_dict(module, optimizer, options=_options(module))
+    if has_adapters(module):  # ignore_frozen_params keeps a tied weight's second name (lm_head of tied embeddings)
+        weights = {k: v for k, v in weights.items() if is_adapter(k)}
     weights = {k: _global_experts(v, dims) if is_expert_param(k) else v for k, v in weights.items()}
     optim["state"] = {fqn: {k: _global_experts(v, dims) for k, v in s.items()} if is_expert_param(fqn) else s
                       for fqn, s in optim["state"].items()}

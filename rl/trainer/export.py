@@ -76,7 +76,9 @@ def _export_lora(path: Path, out: Path, saved: dict) -> Path:
     # PEFT's names "base_model.model.<LM key>" <- the checkpoint's "actor.weights.model.<LM key>"
     own = {k: v for k, v in peft_model.state_dict().items() if is_adapter(k)}
     state = {f"{POLICY}model.{k.removeprefix('base_model.model.')}": v for k, v in own.items()}
-    stored = {k for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata if k.startswith(POLICY)}
+    # adapter entries only: checkpoints before the fix in sharded_state also hold a tied lm_head.weight
+    stored = {k for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+              if k.startswith(POLICY) and is_adapter(k)}
     if state.keys() != stored:
         raise ValueError(f"export: checkpoint {path} does not hold the adapters of model.lora={m['lora']}: "
                          f"missing {sorted(state.keys() - stored)[:3]}, unexpected {sorted(stored - state.keys())[:3]}")
