@@ -8,7 +8,7 @@ ARGS    ?=
 
 MODEL_DIR := .cache/models/SmolLM2-135M-Instruct
 
-.PHONY: install test test-quick test-model model train demo bench bench-peer bench-speed bench-rank-memory bench-prefix bench-async clean install-vllm test-vllm gpu-wheels
+.PHONY: install test test-quick test-model model train demo bench bench-peer bench-peer-step bench-speed bench-rank-memory bench-prefix bench-async clean install-vllm test-vllm gpu-wheels
 
 install: $(STAMP)
 
@@ -54,6 +54,11 @@ $(TRL_STAMP): requirements-trl.txt constraints-trl.txt
 
 bench-peer: model $(TRL_STAMP)
 	$(PY) bench/peer.py $(if $(JOB),--job $(JOB)) $(if $(STEPS),--steps $(STEPS)) $(ARGS)
+
+# One LoRA step on identical samples, the adapters' gradients here and in TRL+PEFT (bench/peer_step.py,
+# ~5 min): bench/results/peer-step.json.
+bench-peer-step: model $(TRL_STAMP)
+	$(PY) bench/peer_step.py $(ARGS)
 
 # The speed guard (bench/speed.py): the headline step (`make train`'s job, no evaluation) with the
 # defaults beside RL_ALLOCATOR=system, processes interleaved, medians of step / rollout / training seconds,

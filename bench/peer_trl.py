@@ -104,6 +104,47 @@ def check_prompt_ids(tokenizer, rows) -> None:
                              f"  chat template: {ids}\n  project:       {r['prompt_ids']}")
 
 
+def trl_config(args, work: str):
+    """TRL's `GRPOConfig` for the job (see the module docstring) and the PEFT `LoraConfig` of
+    `--lora-rank` (None: full fine-tuning)."""
+    from trl import GRPOConfig
+
+    config = GRPOConfig(
+        output_dir=work,
+        # the job
+        max_steps=args.steps,
+        per_device_train_batch_size=args.prompts_per_step * args.samples_per_prompt,
+        gradient_accumulation_steps=1,
+        num_generations=args.samples_per_prompt,
+        max_completion_length=args.max_new_tokens,
+        temperature=1.0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        beta=0.0,
+        num_iterations=1,
+        loss_type="dapo",
+        shuffle_dataset=False,
+        seed=args.seed,
+        # this machine: CPU, fp32, no activation checkpointing
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        # no side work
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    peft_config = None
+    if args.lora_rank:  # LoRA as a TRL user asks for it: a PEFT LoraConfig handed to the trainer
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                 target_modules=args.lora_targets.split(","), task_type="CAUSAL_LM")
+    return config, peft_config
+
+
 def greedy_accuracy(model, tokenizer, problems, *, batch_size: int, max_new_tokens: int) -> dict:
     """Greedy pass@1 on the held-out problems: `model.generate`, max `max_new_tokens`, stop at EOS."""
     import torch
@@ -148,7 +189,7 @@ def main(argv=None) -> dict:
     import transformers
     import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
     from trl.extras import profiling
 
     from rl.tasks.answers import math_reward
@@ -206,40 +247,7 @@ def main(argv=None) -> dict:
                 self.logs.append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
 
     timer = StepTimer()
-    work = tempfile.mkdtemp(prefix="peer_trl_")
-    config = GRPOConfig(
-        output_dir=work,
-        # the job
-        max_steps=args.steps,
-        per_device_train_batch_size=args.prompts_per_step * args.samples_per_prompt,
-        gradient_accumulation_steps=1,
-        num_generations=args.samples_per_prompt,
-        max_completion_length=args.max_new_tokens,
-        temperature=1.0,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        max_grad_norm=1.0,
-        beta=0.0,
-        num_iterations=1,
-        loss_type="dapo",
-        shuffle_dataset=False,
-        seed=args.seed,
-        # this machine: CPU, fp32, no activation checkpointing
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        # no side work
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
-    peft_config = None
-    if args.lora_rank:  # LoRA as a TRL user asks for it: a PEFT LoraConfig handed to the trainer
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                 target_modules=args.lora_targets.split(","), task_type="CAUSAL_LM")
+    config, peft_config = trl_config(args, tempfile.mkdtemp(prefix="peer_trl_"))
     trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[timer], peft_config=peft_config)
     t_train = time.perf_counter()
