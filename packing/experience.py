@@ -27,7 +27,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from packing.layout import cu_seqlens
+from packing.layout import cu_seqlens, to_device
 from packing.prompts import SharedPrompts
 
 
@@ -128,8 +128,13 @@ class Experience:
 
     # -------------------------------------------------------------- transforms
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Experience:
+        """Every tensor on `device` (packing/layout.py `to_device`: non-blocking host-to-CUDA
+        copies start from pinned memory)."""
+
         def move(value: Any) -> Any:
-            if isinstance(value, (torch.Tensor, SharedPrompts)):
+            if isinstance(value, torch.Tensor):
+                return to_device(value, device, non_blocking)
+            if isinstance(value, SharedPrompts):
                 return value.to(device, non_blocking=non_blocking)
             if isinstance(value, list):
                 return [move(v) for v in value]

@@ -17,6 +17,16 @@ from typing import Sequence
 import torch
 
 
+def to_device(t: torch.Tensor, device: torch.device | str, non_blocking: bool = False) -> torch.Tensor:
+    """`t.to(device)`. With `non_blocking` from host memory to a CUDA device the copy starts
+    from a pinned (page-locked) copy of `t`: a pageable source would make the transfer
+    synchronous; from pinned memory it is queued on the stream ahead of the kernels that read
+    it, and the host goes on collating."""
+    if non_blocking and t.device.type == "cpu" and torch.device(device).type == "cuda" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=non_blocking)
+
+
 def cu_seqlens(lens: Sequence[int] | torch.Tensor, *, device: torch.device | str | None = None) -> torch.Tensor:
     """`[n + 1]` int32 cumulative lengths starting at 0 (what varlen kernels take);
     `cu[:-1]` are the sequences' start offsets."""

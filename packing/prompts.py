@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from packing.layout import cu_seqlens
+from packing.layout import cu_seqlens, to_device
 
 Unit = tuple[int, tuple[int, ...]]  # (prompt length P, response lengths (R_1, ...)); () = a causal sequence
 
@@ -88,7 +88,7 @@ class SharedPrompts:
         return self._masks[key]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SharedPrompts:
-        moved = {f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in dataclasses.fields(self)
+        moved = {f.name: to_device(getattr(self, f.name), device, non_blocking) for f in dataclasses.fields(self)
                  if isinstance(getattr(self, f.name), torch.Tensor)}
         return dataclasses.replace(self, **moved, _masks={})
 

@@ -212,3 +212,35 @@ def test_split_unpads_a_padded_batch_on_every_axis():
         assert stored.attention_mask is None
         assert stored.advantages.shape == (original.sequences.numel() - 1,)
         assert torch.equal(stored.routed_experts, original.routed_experts)  # routing unpadded too
+
+
+def test_non_blocking_copies_to_cuda_start_from_pinned_memory(monkeypatch):
+    """The trainer moves each collated batch with `to(device, non_blocking=True)`: to CUDA every
+    host tensor (the shared-prompt layout's too) is pinned first, since a non-blocking copy from
+    pageable memory is synchronous. This CPU-only torch can neither pin nor reach CUDA, so both
+    calls are recorded instead of run. Controls: a blocking copy and a copy to the CPU pin nothing."""
+    from tests.test_shared_prompt import grpo_records
+
+    batch = make_experience_batch(grpo_records(), packed=True)
+    assert batch.shared_prompts is not None
+    pinned, copies = [], []
+    real_to = torch.Tensor.to
+
+    def to(self, *args, non_blocking=False, **kwargs):
+        if args and str(args[0]).startswith("cuda"):
+            copies.append(non_blocking)
+            return self
+        return real_to(self, *args, non_blocking=non_blocking, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self) or self)
+    batch.to("cuda", non_blocking=True)
+    assert len(copies) > 10 and all(copies) and len(pinned) == len(copies)
+    shared = {id(getattr(batch.shared_prompts, name)) for name in ("keep", "expand")}
+    assert shared <= {id(t) for t in pinned}
+    pinned.clear(), copies.clear()
+    batch.to("cuda")  # control: blocking
+    assert copies and not any(copies) and not pinned
+    batch.to("cpu", non_blocking=True)  # control: no device copy
+    assert not pinned

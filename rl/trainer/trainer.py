@@ -344,7 +344,8 @@ class Trainer:
     # ----------------------------------------------------------------- collate
     def collate(self, rollouts: Rollouts, plan: StepPlan) -> list[MiniBatch]:
         """Each sample moved once, from the rank that generated it to the ranks that run it
-        (packing/exchange.py), then this rank's microbatches collated, once, onto its device.
+        (packing/exchange.py), then this rank's microbatches collated, once, onto its device
+        (on CUDA by non-blocking copies from pinned memory: the host collates the next one meanwhile).
         The generated records are let go, and the stand-ins keep only their scalars (the
         rewards `advantages` reads)."""
         dims = self.dims
@@ -353,7 +354,7 @@ class Trainer:
         rollouts.records.clear()
         packed = self.cfg.batch.packed
         return [MiniBatch(**vars(mb), batches=[make_experience_batch([mine[j] for j in rows], packed=packed)
-                                               .to(dims.device) for rows in mb.rows])
+                                               .to(dims.device, non_blocking=True) for rows in mb.rows])
                 for mb in plan.minibatches]
 
     # ------------------------------------------------------------------- score
