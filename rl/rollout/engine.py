@@ -69,7 +69,7 @@ class RolloutEngine(abc.ABC):
     """Generates unpadded `Experience` records; a vLLM-backed engine implements the same."""
 
     needs_sync = True  # False: generates from the training policy's own weights (nothing to load)
-    holds_base = False  # True: holds LoRA's frozen base, a sync sends the adapters only (rl/rollout/sync.py)
+    _base_loaded = False  # set by `load_weights` once LoRA's frozen base is in
 
     def __init__(self, *, stop_token_id: int | None = None) -> None:
         self.stop_token_id = stop_token_id
@@ -77,6 +77,12 @@ class RolloutEngine(abc.ABC):
         self.sync_bucket_bytes: int | None = None  # weight sync bucket (rl/rollout/sync.py); None: the default
         self.replica = None  # the start-up memory plan that chose this engine (rl/rollout/replica.py), if any
         self.loaded_bytes = 0  # bytes the last `load_weights` received (LoRA: the adapters only, model/lora.py)
+
+    @property
+    def holds_base(self) -> bool:
+        """True when the copy has LoRA adapters (model/lora.py) and its frozen base weights
+        are loaded: a sync then sends the adapters only (rl/rollout/sync.py)."""
+        return self._base_loaded
 
     def sleep(self) -> None:
         """Free what the engine holds for generation until the next weight sync (the trainer
@@ -259,12 +265,6 @@ class HFRolloutEngine(RolloutEngine):
         return bool(moe_blocks(self.model, strict=False))
 
     # ------------------------------------------------------------- weights
-    @property
-    def holds_base(self) -> bool:
-        """True when the copy has LoRA adapters (model/lora.py) and its frozen base weights
-        are loaded: a sync then sends the adapters only (rl/rollout/sync.py)."""
-        return self._base_loaded
-
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy every weight in, one `(name, tensor)` at a time (a generator such as

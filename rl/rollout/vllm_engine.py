@@ -548,11 +548,6 @@ class VLLMRolloutEngine(RolloutEngine):
                 self.asleep = False
 
     # ------------------------------------------------------------- weights
-    @property
-    def holds_base(self) -> bool:
-        """LoRA: the frozen base is loaded, a sync sends the adapters only (rl/rollout/sync.py)."""
-        return self._base_loaded
-
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace every weight in place, without restarting vLLM (strict: the checkpoint's
