@@ -52,7 +52,9 @@ def ours(seed: int, rewards: str, eps: float | None = None, steps: int = 1) -> d
     """`steps` steps of the experiment through the project's trainer (`Trainer.step`): each
     step's samples and adapter gradients, the adapters before and after.
     `eps`: GRPO's std epsilon instead of the project's 1e-6 (TRL's is 1e-4)."""
+    import contextlib
     import functools
+    from unittest import mock
 
     import rl.trainer.trainer as trainer_module
     from hydra import compose, initialize_config_dir
@@ -65,8 +67,6 @@ def ours(seed: int, rewards: str, eps: float | None = None, steps: int = 1) -> d
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = load(compose("config", overrides=[f"+experiment={EXPERIMENT}", f"seed={seed}", "eval.every=0"]))
     trainer = build_trainer(cfg, init_distributed(1, 1, 1, device="cpu"))
-    if eps is not None:
-        trainer_module.compute_advantages = functools.partial(trainer_module.compute_advantages, eps=eps)
     torch.manual_seed(cfg.seed)  # as train.py
     lm = trainer.actor.model
     adapters = lambda: {n: p.detach().clone() for n, p in lm.named_parameters() if p.requires_grad}  # noqa: E731
@@ -93,8 +93,11 @@ def ours(seed: int, rewards: str, eps: float | None = None, steps: int = 1) -> d
         return optimizer_step()
 
     trainer.rollout, trainer.optimizer_step = recorded, captured
-    for step in range(steps):
-        trainer.step(step)
+    with (mock.patch.object(trainer_module, "compute_advantages",  # for these steps only
+                            functools.partial(trainer_module.compute_advantages, eps=eps))
+          if eps is not None else contextlib.nullcontext()):
+        for step in range(steps):
+            trainer.step(step)
     return {"samples": samples, "adapters": before, "after": adapters(), "grads": grads,
             "lora": dataclasses.asdict(cfg.model.lora), "lr": cfg.trainer.lr}
 
@@ -129,7 +132,8 @@ def trl(state: dict, seed: int) -> dict:
     def rollout_func(prompts, trainer):
         queues = {text: list(samples) for text, samples in per_step[len(grads)].items()}
         served[:] = [queues[p[-1]["content"]].pop(0) for p in prompts]
-        return {"prompt_ids": [s["prompt_ids"] for s in served], "completion_ids": [s["completion_ids"] for s in served],
+        return {"prompt_ids": [s["prompt_ids"] for s in served],
+                "completion_ids": [s["completion_ids"] for s in served],
                 "logprobs": [[0.0] * len(s["completion_ids"]) for s in served]}  # unused without vLLM
 
     def reward(prompts, completions, completion_ids, **kwargs):
@@ -161,17 +165,18 @@ def trl(state: dict, seed: int) -> dict:
 
 
 def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict:
+    """Norms, cosine and relative difference of two sets of tensors (ours `a`, TRL's `b`) by name."""
     if a.keys() != b.keys():
-        raise SystemExit(f"peer_step: gradient names differ: {sorted(a.keys() ^ b.keys())[:3]}")
+        raise SystemExit(f"peer_step: tensor names differ: {sorted(a.keys() ^ b.keys())[:3]}")
     dot = sum(float((a[n].double() * b[n].double()).sum()) for n in a)
     norm_a = sum(float(a[n].double().square().sum()) for n in a) ** 0.5
     norm_b = sum(float(b[n].double().square().sum()) for n in a) ** 0.5
     diff = sum(float((a[n].double() - b[n].double()).square().sum()) for n in a) ** 0.5
+    out = {"norm": norm_a, "trl_norm": norm_b, "tensors": len(a),
+           "nonzero_tensors": sum(bool(t.any()) for t in a.values())}
     if not norm_b:  # a step whose rewards are all equal: no gradient in either arm
-        return {"norm": norm_a, "trl_norm": 0.0, "cosine": None, "rel_diff": None if norm_a else 0.0,
-                "tensors": len(a), "nonzero_tensors": sum(bool(t.any()) for t in a.values())}
-    return {"norm": norm_a, "trl_norm": norm_b, "cosine": dot / (norm_a * norm_b), "rel_diff": diff / norm_b,
-            "tensors": len(a), "nonzero_tensors": sum(bool(t.any()) for t in a.values())}
+        return out | {"cosine": None, "rel_diff": None if norm_a else 0.0}
+    return out | {"cosine": dot / (norm_a * norm_b), "rel_diff": diff / norm_b}
 
 
 def main(argv=None) -> dict | None:
