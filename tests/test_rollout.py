@@ -15,7 +15,7 @@ if str(ROOT) not in sys.path:  # FileTask imports "tests.test_rollout:my_reward"
 
 from model.models import build_model  # noqa: E402
 from rl.rollout.engine import HFRolloutEngine, RolloutEngine  # noqa: E402
-from rl.rollout.sampler import sample_inverse_cdf, sample_seed, sample_seeds, uniform_noise  # noqa: E402
+from rl.rollout.sampler import group_places, sample_inverse_cdf, sample_seed, sample_seeds, uniform_noise  # noqa: E402
 from rl.tasks.base import Task, assign_rewards, load_callable  # noqa: E402
 from rl.tasks.files import FileTask  # noqa: E402
 from rl.tasks.registry import build_task  # noqa: E402
@@ -194,6 +194,73 @@ def test_uniform_noise_is_splitmix64_per_sample():
         want = torch.tensor([(splitmix64(s, step + 1) >> 11) * 2.0**-53 for s in seeds], dtype=torch.float64)
         assert torch.equal(u, want)  # bit for bit: int64 products wrap like the unsigned ones
         assert torch.equal(uniform_noise(signed[3:4], step), u[3:4])  # a row's draw ignores the others
+
+
+def run_draws(seeds_of, steps: int, tokens: int) -> torch.Tensor:
+    """The uniforms `[steps, samples, tokens]` a run draws, the seeds of step s from `seeds_of(s)`."""
+    return torch.stack([torch.stack([uniform_noise(seeds_of(s), j) for j in range(tokens)], -1)
+                        for s in range(steps)])
+
+
+def max_correlation(u: torch.Tensor, *, group: int) -> dict:
+    """Largest |Pearson correlation| of the draws (`[steps, samples, tokens]`, samples in groups
+    of `group`) between two samples of a group at the same token, between a sample's token j and
+    any sample of its group's token j + 1 or j + 2 (a stream shifted against another), and between
+    the same sample slot of consecutive steps. Each is ~N(0, 1/n) for independent draws."""
+    steps, samples, tokens = u.shape
+    g = (u - 0.5).reshape(steps, samples // group, group, tokens)
+
+    def corr(a, b):  # over every observation but the pair's two axes
+        a, b = a - a.mean(), b - b.mean()
+        return float((a * b).mean() / (a.std() * b.std()))
+
+    same = max(abs(corr(g[:, :, i], g[:, :, k])) for i in range(group) for k in range(i + 1, group))
+    lag = max(abs(corr(g[:, :, i, :-d], g[:, :, k, d:])) for d in (1, 2) for i in range(group) for k in range(group))
+    step = abs(corr(g[:-1], g[1:]))
+    return {"same_token": same, "shifted": lag, "next_step": step}
+
+
+def test_a_runs_draws_are_uncorrelated_within_groups_and_across_steps(monkeypatch):
+    """The seeds the rollout really uses (RolloutSource.records: seed and prompt indices per step,
+    `sample_seeds` per sample) give draws with no correlation between the 8 samples of a GRPO group,
+    between shifted streams, or from step to step. Controls: seeds that put sample k at offset k of
+    one splitmix64 stream (each sample the last one shifted by a draw), and seeds that do not move
+    with the step, are caught."""
+    from types import SimpleNamespace
+
+    import rl.rollout.source as source
+    from rl.config import Config
+
+    cfg = Config()
+    cfg.task.prompts_per_step, cfg.task.samples_per_prompt = 16, 8
+    calls = []
+    monkeypatch.setattr(source, "run_episodes", lambda engine, task, prompts, metas, **kw: calls.append(kw) or [])
+    src = source.RolloutSource(cfg, SimpleNamespace(dp=1, dp_rank=0), None, build_task("target_token", vocab_size=VOCAB))
+    steps, tokens, group = 24, 48, cfg.task.samples_per_prompt
+    for s in range(steps):
+        src.records(s, 0, version=s)
+    assert len({tuple(c["prompt_indices"]) for c in calls}) == steps  # the rollout's own indices, one list a step
+
+    def wrap(seeds):
+        return torch.tensor([x - (1 << 64) if x >> 63 else x for x in seeds], dtype=torch.int64)
+
+    real = max_correlation(run_draws(lambda s: wrap(sample_seeds(calls[s]["seed"], calls[s]["prompt_indices"])),
+                                     steps, tokens), group=group)
+    n = steps * tokens * cfg.task.prompts_per_step  # observations behind each same-token pair
+    bound = 5 / n**0.5  # 5 standard deviations, the maximum over ~200 pairs included
+    assert max(real["same_token"], real["shifted"], real["next_step"]) < bound, (real, bound)
+
+    gamma = 0x9E3779B97F4A7C15  # splitmix64's increment: seed + k * gamma is output k of one stream
+
+    def one_stream(s):
+        indices = calls[s]["prompt_indices"]
+        return wrap([(sample_seed(calls[s]["seed"], i, 0) + k * gamma) % (1 << 64) for i, k in zip(indices, group_places(indices))])
+
+    shifted = max_correlation(run_draws(one_stream, steps, tokens), group=group)
+    assert shifted["shifted"] > 0.99 and shifted["same_token"] < bound  # only the shifted pairs see it
+    frozen = max_correlation(run_draws(lambda s: wrap(sample_seeds(calls[0]["seed"], calls[0]["prompt_indices"])),
+                                       steps, tokens), group=group)
+    assert frozen["next_step"] > 0.99
 
 
 def test_inverse_cdf_samples_the_distribution():
