@@ -102,6 +102,7 @@ def _accuracy(metrics: dict) -> str:
 
 
 if __name__ == "__main__":
+    silence_library_noise()  # the check below reads a pretrained checkpoint's family: transformers, torchao
     try:  # the command line checked in seconds, before the heavy imports and before a run folder exists
         checked = check_command_line(sys.argv[1:])
     except ValueError as e:

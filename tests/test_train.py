@@ -198,6 +198,23 @@ def test_a_config_error_names_the_key_before_the_heavy_imports_and_leaves_no_fol
     assert "Failed to load" not in ok.stderr and "Enum subclass" not in ok.stderr  # no library noise at start-up
 
 
+def test_checking_a_pretrained_checkpoint_prints_no_library_noise(tmp_path):
+    """The command-line check reads a pretrained checkpoint's family (`model.pretrained_path`),
+    which imports transformers and with it torchao before Hydra starts: its kernel and enum
+    messages stay silenced there too (they were the first lines of `make train`). The config error
+    after the family check (a missing `task.prompts_path`) ends the run there; -X importtime shows
+    that torchao was imported, so its messages would have been printed."""
+    from model.models import build_model
+
+    build_model("llama", seed=0).save_pretrained(tmp_path / "ckpt")
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "train.py"), "model=pretrained",
+                           f"model.pretrained_path={tmp_path / 'ckpt'}", f"task.prompts_path={tmp_path / 'none.jsonl'}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "task.prompts_path=" in proc.stderr, proc.stderr[-2000:]
+    assert re.search(r"\| +torchao$", proc.stderr, re.M), "torchao was not imported: the check says nothing"
+    assert "Failed to load" not in proc.stderr and "Enum subclass" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_a_run_that_fails_writes_its_error_to_train_log_and_marks_its_folder(tmp_path):
     """A reward that raises during the first rollout, with task.on_error=raise (the default, skip,
     counts it and goes on: tests/test_user_code.py): the message and traceback reach train.log (not
