@@ -32,7 +32,8 @@ The generation time is TRL's own `profiling_context(self, "transformers.generate
 read by wrapping `ProfilingContext._log_metrics` (which only records the duration; nothing
 in the trainer changes). Token counts come from the reward function (`completion_ids`).
 
-Evaluation (before and after training): greedy decoding with `model.generate` (max
+Evaluation (before and after training, and after every `--eval-every` steps, as the project's
+`eval.every`, outside the step timing): greedy decoding with `model.generate` (max
 `--max-new-tokens` new tokens, stop at the tokenizer's EOS `<|im_end|>`) on `task.heldout(n)`, the problems the
 project's `eval_accuracy` uses; a problem is correct when `math_reward` of the decoded
 completion (special tokens skipped) is 1.
@@ -63,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default=str(ROOT / ".cache/models/SmolLM2-135M-Instruct"))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--eval-prompts", type=int, default=200)
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="also evaluate after every k optimizer steps (the project's eval.every; 0: before and after only)")
     p.add_argument("--eval-batch-size", type=int, default=64, help="problems decoded together (the project's eval.batch_size)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0, help="the project's cfg.seed: step s trains on prompts(4, seed*1_000_003+s)")
@@ -247,9 +250,24 @@ def main(argv=None) -> dict:
                 self.logs.append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
 
     timer = StepTimer()
+    evals = [{"step": 0, "accuracy": before["accuracy"]}]
+
+    class HeldOut(TrainerCallback):
+        """Held-out accuracy after every `--eval-every` steps, as the project's eval.every; its
+        time is kept out of the step timing (the timer restarts after it)."""
+
+        def on_step_end(self, args_, state, control, model=None, **kw):
+            step = state.global_step
+            if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+                mid = greedy_accuracy(model, tokenizer, heldout, batch_size=args.eval_batch_size,
+                                      max_new_tokens=args.max_new_tokens)
+                evals.append({"step": step, "accuracy": mid["accuracy"]})
+                print(f"peer_trl: held-out accuracy after step {step}: {mid['accuracy']:.3f}", flush=True)
+                timer.t = time.perf_counter()
+
     config, peft_config = trl_config(args, tempfile.mkdtemp(prefix="peer_trl_"))
     trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[timer], peft_config=peft_config)
+                          processing_class=tokenizer, callbacks=[timer, HeldOut()], peft_config=peft_config)
     t_train = time.perf_counter()
     trainer.train()
     train_wall = time.perf_counter() - t_train
@@ -257,6 +275,7 @@ def main(argv=None) -> dict:
 
     after = greedy_accuracy(trainer.model, tokenizer, heldout, batch_size=args.eval_batch_size,
                             max_new_tokens=args.max_new_tokens)
+    evals.append({"step": args.steps, "accuracy": after["accuracy"]})
     print(f"peer_trl: held-out accuracy after {after['accuracy']:.3f} ({after['problems']} problems, "
           f"{after['eval_s']:.0f} s)", flush=True)
 
@@ -279,7 +298,7 @@ def main(argv=None) -> dict:
         "threads": torch.get_num_threads(), "steps": args.steps,
         "step_s_median": statistics.median(timer.step_s) if timer.step_s else None,
         "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
-        "eval_before_s": before["eval_s"], "eval_after_s": after["eval_s"],
+        "eval_before_s": before["eval_s"], "eval_after_s": after["eval_s"], "evals": evals,
         "train_wall_s": train_wall, "wall_s": time.perf_counter() - t_start,
         "config": {k: getattr(config, k) for k in (
             "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "generation_batch_size",
