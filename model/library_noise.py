@@ -5,11 +5,15 @@ known message of one library's logger, so every other warning still shows.
   import: GPU kernels that cannot load on a machine without CUDA. On CUDA they stay visible.
 * torch's pytree logs that `register_constant()` on an Enum subclass is deprecated, once for
   each of torchao's two enums (KernelPreference, ScaleCalculationMode): torchao's call, not ours.
+* torch's DCP warns that it assumes a single process on every load and save of a one-process
+  run, even when told so (`no_dist=True`): `quiet_single_process()` around those calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
 
 
 class _Drop(logging.Filter):
@@ -44,3 +48,12 @@ def silence_library_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) and f.keep is keep for f in logger.filters):
             logger.addFilter(_Drop(keep))
+
+
+@contextlib.contextmanager
+def quiet_single_process():
+    """DCP's "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is
+    to load (save) in a single process" dropped inside the block: it is one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        yield

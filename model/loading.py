@@ -43,6 +43,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from model.library_noise import quiet_single_process
 from model.lora import stock_name
 from model.moe import EXPERT_PARAM_NAMES, ExpertParallelExperts
 from model.parallel_dims import ParallelDims, local_tensor
@@ -213,7 +214,8 @@ def load_sharded(wrapper: nn.Module, path: str | Path, dims: ParallelDims) -> nn
         else:
             state |= _expert_views(local_tensor(tensors[e.name]), e.experts,
                                    e.first_expert + _local_rows(tensors[e.name])[0], shapes)
-    dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
+    with quiet_single_process():
+        dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
     return wrapper
 
 

@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from model.library_noise import silence_library_noise
+from model.library_noise import quiet_single_process, silence_library_noise
 
 
 class ForeignEnum(enum.Enum):
@@ -31,3 +31,22 @@ def test_the_known_messages_are_dropped_and_others_kept(caplog):
     assert any("ForeignEnum" in m for m in kept) and "torchao is older than torch" in kept
     assert "Failed to load my_kernel.so: Could not load" in kept
     assert len(kept) == (4 if torch.cuda.is_available() else 3), kept  # on CUDA the torchao kernel line stays
+
+
+def test_dcp_one_process_warnings_are_dropped_inside_the_block_only():
+    import warnings
+
+    def warn_all():
+        for verb in ("load", "save"):
+            warnings.warn("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
+                          f"{verb} in a single process.", UserWarning)
+        warnings.warn("torch.distributed is not available on this platform", UserWarning)  # another message
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with quiet_single_process():
+            warn_all()
+        inside = [str(w.message) for w in seen]
+        warn_all()  # the control: outside the block every one shows
+    assert inside == ["torch.distributed is not available on this platform"]
+    assert len(seen) == 4

@@ -56,7 +56,6 @@ is DTensor's nested (Shard(0), Shard(0)) (tests/test_checkpoint.py checks uneven
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -66,7 +65,6 @@ import re
 import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -79,6 +77,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
+from model.library_noise import quiet_single_process
 from model.lora import has_adapters, is_adapter
 from model.moe import is_expert_param
 from model.parallel_dims import ParallelDims
@@ -469,14 +468,6 @@ class Checkpointer:
 
 
 # --------------------------------------------------------------------- helpers
-@contextlib.contextmanager
-def quiet_single_process():
-    """DCP warns on every single-process save/load that it assumes a single process: it is one."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
-        yield
-
-
 def _barrier(dims: ParallelDims) -> None:
     if dims.distributed:
         dist.barrier()

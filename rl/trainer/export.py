@@ -29,9 +29,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 
+from model.library_noise import quiet_single_process
 from model.lora import LoraSettings, is_adapter, peft_config
 from model.models import MODELS, build_model, family
-from rl.trainer.checkpoint import quiet_single_process, find_checkpoint
+from rl.trainer.checkpoint import find_checkpoint
 
 POLICY = "actor.weights."  # checkpoint keys of the policy: "actor.weights." + Actor state-dict name
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
