@@ -15,7 +15,8 @@ if str(ROOT) not in sys.path:  # FileTask imports "tests.test_rollout:my_reward"
 
 from model.models import build_model  # noqa: E402
 from rl.rollout.engine import HFRolloutEngine, RolloutEngine  # noqa: E402
-from rl.rollout.sampler import group_places, sample_inverse_cdf, sample_seed, sample_seeds, uniform_noise  # noqa: E402
+from rl.rollout.sampler import (  # noqa: E402
+    group_places, sample_inverse_cdf, sample_seed, sample_seeds, signed, uniform_noise)
 from rl.tasks.base import Task, assign_rewards, load_callable  # noqa: E402
 from rl.tasks.files import FileTask  # noqa: E402
 from rl.tasks.registry import build_task  # noqa: E402
@@ -187,13 +188,13 @@ def splitmix64(seed: int, n: int) -> int:
 
 def test_uniform_noise_is_splitmix64_per_sample():
     seeds = sample_seeds(5, [0, 0, 1, 2, 3]) + [0, 1, (1 << 63) - 1]
-    signed = torch.tensor([s - (1 << 64) if s >> 63 else s for s in seeds], dtype=torch.int64)
+    bits = torch.tensor([s - (1 << 64) if s >> 63 else s for s in seeds], dtype=torch.int64)
     for step in (0, 1, 15, 1000):
-        u = uniform_noise(signed, step)
+        u = uniform_noise(bits, step)
         assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
         want = torch.tensor([(splitmix64(s, step + 1) >> 11) * 2.0**-53 for s in seeds], dtype=torch.float64)
         assert torch.equal(u, want)  # bit for bit: int64 products wrap like the unsigned ones
-        assert torch.equal(uniform_noise(signed[3:4], step), u[3:4])  # a row's draw ignores the others
+        assert torch.equal(uniform_noise(bits[3:4], step), u[3:4])  # a row's draw ignores the others
 
 
 def run_draws(seeds_of, steps: int, tokens: int) -> torch.Tensor:
@@ -241,8 +242,8 @@ def test_a_runs_draws_are_uncorrelated_within_groups_and_across_steps(monkeypatc
         src.records(s, 0, version=s)
     assert len({tuple(c["prompt_indices"]) for c in calls}) == steps  # the rollout's own indices, one list a step
 
-    def wrap(seeds):
-        return torch.tensor([x - (1 << 64) if x >> 63 else x for x in seeds], dtype=torch.int64)
+    def wrap(seeds):  # as the engine hands them to uniform_noise (rl/rollout/engine.py)
+        return torch.tensor([signed(x) for x in seeds], dtype=torch.int64)
 
     real = max_correlation(run_draws(lambda s: wrap(sample_seeds(calls[s]["seed"], calls[s]["prompt_indices"])),
                                      steps, tokens), group=group)
@@ -254,7 +255,7 @@ def test_a_runs_draws_are_uncorrelated_within_groups_and_across_steps(monkeypatc
 
     def one_stream(s):
         indices = calls[s]["prompt_indices"]
-        return wrap([(sample_seed(calls[s]["seed"], i, 0) + k * gamma) % (1 << 64) for i, k in zip(indices, group_places(indices))])
+        return wrap([sample_seed(calls[s]["seed"], i, 0) + k * gamma for i, k in zip(indices, group_places(indices))])
 
     shifted = max_correlation(run_draws(one_stream, steps, tokens), group=group)
     assert shifted["shifted"] > 0.99 and shifted["same_token"] < bound  # only the shifted pairs see it
