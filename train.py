@@ -24,7 +24,7 @@ from model.library_noise import silence_library_noise  # noqa: E402
 from model.parallel_dims import init_distributed  # noqa: E402
 from rl.trainer.checkpoint import Checkpointer, run_to_continue  # noqa: E402
 from rl.config import Config, check_command_line, load, register, validate  # noqa: E402
-from rl.trainer.metrics import MetricsWriter, run_failed  # noqa: E402
+from rl.trainer.metrics import MetricsWriter, code_commit, run_failed  # noqa: E402
 
 register()
 log = logging.getLogger("train")
@@ -61,7 +61,8 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
 
     writer = MetricsWriter(out_dir, enabled=dims.rank == 0, loggers=cfg.trainer.loggers, resume_step=start,
                            project=cfg.trainer.project, config=OmegaConf.to_container(dict_cfg, resolve=True))
-    log.info("run folder %s; dp=%d cp=%d ep=%d on %s", out_dir, dims.dp, dims.cp, dims.ep, dims.device)
+    log.info("run folder %s; dp=%d cp=%d ep=%d on %s; code at commit %s", out_dir, dims.dp, dims.cp, dims.ep,
+             dims.device, code_commit() or "unknown (not a git checkout)")
     bar = tqdm(range(start, cfg.trainer.max_steps), disable=dims.rank != 0 or not cfg.trainer.progress, desc="train")
     shown, now = {}, {}  # the last step's figures; what the running step is doing (decode t/T, turn, train i/n)
 

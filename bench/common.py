@@ -121,13 +121,9 @@ def json_stdout() -> None:
 def provenance() -> dict:
     """The commit the figures were measured at (`+` if the work tree's code differed from it;
     bench/results/ does not count) and the UTC date."""
-    import subprocess
+    from rl.trainer.metrics import code_commit
 
-    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    head = git("rev-parse", "--short", "HEAD") or None
-    changed = git("status", "--porcelain", "--untracked-files=no").splitlines()
-    dirty = any(not line[3:].startswith("bench/results/") for line in changed)  # a bench's own outputs do not count
-    return {"commit": head and head + ("+" if dirty else ""), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {"commit": code_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def emit(name: str, summary: dict, details: dict | None = None, *, clock: str | None = None) -> dict:

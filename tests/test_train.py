@@ -153,7 +153,8 @@ def test_minibatches_and_epochs_update_off_policy_and_still_learn(tmp_path):
 def test_two_runs_started_together_get_their_own_folders_metrics_and_log(tmp_path):
     """Two runs launched at the same moment (run folders used to be outputs/<timestamp>, so
     both wrote one metrics.jsonl): each gets outputs/<timestamp>_<random suffix>, a valid
-    metrics.jsonl of its own and a train.log holding the run's per-step lines."""
+    metrics.jsonl of its own and a train.log holding the run's per-step lines and the commit of
+    the code that made it."""
     env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, str(ROOT / "train.py"), "trainer.max_steps=2", "task.prompts_per_step=4",
@@ -170,6 +171,9 @@ def test_two_runs_started_together_get_their_own_folders_metrics_and_log(tmp_pat
         assert [m["step"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [0, 1]
         log = (run / "train.log").read_text()
         assert f"run folder {run};" in log and "step 0 reward" in log and "step 1 reward" in log, log
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        assert re.search(rf"code at commit {head.stdout.strip()}\+?\n", log) if head.returncode == 0 else \
+            "code at commit unknown (not a git checkout)" in log, log
 
 
 def test_run_ids_taken_in_the_same_second_differ(monkeypatch):

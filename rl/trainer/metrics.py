@@ -176,6 +176,21 @@ def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def code_commit() -> str | None:
+    """The git commit of this code, short, with `+` when a tracked file differs from it (a bench's
+    own outputs under bench/results/ do not count); None outside a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True)  # noqa: E731
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode:
+        return None
+    changed = git("status", "--porcelain", "--untracked-files=no").stdout.splitlines()
+    dirty = any(not line[3:].startswith("bench/results/") for line in changed)
+    return head.stdout.strip() + ("+" if dirty else "")
+
+
 def run_failed(out_dir: str | Path, error: BaseException) -> None:
     """A run stopped by `error`: its message and traceback go to the run's log file (train.log,
     Hydra's file handler; the terminal gets them from Hydra) and to `out_dir/FAILED`, which
