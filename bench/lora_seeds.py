@@ -64,8 +64,9 @@ def main(argv=None) -> dict:
     result = {
         "seeds": seeds,
         "final": paired([a[s]["evals"][final[s]] for s in seeds], [b[s]["evals"][final[s]] for s in seeds]),
-        "late_evals": curves and {"from_step": args.late, "seeds": curves, **paired(
-            [statistics.fmean(late(a[s], s)) for s in curves], [statistics.fmean(late(b[s], s)) for s in curves])},
+        "late_evals": {"from_step": args.late, "seeds": curves, **paired(
+            [statistics.fmean(late(a[s], s)) for s in curves], [statistics.fmean(late(b[s], s)) for s in curves])}
+        if curves else None,
         "train_reward": paired([statistics.fmean(a[s]["reward"][:steps[s]]) for s in seeds],
                                [statistics.fmean(b[s]["reward"][:steps[s]]) for s in seeds]),
         "train_reward_second_half": paired([statistics.fmean(a[s]["reward"][steps[s] // 2:steps[s]]) for s in seeds],

@@ -63,3 +63,11 @@ def test_a_run_without_the_final_evaluation_is_refused(tmp_path):
     b = trl_result(tmp_path, "b", {0: 0.3, 4: 0.7}, [0.2, 0.2, 0.4, 0.4])
     with pytest.raises(SystemExit, match="no evaluation after step 4"):
         lora_seeds.main(["--ours", f"1={a}", "--trl", f"1={b}"])
+
+
+def test_without_a_trl_curve_the_late_figure_is_null(tmp_path):
+    lora_seeds = load()
+    a = our_run(tmp_path, "a", {0: 0.3, 2: 0.5, 4: 0.6}, [0.1, 0.2, 0.3, 0.4])
+    b = trl_result(tmp_path, "b", None, [0.2, 0.2, 0.4, 0.4])
+    out = lora_seeds.main(["--ours", f"1={a}", "--trl", f"1={b}", "--out", str(tmp_path / "r.json")])
+    assert out["late_evals"] is None and json.loads((tmp_path / "r.json").read_text())["late_evals"] is None
