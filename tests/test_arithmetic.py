@@ -4,7 +4,6 @@ The tokenizer is the one tests/test_tasks.py trains here (a small BPE with a cha
 the model is a tiny random Llama checkpoint of that vocabulary: nothing is downloaded.
 """
 
-import json
 import random
 
 import pytest

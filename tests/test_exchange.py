@@ -113,7 +113,6 @@ def exchange_rank(rank: int, world_size: int, cp: int, experts: int | None, n: i
 
 
 def _check_delivery(results, world_size: int, cp: int, experts: int | None):
-    dp = world_size // cp
     sources, dest = results[0]["sources"], results[0]["dest"]
     assert all(r["sources"] == sources and r["dest"] == dest for r in results)  # the same decisions everywhere
     assert all(r["scalars"] and r["order"] for r in results)

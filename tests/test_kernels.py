@@ -9,7 +9,6 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import make_records, reference_flash_varlen
 from tests.parity_check import assert_control_fails, assert_parity
 

@@ -344,7 +344,7 @@ def test_a_k2_checkpoint_holds_the_queued_rollouts_with_their_versions_and_the_s
     assert tr._eval_engine() is not tr.engine and not tr._eval_engine().needs_sync
     off = trainer(*SMALL, *OFF)
     assert off._eval_engine() is off.engine
-    first = tr.step(0)
+    tr.step(0)
     staged = sum(t.numel() * t.element_size() for _, t in tr.rollout_scheduler.stage.items())
     assert staged == sum(t.numel() * t.element_size() for _, t in full_parameters(tr.actor.model)) > 0
     assert staged == off.step(0)["weight_sync_bytes"]  # k=1: the sync into the engine

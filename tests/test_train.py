@@ -192,7 +192,7 @@ def test_a_config_error_names_the_key_before_the_heavy_imports_and_leaves_no_fol
                       ("trainer.lr=-1", "trainer.lr=-1.0: expected >= 0")]:
         proc = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "train.py"), bad], cwd=tmp_path,
                               capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 1 and f"config error: " in proc.stderr and says in proc.stderr, proc.stderr[-2000:]
+        assert proc.returncode == 1 and "config error: " in proc.stderr and says in proc.stderr, proc.stderr[-2000:]
         assert "transformers" not in proc.stderr and not (tmp_path / "outputs").exists()
     ok = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "train.py"), "trainer.max_steps=1",
                          "task.prompts_per_step=2", "task.samples_per_prompt=2", "trainer.progress=false",
