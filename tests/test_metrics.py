@@ -1,6 +1,7 @@
 """Run output: metrics.jsonl and TensorBoard continue a resumed run without its redone steps."""
 
 import json
+from pathlib import Path
 
 from rl.trainer.metrics import MetricsWriter, plot_curves
 
@@ -164,3 +165,31 @@ def test_control_a_fresh_run_in_the_folder_starts_new_wandb_and_mlflow_runs(tmp_
         seen.append(json.loads((tmp_path / "loggers.json").read_text()))
     assert seen[0]["wandb"] != seen[1]["wandb"] and seen[0]["mlflow"] != seen[1]["mlflow"]
     assert len({run for run, _, _ in wandb_history(tmp_path)}) == 2
+
+
+def test_the_code_commit_is_none_without_git_and_marks_a_changed_tree(monkeypatch, tmp_path):
+    """train.log names the code's commit; a machine without git (or a copy outside a checkout)
+    gets None, not a crash at start-up, and a changed tracked file adds `+`."""
+    import subprocess
+
+    from rl.trainer import metrics
+    from rl.trainer.metrics import code_commit
+
+    head = subprocess.run(["git", "-C", str(Path(metrics.__file__).parents[2]), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    assert code_commit().rstrip("+") == head
+    real_run = subprocess.run
+
+    def changed(cmd, **kw):  # `git status` reports a modified tracked file (the control: a result file only)
+        if "status" in cmd:
+            return subprocess.CompletedProcess(cmd, 0, stdout=f" M {changed.path}\n", stderr="")
+        return real_run(cmd, **kw)
+
+    monkeypatch.setattr(subprocess, "run", changed)
+    changed.path = "rl/config.py"
+    assert code_commit() == head + "+"
+    changed.path = "bench/results/peer.json"
+    assert code_commit() == head
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git binary to be found
+    monkeypatch.setattr(subprocess, "run", real_run)
+    assert code_commit() is None

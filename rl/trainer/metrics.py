@@ -178,12 +178,15 @@ def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
 
 def code_commit() -> str | None:
     """The git commit of this code, short, with `+` when a tracked file differs from it (a bench's
-    own outputs under bench/results/ do not count); None outside a git checkout."""
+    own outputs under bench/results/ do not count); None outside a git checkout or without git."""
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
     git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True)  # noqa: E731
-    head = git("rev-parse", "--short", "HEAD")
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+    except OSError:  # no git on this machine
+        return None
     if head.returncode:
         return None
     changed = git("status", "--porcelain", "--untracked-files=no").stdout.splitlines()
