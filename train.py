@@ -61,8 +61,9 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
 
     writer = MetricsWriter(out_dir, enabled=dims.rank == 0, loggers=cfg.trainer.loggers, resume_step=start,
                            project=cfg.trainer.project, config=OmegaConf.to_container(dict_cfg, resolve=True))
-    log.info("run folder %s; dp=%d cp=%d ep=%d on %s; code at commit %s", out_dir, dims.dp, dims.cp, dims.ep,
-             dims.device, code_commit() or "unknown (not a git checkout)")
+    if dims.rank == 0:  # the only rank that logs INFO: its two git calls are not repeated on every rank
+        log.info("run folder %s; dp=%d cp=%d ep=%d on %s; code at commit %s", out_dir, dims.dp, dims.cp, dims.ep,
+                 dims.device, code_commit() or "unknown (not a git checkout)")
     bar = tqdm(range(start, cfg.trainer.max_steps), disable=dims.rank != 0 or not cfg.trainer.progress, desc="train")
     shown, now = {}, {}  # the last step's figures; what the running step is doing (decode t/T, turn, train i/n)
 
