@@ -75,7 +75,7 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
     for step in bar:
         now.clear()
         metrics = trainer.step(step)  # with the held-out evaluation of the policy it started from, when due
-        writer.log(metrics)
+        writer.log(metrics, trainer.samples)  # samples: rank 0's first trainer.log_samples episodes of the step
         if "eval_accuracy" in metrics:
             log.info("step %d held-out accuracy %s (%d problems, %.0f s)", step, _accuracy(metrics),
                      len(trainer.heldout), metrics["eval_s"])

@@ -172,6 +172,10 @@ class TrainerConfig:
     # (rl/trainer/metrics.py); a resumed run continues the same W&B / MLflow run
     loggers: List[Logger] = field(default_factory=lambda: [Logger.JSONL])
     project: str = "rl"  # the W&B project / MLflow experiment
+    # each step's first N episodes (prompt, every turn's reply, tool calls with their results and status, the
+    # environment's answers, reward, status) to <run>/samples.jsonl, and a W&B table / MLflow artifact when those
+    # loggers are on (rl/rollout/samples.py); rank 0's own samples, the step's first; 0 = off
+    log_samples: int = 4
     plot: bool = True
     progress: bool = True
 
@@ -533,7 +537,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "algo.entropy_coef", "algo.vf_coef", "algo.critic_lr", "algo.router_aux_loss_coef", "algo.kl_coef",
         "algo.overlong_penalty_factor", "trainer.lr", "trainer.warmup_steps", "trainer.weight_decay",
         "trainer.grad_clip", "trainer.min_entropy", "rollout.max_staleness", "eval.every", "checkpoint.every",
-        "seed")},
+        "trainer.log_samples", "seed")},
     **{key: (_fraction, "in [0, 1]") for key in ("algo.gamma", "algo.lam")},
 }
 

@@ -254,6 +254,7 @@ def test_two_ranks_play_episodes_in_lockstep_from_the_sharded_policy(tiny_llama,
     for a, b in zip(sharded[0][0]["metrics"], replica[0][0]["metrics"]):
         assert a["reward_mean"] == b["reward_mean"] and a["eval_turns_mean"] == b["eval_turns_mean"]
         assert a["turns_mean"] == b["turns_mean"]  # gathered over both ranks
+        assert a["env_steps"] == a["turns_mean"] * 8  # every reply answered, counted on both ranks and summed
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"]))
 
 

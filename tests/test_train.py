@@ -60,6 +60,13 @@ def test_run_writes_metrics_and_a_plot(default_run):
     assert len(client.get_metric_history(ids["mlflow"], "reward_mean")) == 16
     assert [s for _, s, _ in wandb_history(tmp / "default")] == list(range(16))
     assert len(tensorboard_steps(tmp / "default" / "tensorboard")) == 16
+    # trainer.log_samples (4 by default): each step's first 4 episodes, as ids (target_token has no tokenizer)
+    rows = [json.loads(line) for line in (tmp / "default" / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["sample"]) for r in rows] == [(s, k) for s in range(16) for k in range(4)]
+    assert all(r["prompt_ids"] and len(r["turns"][0]["reply_ids"]) == r["response_length"] for r in rows)
+    assert [a.path for a in client.list_artifacts(ids["mlflow"], "samples")] == \
+        [f"samples/step_{s:06d}.jsonl" for s in range(16)]
+    assert len(list((tmp / "default" / "wandb").glob("offline-run-*/files/media/table/samples_*.table.json"))) == 16
 
 
 def test_reward_rises_and_does_not_without_learning(default_run, tmp_path):
@@ -74,8 +81,9 @@ def test_reward_rises_and_does_not_without_learning(default_run, tmp_path):
 
 def test_same_seed_gives_identical_metrics(default_run, tmp_path):
     _, metrics = default_run
-    again = train(tmp_path, "again", "trainer.max_steps=3")
-    assert untimed(again) == untimed(metrics[:3])
+    again = train(tmp_path, "again", "trainer.max_steps=3", "trainer.log_samples=0")
+    assert untimed(again) == untimed(metrics[:3])  # logging samples changes nothing in the run
+    assert not (tmp_path / "again" / "samples.jsonl").exists()  # log_samples=0: no file
     other = train(tmp_path, "other_seed", "trainer.max_steps=1", "seed=1")
     assert untimed(other)[0] != untimed(metrics)[0]
 

@@ -65,6 +65,13 @@ shares with the answer at its start and end) is kept, so the next turn still sta
 template puts it; the episode goes on and ends with status `truncated` (unless it fails). When
 even the frame does not fit, the episode ends there (status `truncated`).
 
+The turns as they went: each record of a multi-turn task carries `trace`, a list of `Turn` (one per
+model turn: where its reply and the answer after it lie in the response, the tool calls with their
+outputs, the environment's answer and reward, a cut, a failure). It is a plain attribute, not an
+`Experience` field: it stays on the rank that generated the record (never exchanged, collated or
+checkpointed; a rollout restored from a checkpoint has none). rl/rollout/samples.py reads it for
+the step's tool and environment counts and for `trainer.log_samples`.
+
 Routing (MoE): each token's recorded routing is that of the turn it entered the engine in:
 the prompt and turn 1's reply from turn 1, an observation and the reply after it from the
 next turn's prefill and decode.
@@ -87,7 +94,7 @@ from rl.rollout.sampler import group_places, sample_seed
 from rl.tasks.calls import Status, UserCalls
 from rl.tasks.base import MultiTurnTask, Task, assign_rewards, check_reward, task_calls
 from rl.tasks.tool_task import ToolTask
-from rl.tasks.tools import Toolbox, ToolOutput
+from rl.tasks.tools import Toolbox, ToolCall, ToolOutput
 
 _ENV_SALT = 0x5EED_E7E7  # environment seeds are drawn apart from the engine's sample seeds
 
@@ -139,6 +146,27 @@ def _takes_seed(reset: Any) -> bool:
 
 
 @dataclass
+class Turn:
+    """One model turn of an episode (the record's `trace`, see the module docstring). `reply` and
+    `message`: [start, end) in the record's response of the reply and of the answer or tool message
+    that followed it in the context (None: none did); `calls`: the tool calls the reply made, each
+    with its output (None: the tool raised or ran past task.timeout_s); `environment`: the reply went
+    to the environment's `step`, which gave `answer` and `reward`; `cut`: the answer or tool message
+    was cut to task.max_observation_len; `failed`: the status (`error`, `timeout`) the user's code
+    ended the episode with in this turn."""
+
+    piece: int  # the reply's index in _Episode.pieces, until `_Episode.spans` sets reply and message
+    reply: tuple[int, int] = (0, 0)
+    message: tuple[int, int] | None = None
+    calls: list[tuple[ToolCall, ToolOutput | None]] = field(default_factory=list)
+    environment: bool = False
+    answer: str | None = None
+    reward: float | None = None
+    cut: bool = False
+    failed: str | None = None
+
+
+@dataclass
 class _Episode:
     """One sample's episode so far: `context` the tokens the next turn is generated from."""
 
@@ -152,6 +180,7 @@ class _Episode:
     status: Status | None = None  # set when the episode ends otherwise than `done`
     truncated: bool = False  # an answer was cut to task.max_observation_len
     past: int = 0  # replies turned into context by task.strip_thinking
+    trace: list[Turn] = field(default_factory=list)  # the record's `trace`
 
     @property
     def turns(self) -> int:
@@ -176,6 +205,19 @@ class _Episode:
 
     def fail(self, status: Status) -> None:
         self.status, self.done, self.reward = status, True, 0.0
+        self.trace[-1].failed = status.label
+
+    def spans(self) -> list[Turn]:
+        """The trace, each turn's reply and message placed in the response (the pieces' final lengths:
+        strip_thinking shortens past replies)."""
+        starts = [0]
+        for tokens, _, _ in self.pieces:
+            starts.append(starts[-1] + tokens.numel())
+        ends = [t.piece for t in self.trace[1:]] + [len(self.pieces)]
+        for turn, end in zip(self.trace, ends):
+            turn.reply = (starts[turn.piece], starts[turn.piece + 1])
+            turn.message = (starts[turn.piece + 1], starts[end]) if end > turn.piece + 1 else None
+        return self.trace
 
 
 def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_tokens, temperature,
@@ -225,6 +267,7 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
         for i, rec in zip(playing, records):
             ep, n = episodes[i], episodes[i].context.numel()
             response = rec.sequences[n:]
+            ep.trace.append(turn_log := Turn(len(ep.pieces)))
             ep.pieces.append((response, True, rec.rollout_log_probs[n - 1:]))
             if rec.routed_experts is not None:
                 ep.routing.append(rec.routed_experts[..., sum(r.shape[-1] for r in ep.routing):])
@@ -232,7 +275,8 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
                 ep.fail(ep.status)
                 continue
             if i in answered:
-                status, outputs = answered[i]
+                status, called, outputs = answered[i]
+                turn_log.calls = [(c, outputs[k] if k < len(outputs) else None) for k, c in enumerate(called)]
                 if status is None and outputs:
                     with (guard := calls.guard(tools_of, where(i))):
                         ids = toolbox.message_ids(outputs)
@@ -243,9 +287,10 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
                 if outputs:  # the tools answered: the model goes on, the environment is not asked
                     if tool_frame is None:
                         tool_frame = toolbox.message_ids([ToolOutput("")])
-                    _observe(ep, rec, response, ids, task.max_observation_len, stop, tool_frame)
+                    turn_log.cut = _observe(ep, rec, response, ids, task.max_observation_len, stop, tool_frame)
                     continue
             who = f"{type(ep.env).__name__}.step"
+            turn_log.environment = True
             guard = calls.guard(f"environment {name}", f"run_episodes: sample {i} (prompt index "
                                                         f"{int(prompt_indices[i])}), turn {turn + 1}")
             with guard:
@@ -258,6 +303,7 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
                 ep.fail(guard.status)
                 continue
             ep.reward += reward
+            turn_log.reward, turn_log.answer = reward, observation if isinstance(observation, str) else None
             ep.done = bool(done) or turn == task.max_turns - 1
             if ep.done:
                 if not done:
@@ -270,7 +316,7 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
                 continue
             if frame is None and len(ids) > task.max_observation_len:
                 frame = list(task.observation_ids(""))
-            _observe(ep, rec, response, ids, task.max_observation_len, stop, frame)
+            turn_log.cut = _observe(ep, rec, response, ids, task.max_observation_len, stop, frame)
     out = []
     for i, ep in enumerate(episodes):
         tokens, sampled, log_probs = zip(*ep.pieces)
@@ -282,6 +328,7 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
         status = ep.status if ep.status in (Status.ERROR, Status.TIMEOUT) else \
             Status.TRUNCATED if ep.truncated else ep.status or Status.DONE
         rec.status = torch.tensor(int(status))
+        rec.trace = ep.spans()  # not an Experience field: this rank's (see the module docstring)
         out.append(rec)
     return out
 
@@ -292,48 +339,53 @@ _tool_pool = ThreadPoolExecutor(_TOOL_THREADS, thread_name_prefix="tools")
 
 
 def _run_tools(toolbox: Toolbox, calls: UserCalls, stop: int | None, what: str, where,
-               replies: list[tuple[int, torch.Tensor]]) -> dict[int, tuple[Status | None, list[ToolOutput]]]:
+               replies: list[tuple[int, torch.Tensor]]
+               ) -> dict[int, tuple[Status | None, list[ToolCall], list[ToolOutput]]]:
     """Each reply's tool calls, parsed here and run on up to `_TOOL_THREADS` threads (a sandboxed
-    call mostly waits for its child process, so a turn's calls overlap), a sample's calls in order.
-    An exception or a timeout fails that sample only: its status, through `calls`."""
-    out: dict[int, tuple[Status | None, list[ToolOutput]]] = {}
-    parsed = {}
+    call mostly waits for its child process, so a turn's calls overlap), a sample's calls in order:
+    (a failure's status or None, the calls, their outputs: none when it failed). An exception or a
+    timeout fails that sample only: its status, through `calls`."""
+    out: dict[int, tuple[Status | None, list[ToolCall], list[ToolOutput]]] = {}
+    parsed: dict[int, list[ToolCall]] = {}
     for i, response in replies:
         with (guard := calls.guard(what, where(i))):
             parsed[i] = toolbox.parse(response, stop)
         if guard.status is not None:
-            out[i] = (guard.status, [])
+            out[i] = (guard.status, [], [])
 
-    def run(i: int) -> tuple[Status | None, list[ToolOutput]]:
+    def run(i: int) -> tuple[Status | None, list[ToolCall], list[ToolOutput]]:
         outputs: list[ToolOutput] = []
         with (guard := calls.guard(what, where(i))):
             outputs = [toolbox.run(call, calls) for call in parsed[i]]
-        return guard.status, outputs if guard.status is None else []
+        return guard.status, parsed[i], outputs if guard.status is None else []
 
     futures = {i: _tool_pool.submit(run, i) for i in parsed if parsed[i]}
     for i in parsed:
         if i not in out:
-            out[i] = futures[i].result() if i in futures else (None, [])
+            out[i] = futures[i].result() if i in futures else (None, [], [])
     return out
 
 
 def _observe(ep: _Episode, rec: Experience, response: torch.Tensor, ids: list[int], limit: int, stop: int | None,
-             frame: list[int] | None) -> None:
+             frame: list[int] | None) -> bool:
     """Append an answer's ids (an environment's or the tools', in the chat template) to the episode
     as tokens the model did not sample: the reply's stop token not repeated, cut to `limit` inside
-    the template's `frame` (status truncated; the episode ends when not even the frame fits)."""
+    the template's `frame` (status truncated; the episode ends when not even the frame fits).
+    True when it was cut."""
     closed = stop is not None and ids and ids[0] == stop and int(response[-1]) == stop
     if closed:
         ids = ids[1:]  # the reply's stop token already closed the turn
-    if len(ids) > limit:  # start-up sized every sample with the longest
+    cut = len(ids) > limit
+    if cut:  # start-up sized every sample with the longest
         ids = cut_observation(ids, limit, frame[1:] if closed else frame)
         ep.truncated = True
         if ids is None:  # not even the template's frame fits: the episode ends here
             ep.done = True
-            return
+            return True
     obs = torch.tensor(ids, dtype=torch.int64)
     ep.pieces.append((obs, False, torch.zeros(obs.numel())))
     ep.context = torch.cat([rec.sequences, obs])
+    return cut
 
 
 def cut_observation(ids: list[int], limit: int, frame: list[int]) -> list[int] | None:

@@ -1,5 +1,6 @@
 """Run output on rank 0: metrics.jsonl (one JSON object per step, made with the first step's
-line: never left empty; the run's record, which resume and the curves read), the sinks named
+line: never left empty; the run's record, which resume and the curves read), samples.jsonl (each
+step's first `trainer.log_samples` episodes, one JSON object each: rl/rollout/samples.py), the sinks named
 in `trainer.loggers` (TensorBoard, Weights & Biases, MLflow), and curves.png at the end of the
 run: the panels a run is read by (`CURVES`). A run that fails writes its error to train.log and
 a `FAILED` file (`run_failed`), on any rank.
@@ -8,7 +9,9 @@ A resumed run continues the same run in every sink: TensorBoard hides the events
 it redoes (purge_step); W&B and MLflow continue the run whose id `loggers.json` in the run
 folder keeps. Neither can delete a logged step, so the steps a resumed run redoes are sent again
 (W&B, which wants increasing steps, may drop them with a warning; MLflow keeps both values):
-only the wall-clock figures differ, a resumed run redoes its steps bit for bit."""
+only the wall-clock figures differ, a resumed run redoes its steps bit for bit. The samples go to
+W&B as a table `samples` per step and to MLflow as the artifact samples/step_<step>.jsonl (a
+redone step's replaces it); samples.jsonl keeps the lines of the steps before a resumed run's first."""
 
 from __future__ import annotations
 
@@ -43,20 +46,15 @@ class MetricsWriter:
         self.out_dir = Path(out_dir)
         self.enabled = enabled
         self.history: list[dict] = []
-        self._file = None
+        self._file = self._samples = None
         self._sinks: list[_Sink] = []
         if enabled:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / FAILED).unlink(missing_ok=True)  # a failed run continued in its folder (resume)
-            self.path = path = self.out_dir / "metrics.jsonl"
-            if resume_step > 0 and path.exists():
-                self.history = [m for m in _read_lines(path) if m["step"] < resume_step]
-            if self.history:
-                tmp = path.with_suffix(".jsonl.tmp")
-                tmp.write_text("".join(json.dumps(m) + "\n" for m in self.history))
-                tmp.replace(path)  # a kill here leaves either the old file or the kept lines, never half
-            else:
-                path.unlink(missing_ok=True)  # made by the first line
+            self.path = self.out_dir / "metrics.jsonl"
+            self.samples_path = self.out_dir / "samples.jsonl"
+            self.history = _keep_before(self.path, resume_step)
+            _keep_before(self.samples_path, resume_step)
             ids = _read_ids(self.out_dir) if resume_step > 0 else {}
             for name in dict.fromkeys(Logger(x) for x in loggers):
                 if name is not Logger.JSONL:
@@ -66,7 +64,8 @@ class MetricsWriter:
                 tmp.write_text(json.dumps(ids))
                 tmp.replace(self.out_dir / RUN_IDS)
 
-    def log(self, metrics: dict) -> None:
+    def log(self, metrics: dict, samples: list[dict] | None = None) -> None:
+        """The step's metrics, and its `samples` (rows of rl/rollout/samples.py; none: no line)."""
         self.history.append(metrics)
         if not self.enabled:
             return
@@ -74,15 +73,21 @@ class MetricsWriter:
             self._file = open(self.path, "a")
         self._file.write(json.dumps(metrics) + "\n")
         self._file.flush()  # nothing lost if the run dies mid-way
+        if samples:
+            if self._samples is None:
+                self._samples = open(self.samples_path, "a")
+            self._samples.write("".join(json.dumps(row) + "\n" for row in samples))
+            self._samples.flush()
         scalars = {k: v for k, v in metrics.items() if k != "step" and isinstance(v, (int, float))}
         for sink in self._sinks:
-            sink.log(scalars, metrics["step"])
+            sink.log(scalars, metrics["step"], samples or [])
 
     def close(self, plot: bool = True) -> Path | None:
         if not self.enabled:
             return None
-        if self._file is not None:
-            self._file.close()
+        for file in (self._file, self._samples):
+            if file is not None:
+                file.close()
         for sink in self._sinks:
             sink.close()
         if plot and self.history:
@@ -91,9 +96,9 @@ class MetricsWriter:
 
 
 class _Sink:
-    """One metrics sink: made at the run's start (or resume), sent each step's scalars, closed."""
+    """One metrics sink: made at the run's start (or resume), sent each step's scalars and samples, closed."""
 
-    def log(self, scalars: dict[str, float], step: int) -> None:
+    def log(self, scalars: dict[str, float], step: int, samples: list[dict]) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -107,7 +112,7 @@ class _TensorBoard(_Sink):
         # a resumed run hides the events of the steps it redoes (resume_step and later)
         self._writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step or None)
 
-    def log(self, scalars: dict[str, float], step: int) -> None:
+    def log(self, scalars: dict[str, float], step: int, samples: list[dict]) -> None:
         for key, value in scalars.items():
             self._writer.add_scalar(key, value, step)
 
@@ -126,8 +131,13 @@ class _Wandb(_Sink):
             raise RuntimeError(f"trainer.loggers has wandb, and wandb.init failed: {e}. Log in (`wandb login`), "
                                "or run without a network with WANDB_MODE=offline (`wandb sync` later)") from e
         ids["wandb"] = self._run.id
+        self._table = wandb.Table
 
-    def log(self, scalars: dict[str, float], step: int) -> None:
+    def log(self, scalars: dict[str, float], step: int, samples: list[dict]) -> None:
+        if samples:  # one table a step, its nested values (turns, tool calls) as JSON text
+            columns = list(dict.fromkeys(key for row in samples for key in row))
+            scalars = scalars | {"samples": self._table(columns=columns, data=[
+                [_cell(row.get(key)) for key in columns] for row in samples])}
         self._run.log(scalars, step=step)
 
     def close(self) -> None:
@@ -150,14 +160,35 @@ class _MLflow(_Sink):
             mlflow.log_params(_flat(config))
         self._mlflow = mlflow
 
-    def log(self, scalars: dict[str, float], step: int) -> None:
+    def log(self, scalars: dict[str, float], step: int, samples: list[dict]) -> None:
         self._mlflow.log_metrics(scalars, step=step)
+        if samples:
+            self._mlflow.log_text("".join(json.dumps(row) + "\n" for row in samples),
+                                  f"samples/step_{step:06d}.jsonl")
 
     def close(self) -> None:
         self._mlflow.end_run()
 
 
 _SINKS = {Logger.TENSORBOARD: _TensorBoard, Logger.WANDB: _Wandb, Logger.MLFLOW: _MLflow}
+
+
+def _cell(value: Any) -> Any:
+    return json.dumps(value) if isinstance(value, (list, dict)) else value
+
+
+def _keep_before(path: Path, resume_step: int) -> list[dict]:
+    """A JSONL file of a run (a line per step, or per sample with its step) continued by a resumed run
+    from `resume_step` (0: a new run): the lines of earlier steps kept, in place; the file removed when
+    none is (the first line written makes it again)."""
+    kept = [m for m in _read_lines(path) if m["step"] < resume_step] if resume_step > 0 and path.exists() else []
+    if kept:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        tmp.replace(path)  # a kill here leaves either the old file or the kept lines, never half
+    else:
+        path.unlink(missing_ok=True)
+    return kept
 
 
 def _read_ids(out_dir: Path) -> dict:

@@ -20,6 +20,12 @@
                a staged host copy, which the rollout thread loads between two rollouts)
     metrics    Stats -> every metric, reduced in one collective
 
+The rollout stage also counts this rank's tool calls and environment turns (rl/rollout/samples.py:
+summed over the DP ranks with the step's other sums) and, on rank 0 with trainer.log_samples = N,
+turns its first N records into `Trainer.samples` (train.py writes them to <run>/samples.jsonl):
+rank 0 holds DP rank 0's records, the step's first, so these are the step's first N samples (at
+most DP rank 0's share, task.prompts_per_step / dp x task.samples_per_prompt).
+
 Data flow across ranks: each DP rank rolls out its slice of the step's prompts (CP peers
 of one DP rank generate the same samples); the records stay there. Only per-sample metadata
 (lengths, prompt index, reward, action tokens) is all-gathered (packing/exchange.py), so every
@@ -38,7 +44,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 import torch
@@ -71,6 +77,7 @@ from rl.rollout.sync import sync_weights
 from rl.rollout.build import build_engine
 from rl.rollout.evaluate import evaluate, heldout_problems
 from rl.rollout.episodes import episode_metrics
+from rl.rollout.samples import sample_rows, turn_counts
 from rl.tasks.calls import UserCalls
 from rl.tasks.registry import build_task
 
@@ -146,6 +153,7 @@ class Rollouts:
     sampling: dict[str, int]
     seconds: float
     generated_s: float | None = None  # None: generated within `seconds`
+    counts: dict[str, float] = field(default_factory=dict)  # this rank's tool / environment counts (samples.py)
 
 
 @dataclass
@@ -209,6 +217,7 @@ class Trainer:
             self.source, engine, max_staleness=max_staleness(cfg.rollout), max_steps=cfg.trainer.max_steps,
             samples_per_step=cfg.task.prompts_per_step * cfg.task.samples_per_prompt, rank=dims.rank,
             device=dims.device)
+        self.samples: list[dict] = []  # the last step's first trainer.log_samples episodes, on rank 0 (samples.py)
         self._policy_engine = None  # rollout.max_staleness >= 2: the held-out evaluation's (`_eval_engine`)
         self._sharded_on_host = sharded_on_host(actor)
         self.on_progress = None  # train.py's progress bar: on_progress(**what the step is doing now), or None
@@ -303,8 +312,13 @@ class Trainer:
                 sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
                 # every group uniform in every round: train on the first round (advantages 0)
                 samples = [r for r in kept if int(r.prompt_index) in first] or samples
+        # this rank's records of the step (by their places in it): rank 0's come first
+        places = [j for j, s in enumerate(samples) if s.source[0] == self.dims.dp_rank]
+        mine = [records[samples[j].source[1]] for j in places]
+        n = self.cfg.trainer.log_samples if self.dims.rank == 0 else 0
+        self.samples = sample_rows(mine[:n], self.task, step=step, places=places[:n]) if n else []
         return Rollouts(samples, records, sampling, time.perf_counter() - t0,
-                        taken.seconds if self.rollout_scheduler.k else None)
+                        taken.seconds if self.rollout_scheduler.k else None, turn_counts(mine, self.task))
 
     def _share(self, records: list[Experience], round_: int) -> tuple[list[StandIn], dict[Hashable, Experience]]:
         """Every rank: the round's samples, DP rank by DP rank, as metadata (CP peers checked
@@ -458,6 +472,7 @@ class Trainer:
                          for mb in minibatches for b, w in zip(mb.batches, mb.weights))
         processed = sum(b.sequences.numel() for mb in minibatches for b in mb.batches)
         sums = stats.sums | {"_real": torch.tensor(float(local_real)), "_processed": torch.tensor(float(processed))}
+        sums |= {f"_count_{k}": torch.tensor(v) for k, v in rollouts.counts.items()}  # tool calls, environment turns
         reduced = reduce_sums(sums, dims)
         per_update = 1.0 / (self.cfg.algo.epochs * len(minibatches))  # loss terms: averages over updates
         metrics = {k: v * per_update for k, v in reduced.items() if not k.startswith("_")}
@@ -481,6 +496,7 @@ class Trainer:
             optimizer_steps=stats.steps,
         )
         metrics.update(episode_metrics(records))  # episodes_done, _max_turns, _truncated, _error, _timeout
+        metrics.update({k[len("_count_"):]: v for k, v in reduced.items() if k.startswith("_count_")})
         if self.task.calls is not None:
             metrics["calls_hung"] = float(self.task.calls.hung)  # user calls past task.timeout_s still running
         if records and records[0].turns is not None:  # a multi-turn task: model turns per episode
