@@ -15,8 +15,9 @@ the shared behaviour:
 
 from __future__ import annotations
 
+import difflib
 from enum import Enum, EnumMeta
-from typing import Any, TypeVar
+from typing import Any, Iterable, TypeVar
 
 C = TypeVar("C", bound="Choice")
 
@@ -57,6 +58,12 @@ class Choice(str, Enum, metaclass=_ChoiceMeta):
             return cls(value)
         except ValueError:
             raise ValueError(f"{key}={value!r} is not one of {cls.values()}") from None
+
+
+def did_you_mean(name: str, names: Iterable[str], n: int = 1, cutoff: float = 0.6) -> str:
+    """"; did you mean X?" for the names closest to a misspelt `name` (difflib), or "" when none is close."""
+    close = difflib.get_close_matches(str(name), [str(x) for x in names], n=n, cutoff=cutoff)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
 class Registry(dict):

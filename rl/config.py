@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import typing
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,7 @@ from model.kernels import KERNELS, resolve as resolve_kernel
 from model.lora import LoraSettings, check_settings as check_lora
 from model.parallel_dims import ParallelDims, resolve_device
 from rl.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, get_advantage_estimator
-from rl.choice import Choice
+from rl.choice import Choice, did_you_mean
 from rl.rollout.scheduler import RolloutMode
 from rl.rollout.replica import ReplicaMode, RolloutEngineName, check_sharded
 from rl.algos.losses import KLConfig, KLMode, PolicyLossConfig, check_policy_loss_config
@@ -290,10 +292,12 @@ def compose(overrides: list[str] | tuple[str, ...] = (), *, hydra_node: bool = F
         base, failed = _hydra_compose(others, False)
         raise ValueError(_unknown_key(key, base if failed is None else _hydra_compose((), False)[0])) from None
     given = [o.split("=", 1)[1] for o in overrides if "=" in o and _override_key(o) == key]
-    choice = _schema_type(key)
+    value = given[-1] if given else getattr(cause, "value", None)  # a list item's own value: trainer.loggers[1]
+    choice = _schema_type(re.sub(r"\[\d+\]", "", key))  # trainer.loggers[1]: an item of List[Logger]
+    choice = typing.get_args(choice)[0] if typing.get_origin(choice) in (list, List) else choice
     expected = (f"expected one of {', '.join(choice.values())}" if isinstance(choice, type) and issubclass(choice, Choice)
                 else str(cause).splitlines()[0])
-    raise ValueError(f"{key}={given[-1] if given else '?'}: {expected}") from None
+    raise ValueError(f"{key}={'?' if value is None else value}: {expected}") from None
 
 
 def check_command_line(argv: list[str]) -> tuple[Config, str | None] | None:
@@ -360,15 +364,10 @@ def _unknown_key(key: str, base: Any) -> str:
     """The message for a `key` the config `base` does not have (or should not): the closest
     valid keys, the keys of its section, and for a free-form dict (`model.overrides`,
     `task.options`) how to add one."""
-    import difflib
-
     keys = [k for k in _dotted_keys(base) if not _within(key, k) and not _within(k, key)]
     parent, _, name = key.rpartition(".")
     node = OmegaConf.select(base, parent) if parent else base
-    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.75)
-    message = f"{key}: no such key"
-    if close:
-        message += f"; did you mean {' or '.join(close)}?"
+    message = f"{key}: no such key" + did_you_mean(key, keys, n=3, cutoff=0.75)
     if node is not None and OmegaConf.is_dict(node):
         siblings = sorted(str(k) for k in node.keys() if str(k) != name)
         message += f" The keys of {parent or 'the config'}: {', '.join(siblings) or '(none yet)'}."
@@ -407,8 +406,6 @@ def _extra_keys(node: Any, cls: Any = None, prefix: str = "") -> list[str]:
 
 def _schema_type(key: str) -> Any:
     """The schema's type of the dotted `key` (Optional unwrapped), or None when it has none."""
-    import typing
-
     cls: Any = Config
     for part in key.split("."):
         if not dataclasses.is_dataclass(cls):
@@ -555,8 +552,6 @@ def _check_ranges(cfg: Config) -> None:
 
 def _optional(cls: type, name: str) -> bool:
     """The schema field `cls.name` may be None."""
-    import typing
-
     hints = typing.get_type_hints(cls)
     return type(None) in typing.get_args(hints[name])
 

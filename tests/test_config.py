@@ -182,6 +182,14 @@ def test_a_value_outside_a_closed_choice_names_the_key_and_the_choices(override,
     assert message.startswith(f"{override}: expected one of ") and choice in message.split(", "), message
 
 
+def test_a_list_item_outside_its_choice_names_the_item_and_the_choices_as_typed():
+    """It printed `trainer.loggers[0]=?` and the members' upper-case names."""
+    assert refused("trainer.loggers=[jsonl,tensorbord]") == ("trainer.loggers[1]=tensorbord: expected one of jsonl, "
+                                                              "tensorboard, wandb, mlflow")
+    assert refused("trainer.loggers=[jsnl]").startswith("trainer.loggers[0]=jsnl: expected one of jsonl,")
+    assert compose("trainer.loggers=[jsonl,tensorboard]").trainer.loggers[1].value == "tensorboard"  # the control
+
+
 # ------------------------------------------------------------ unknown keys
 def test_a_misspelt_key_names_the_closest_valid_keys_not_hydras_plus():
     """Hydra's own text recommended `+trainer.max_step=1`, which composes and is then ignored."""
