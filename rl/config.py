@@ -496,7 +496,7 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
         if limit is not None and cfg.task.max_new_tokens >= limit:
             raise ValueError(f"task.max_new_tokens={cfg.task.max_new_tokens} leaves no room for a prompt within "
                              f"model.overrides.max_position_embeddings={limit}")
-    _check_imports(cfg)
+    _check_task(cfg)
     _check_experts(cfg, dims.ep)
     family = model_family(cfg) if cfg.model.pretrained_path is not None else cfg.model.name.value
     check_lora(cfg.model.lora, moe=family in MOE, engine=RolloutEngineName(cfg.rollout.engine).value)
@@ -556,18 +556,20 @@ def _optional(cls: type, name: str) -> bool:
     return type(None) in typing.get_args(hints[name])
 
 
-def _check_imports(cfg: Config) -> None:
-    """The user's code the config names (`task.reward_fn`, `task.options.environment`) imports,
-    before any model is built; the error says where the module was looked for."""
+def _check_task(cfg: Config) -> None:
+    """The user's reward function (`task.reward_fn`) imports, and `task.options` are the task's
+    with values it accepts (rl/tasks/registry.py `check_options`: names, reasoning-gym datasets,
+    tools, the environment class and its options), before any model or tokenizer is built; the
+    errors name the key (an import's, where the module was looked for)."""
     from rl.tasks.base import load_callable
+    from rl.tasks.registry import check_options
 
-    for key, spec in (("task.reward_fn", cfg.task.reward_fn), ("task.options.environment",
-                                                                cfg.task.options.get("environment"))):
-        if isinstance(spec, str):
-            try:
-                load_callable(spec, key)
-            except (ImportError, AttributeError, TypeError) as e:
-                raise ValueError(str(e)) from e
+    if isinstance(cfg.task.reward_fn, str):
+        try:
+            load_callable(cfg.task.reward_fn, "task.reward_fn")
+        except (ImportError, AttributeError, TypeError) as e:
+            raise ValueError(str(e)) from e
+    check_options(cfg.task.name, cfg.task.options)
 
 
 def _check_experts(cfg: Config, ep: int) -> None:

@@ -63,7 +63,7 @@ def test_an_environment_class_is_detected_by_its_interface():
         def reset(self, prompt):
             return []
 
-    with pytest.raises(TypeError, match=r"task.options.environment: .*NoStep.* has no `step` method"):
+    with pytest.raises(ValueError, match=r"task.options.environment: .*NoStep.* has no `step` method"):
         detect_interface(NoStep)
 
 

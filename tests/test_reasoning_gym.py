@@ -92,7 +92,7 @@ def test_datasets_mix_by_weight_and_each_scores_its_own(tokenizer_dir, tokenizer
 def test_bad_options_name_the_field(tokenizer_dir):
     with pytest.raises(ValueError, match=r"needs task.options.dataset=NAME"):
         gym(tokenizer_dir)
-    with pytest.raises(ValueError, match=r"reasoning-gym refused the datasets"):
+    with pytest.raises(ValueError, match=r"task.options.dataset: 'no_such_dataset' is not a reasoning-gym dataset"):
         gym(tokenizer_dir, dataset="no_such_dataset")
     with pytest.raises(ValueError, match=r"task.options.datasets.chain_sum.weight=0.0"):
         gym(tokenizer_dir, datasets={"chain_sum": {"weight": 0}})

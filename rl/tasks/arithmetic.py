@@ -36,16 +36,6 @@ class ArithmeticTask(TextTask):
                  chat_template: str | None = "tokenizer", system_prompt: str | None = None,
                  enable_thinking: bool | None = None, vocab_size: int | None = None,
                  stop_token_id: int | None = None) -> None:
-        if operands < 2:
-            raise ValueError(f"task.options.operands={operands}: expected >= 2")
-        if not 0 <= low <= high:
-            raise ValueError(f"task.options.low={low}, task.options.high={high}: expected 0 <= low <= high")
-        if not operators or set(operators) - set("+-*"):
-            raise ValueError(f"task.options.operators={operators!r}: expected a non-empty string of '+', '-', '*'")
-        if heldout_every < 2:
-            raise ValueError(f"task.options.heldout_every={heldout_every}: expected >= 2 (1 in k problems held out)")
-        if "{problem}" not in template:
-            raise ValueError(f"task.options.template={template!r} has no '{{problem}}' field")
         self.operands, self.low, self.high, self.operators = operands, low, high, operators
         self.heldout_every, self.template = heldout_every, template
         self.space = (high - low + 1) ** operands * len(operators) ** (operands - 1)  # distinct problems
@@ -60,6 +50,22 @@ class ArithmeticTask(TextTask):
         if vocab_size is not None and self.min_vocab_size > vocab_size:
             raise ValueError(f"task 'arithmetic': the tokenizer's ids reach {self.min_vocab_size - 1}, outside the "
                              f"model's vocabulary of {vocab_size}")
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """operands, low .. high, operators, heldout_every and template."""
+        operands, low, high, operators = (options[k] for k in ("operands", "low", "high", "operators"))
+        if operands < 2:
+            raise ValueError(f"task.options.operands={operands}: expected >= 2")
+        if not 0 <= low <= high:
+            raise ValueError(f"task.options.low={low}, task.options.high={high}: expected 0 <= low <= high")
+        if not operators or set(operators) - set("+-*"):
+            raise ValueError(f"task.options.operators={operators!r}: expected a non-empty string of '+', '-', '*'")
+        if options["heldout_every"] < 2:
+            raise ValueError(f"task.options.heldout_every={options['heldout_every']}: expected >= 2 (1 in k "
+                             "problems held out)")
+        if "{problem}" not in options["template"]:
+            raise ValueError(f"task.options.template={options['template']!r} has no '{{problem}}' field")
 
     # ---------------------------------------------------------------- problems
     def _draw(self, g: torch.Generator) -> str:
@@ -127,11 +133,15 @@ class ArithmeticRetryTask(ArithmeticTask, MultiTurnTask):
         self.strip_thinking = bool(strip_thinking)
         if self.strip_thinking:
             thinking_ids(self.tokenizer)  # the option's tokens exist
-        if max_turns < 1:
-            raise ValueError(f"task.options.max_turns={max_turns}: expected >= 1")
         self.feedback, self.max_turns = feedback, max_turns
         self.observation_ids = observation_encoder(self.tokenizer, self.chat_template, self.enable_thinking)
         self.max_observation_len = len(self.observation_ids(feedback))
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        super().check_options(options)
+        if options["max_turns"] < 1:
+            raise ValueError(f"task.options.max_turns={options['max_turns']}: expected >= 1")
 
     def environment(self) -> "RetryEnvironment":
         return RetryEnvironment(self)

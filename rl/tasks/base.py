@@ -56,6 +56,13 @@ class Task(ABC):
     has_heldout: bool = False  # `heldout(n)` gives problems the run never trains on
     calls: UserCalls | None = None  # how the rollout calls its user code (build_task); None: every error raised
 
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """The task's options (`task.options`: every one, defaults filled in; rl/tasks/options.py)
+        checked without building anything heavy (no tokenizer, no model; an environment's module is
+        imported): a ValueError naming `task.options.<key>`. rl/tasks/registry.py `check_options` calls it from
+        `rl.config.validate` and before building a task; a kind with options to check overrides it."""
+
     @abstractmethod
     def prompts(self, n: int, seed: int) -> list[Prompt]:
         """n prompts drawn from `seed`."""

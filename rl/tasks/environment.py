@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from rl.choice import Choice
+from rl.choice import Choice, did_you_mean
 from rl.tasks.base import Environment, MultiTurnTask, Prompt, load_callable
 from rl.tasks.chat import TextTask, chat_encoder, load_tokenizer, observation_encoder, thinking_ids, user_turn
 from rl.tasks.files import FileTask, read_prompts
@@ -47,6 +47,46 @@ class Interface(Choice):
     GYM = "gym"  # reset(seed=, options=) -> (observation, info); step(action) -> (obs, reward, terminated, truncated, info)
 
 
+def environment_class(spec: str | type | None, key: str = "task.options.environment") -> type:
+    """The user's environment class from `task.options.environment` ('module:Class', or the class);
+    a ValueError naming `key` when it is missing or does not import."""
+    if spec is None:
+        raise ValueError(f"task=environment needs {key}: the class 'module:Class' (an Environment: reset(prompt) -> "
+                         "messages, step(reply) -> (observation, reward, done); or gym-style, or message-level: "
+                         "rl/tasks/environment.py)")
+    if not isinstance(spec, str):
+        return spec
+    try:
+        return load_callable(spec, key)
+    except (ImportError, AttributeError, TypeError) as e:
+        raise ValueError(str(e)) from None
+
+
+def check_environment_options(env_class: type, options: dict,
+                              key: str = "task.options.environment_options") -> None:
+    """`options` are keywords `env_class(**options)` takes, by its constructor's signature: a
+    misspelt one names `key`, the class and the closest keyword; a required one not given, too."""
+    name = f"{getattr(env_class, '__module__', '?')}:{getattr(env_class, '__qualname__', env_class)}"
+    try:
+        params = list(inspect.signature(env_class).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin): Python checks the call itself
+        return
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        for option in options:
+            if option not in named:
+                raise ValueError(f"{key}.{option}: {name} takes no keyword {option!r}{did_you_mean(option, named)} "
+                                 f"(its constructor's keywords: {', '.join(named) or 'none'})")
+    missing = [p.name for p in params if p.default is p.empty and p.name in named and p.name not in options]
+    if missing:
+        raise ValueError(f"{key}: {name} needs {', '.join(missing)} (its constructor has no default for them); set "
+                         f"{key}.{missing[0]}=...")
+    try:
+        inspect.signature(env_class).bind(**options)
+    except TypeError as e:  # a positional-only parameter: it cannot be given by name
+        raise ValueError(f"{key}={options!r}: {name} cannot be built with them ({e})") from None
+
+
 def detect_interface(env_class: Any, key: str = "task.options.environment") -> Interface:
     """The interface of a user's environment class, from its `reset` and `step` signatures (see the
     module docstring); an error naming `key` when it has neither."""
@@ -54,7 +94,7 @@ def detect_interface(env_class: Any, key: str = "task.options.environment") -> I
     for name in ("reset", "step"):
         method = inspect.getattr_static(env_class, name, None)
         if method is None or not callable(method):
-            raise TypeError(f"{key}: {env_class!r} has no `{name}` method; an environment has reset and step "
+            raise ValueError(f"{key}: {env_class!r} has no `{name}` method; an environment has reset and step "
                             f"(text: step(reply) -> (observation, reward, done); gym-style: reset(seed=) -> "
                             f"(observation, info), step(action) -> (observation, reward, terminated, truncated, info))")
         methods[name] = [p for p in list(inspect.signature(method).parameters.values())[1:]
@@ -163,17 +203,9 @@ class EnvironmentTask(TextTask, FileTask, MultiTurnTask):
                  strip_thinking: bool = False, chat_template: str | None = "tokenizer", system_prompt: str | None = None,
                  enable_thinking: bool | None = None, vocab_size: int | None = None,
                  stop_token_id: int | None = None) -> None:
-        if environment is None:
-            raise ValueError("task=environment needs task.options.environment: the class 'module:Class' "
-                             "(an Environment: reset(prompt) -> messages, step(reply) -> (observation, reward, done); "
-                             "or gym-style, or message-level: rl/tasks/environment.py)")
         if tokenizer_path is None:
             raise ValueError("task=environment needs task.tokenizer_path (a local tokenizer folder)")
-        if max_turns < 1 or max_observation_len < 1:
-            raise ValueError(f"task.options.max_turns={max_turns}, task.options.max_observation_len="
-                             f"{max_observation_len}: expected >= 1 each")
-        self.env_class = load_callable(environment, "task.options.environment") if isinstance(environment, str) \
-            else environment
+        self.env_class = environment_class(environment)  # the options checked by check_options (build_task)
         self.env_options = dict(environment_options or {})
         interface = Interface.parse(interface, "task.options.interface")
         self.interface = detect_interface(self.env_class) if interface is Interface.AUTO else interface
@@ -205,6 +237,18 @@ class EnvironmentTask(TextTask, FileTask, MultiTurnTask):
             every = [ids for ids, _ in self.items + (self.heldout_items or [])]
             self.max_prompt_len = max(len(ids) for ids in every)
         self.min_vocab_size = 1 + max(max(max(ids) for ids in every), self.stop_token_id or 0)
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """The environment class: it imports, has reset and step (the interface asked, or one
+        detected), and its constructor takes `environment_options`; max_turns, max_observation_len."""
+        env_class = environment_class(options.get("environment"))
+        Interface.parse(options["interface"], "task.options.interface")
+        detect_interface(env_class)
+        check_environment_options(env_class, dict(options.get("environment_options") or {}))
+        if options["max_turns"] < 1 or options["max_observation_len"] < 1:
+            raise ValueError(f"task.options.max_turns={options['max_turns']}, task.options.max_observation_len="
+                             f"{options['max_observation_len']}: expected >= 1 each")
 
     def environment(self) -> Environment:
         env = self.env_class(**self.env_options)

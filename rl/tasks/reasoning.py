@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from rl.choice import did_you_mean
 from rl.tasks.base import Prompt
 from rl.tasks.chat import TextTask, chat_encoder, load_tokenizer, user_turn
 from rl.tasks.files import FileTask
@@ -48,17 +49,7 @@ class ReasoningGymTask(TextTask, FileTask):
                  stop_token_id: int | None = None) -> None:
         from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSpec
 
-        specs = _specs(dataset, dataset_config, datasets)
-        if size < 1:
-            raise ValueError(f"task.options.size={size}: expected >= 1 training problems")
-        if "{question}" not in template:
-            raise ValueError(f"task.options.template={template!r} has no '{{question}}' field")
-        if answer_pattern is not None:
-            try:
-                re.compile(answer_pattern)
-            except re.error as e:
-                raise ValueError(f"task.options.answer_pattern={answer_pattern!r}: not a regular expression "
-                                 f"({e})") from e
+        specs = _specs(dataset, dataset_config, datasets)  # checked with the rest by check_options (build_task)
         self.answer_tag, self.answer_pattern, self.template = answer_tag, answer_pattern, template
         self.tokenizer = tokenizer = load_tokenizer(tokenizer_path)
         self.encode_messages = chat_encoder(tokenizer, chat_template, system_prompt, tokenizer_path, enable_thinking)
@@ -69,7 +60,7 @@ class ReasoningGymTask(TextTask, FileTask):
                     DatasetSpec(name, weight, dict(config)) for name, weight, config in specs]))
             except (ValueError, AssertionError, TypeError, KeyError) as e:  # an unknown name, a bad config field
                 raise ValueError(f"task.options.dataset(s) {[s[0] for s in specs]}: reasoning-gym refused the "
-                                 f"datasets ({type(e).__name__}: {e})") from e
+                                 f"datasets ({type(e).__name__}: {e})") from None
 
         self.data = composite(dataset_seed, size)
         self.train_seeds = range(dataset_seed, dataset_seed + len(specs) + size)  # every training item's RNG seeds
@@ -85,6 +76,24 @@ class ReasoningGymTask(TextTask, FileTask):
                              f"the model's vocabulary of {vocab_size}")
         self._heldout: list[tuple[list[int], dict]] = []
         self._composite = composite
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """dataset or datasets (not both), each a reasoning-gym dataset with its config's fields
+        (did-you-mean for a misspelt name or field), size, template and answer_pattern."""
+        for name, _, config, key in _specs(options.get("dataset"), options.get("dataset_config"),
+                                           options.get("datasets"), keys=True):
+            _check_dataset(name, config, key)
+        if options["size"] < 1:
+            raise ValueError(f"task.options.size={options['size']}: expected >= 1 training problems")
+        if "{question}" not in options["template"]:
+            raise ValueError(f"task.options.template={options['template']!r} has no '{{question}}' field")
+        if options.get("answer_pattern") is not None:
+            try:
+                re.compile(options["answer_pattern"])
+            except re.error as e:
+                raise ValueError(f"task.options.answer_pattern={options['answer_pattern']!r}: not a regular "
+                                 f"expression ({e})") from None
 
     def _item(self, entry: dict) -> tuple[list[int], dict]:
         ids = self.encode_messages(user_turn(self.template.format(question=entry["question"])))
@@ -125,13 +134,19 @@ class ReasoningGymTask(TextTask, FileTask):
         return float(self.data.score_answer(self.answer(self.decode(response_ids)), meta))
 
 
-def _specs(dataset: str | None, dataset_config: dict | None, datasets: dict | None) -> list[tuple[str, float, dict]]:
-    """[(name, weight, config)] from `task.options.dataset` (+ `dataset_config`) or `task.options.datasets`."""
-    if (dataset is None) == (datasets is None):
+def _specs(dataset: str | None, dataset_config: dict | None, datasets: dict | None,
+           keys: bool = False) -> list[tuple]:
+    """[(name, weight, config)] from `task.options.dataset` (+ `dataset_config`) or `task.options.datasets`;
+    with `keys`, each with the config key that names it: [(name, weight, config, (name's key, config's key))]."""
+    if dataset is None and datasets is None:
         raise ValueError("task=reasoning_gym needs task.options.dataset=NAME (e.g. basic_arithmetic) or "
-                         "task.options.datasets={NAME: {weight: W, config: {...}}, ...}, not both")
+                         "task.options.datasets={NAME: {weight: W, config: {...}}, ...}; neither is set")
+    if dataset is not None and datasets is not None:
+        raise ValueError(f"task.options.dataset={dataset!r} and task.options.datasets={dict(datasets)!r}: give one "
+                         "of the two, not both (datasets mixes several: {NAME: {weight: W, config: {...}}})")
     if dataset is not None:
-        return [(str(dataset), 1.0, dict(dataset_config or {}))]
+        out = [(str(dataset), 1.0, dict(dataset_config or {}), ("task.options.dataset", "task.options.dataset_config"))]
+        return out if keys else [o[:3] for o in out]
     if dataset_config:
         raise ValueError("task.options.dataset_config goes with task.options.dataset; with task.options.datasets "
                          "give each its own config: {NAME: {weight: W, config: {...}}}")
@@ -144,7 +159,35 @@ def _specs(dataset: str | None, dataset_config: dict | None, datasets: dict | No
         weight = float(spec.get("weight", 1.0))
         if not weight > 0:
             raise ValueError(f"task.options.datasets.{name}.weight={weight}: expected > 0")
-        out.append((str(name), weight, dict(spec.get("config") or {})))
+        key = f"task.options.datasets.{name}"
+        out.append((str(name), weight, dict(spec.get("config") or {}), (key, f"{key}.config")))
     if not out:
         raise ValueError("task.options.datasets is empty")
-    return out
+    return out if keys else [o[:3] for o in out]
+
+
+def _check_dataset(name: str, config: dict, keys: tuple[str, str]) -> None:
+    """`name` is a reasoning-gym dataset (reasoning_gym.factory.DATASETS) and `config` fits its
+    config class (field names, then the class's own validate()); errors name the keys (name's, config's)."""
+    import dataclasses
+
+    from reasoning_gym.factory import DATASETS
+
+    if name not in DATASETS:
+        raise ValueError(f"{keys[0]}: {name!r} is not a reasoning-gym dataset{did_you_mean(name, DATASETS)} (the "
+                         f"{len(DATASETS)} datasets: reasoning_gym.factory.DATASETS, e.g. basic_arithmetic, chain_sum, "
+                         "countdown)")
+    config_cls = DATASETS[name][1]
+    fields = [f.name for f in dataclasses.fields(config_cls)]
+    for field in config:
+        if field not in fields:
+            close = did_you_mean(field, fields)
+            raise ValueError(f"{keys[1]}.{field}: {name}'s config ({config_cls.__name__}) has no such field{close}"
+                             f"{' ' if close else '. '}Its fields: {', '.join(fields)}")
+    try:
+        made = config_cls(**config)
+        if hasattr(made, "validate"):
+            made.validate()
+    except (ValueError, AssertionError, TypeError) as e:
+        raise ValueError(f"{keys[1]}={config!r}: reasoning-gym's {config_cls.__name__} refused it "
+                         f"({type(e).__name__}: {e})") from None

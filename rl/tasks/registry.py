@@ -3,15 +3,15 @@ kwargs are dropped, so a caller can pass every task option and each task takes t
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 
-from rl.choice import Choice
+from rl.choice import Choice, did_you_mean
 from rl.tasks.arithmetic import ArithmeticRetryTask, ArithmeticTask
 from rl.tasks.base import Task, probe_reward
 from rl.tasks.calls import UserCalls
 from rl.tasks.environment import EnvironmentTask
 from rl.tasks.files import FileTask, MathTask
+from rl.tasks.options import NOT_OPTIONS, option_parameters, parameters
 from rl.tasks.reasoning import ReasoningGymTask
 from rl.tasks.synthetic import CopyFirst, CountUp, TargetToken
 from rl.tasks.tool_task import PythonToolTask
@@ -47,16 +47,18 @@ TASKS: dict[TaskName, Callable[..., Task]] = {
 
 
 def build_task(name: TaskName | str, *, calls: UserCalls | None = None, **kwargs: Any) -> Task:
-    """A task by name; None-valued kwargs are dropped, unknown ones are an error naming them.
-    `calls` (rl/tasks/calls.py: `task.on_error`, `task.timeout_s`) is kept as `task.calls`:
-    how the rollout calls its reward or environments (None: `UserCalls.strict()`)."""
+    """A task by name; None-valued kwargs are dropped, unknown ones are an error naming them, and
+    its options are checked (`check_options`) before it is built. `calls` (rl/tasks/calls.py:
+    `task.on_error`, `task.timeout_s`) is kept as `task.calls`: how the rollout calls its reward or
+    environments (None: `UserCalls.strict()`)."""
     name = TaskName.parse(name, "task.name")  # an unknown name: a ValueError listing the tasks
     cls = TASKS[name]
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    params = _params(cls)
-    unknown = sorted(set(kwargs) - params)
+    params = parameters(cls)
+    unknown = sorted(set(kwargs) - set(params))
     if unknown:
         raise TypeError(f"task '{name.value}' got unknown options {unknown}; it takes {sorted(params)}")
+    check_options(name, {k: v for k, v in kwargs.items() if k not in NOT_OPTIONS})
     task = cls(**kwargs)
     vocab = kwargs.get("vocab_size")
     if vocab is not None and task.min_vocab_size > vocab:
@@ -67,16 +69,20 @@ def build_task(name: TaskName | str, *, calls: UserCalls | None = None, **kwargs
     return task
 
 
-def _params(cls: type) -> set[str]:
-    """Keyword names `cls` accepts, following `**kwargs` up the base classes."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        sig = inspect.signature(init)
-        names |= {p.name for p in sig.parameters.values()
-                  if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-        if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-            break
-    return names
+def check_options(name: TaskName | str, options: dict) -> None:
+    """`task.options` of task kind `name`, checked without building anything heavy (what
+    `rl.config.validate` runs before any model or tokenizer is built): every key is one of the
+    kind's options (rl/tasks/options.py; a misspelt one names the closest), and the kind's own
+    `Task.check_options` passes on them with the defaults filled in (a None value: the default)."""
+    name = TaskName.parse(name, "task.name")
+    cls = TASKS[name]
+    known = option_parameters(cls)
+    for key in options:
+        if key in NOT_OPTIONS:
+            raise ValueError(f"task.options.{key}: not a task option; set {NOT_OPTIONS[key]}")
+        if key not in known:
+            close = did_you_mean(key, known)
+            raise ValueError(f"task.options.{key}: task={name.value} has no such option{close}{' ' if close else '. '}"
+                             f"Its options: {', '.join(known) or '(none)'}")
+    given = {k: v for k, v in options.items() if v is not None}
+    cls.check_options({k: p.default for k, p in known.items() if p.default is not p.empty} | given)

@@ -99,7 +99,7 @@ class Limits:
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not value > 0:
-                raise ValueError(f"sandbox limit {name}={value!r}: expected a positive number")
+                raise ValueError(f"task.options.sandbox.{name}={value!r}: expected a positive number")
 
 
 @dataclass

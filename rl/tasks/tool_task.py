@@ -41,12 +41,6 @@ class PythonToolTask(ArithmeticTask, ToolTask):
                                  "with the result.",
                  chat_template: str | None = "tokenizer", system_prompt: str | None = None,
                  enable_thinking: bool | None = None, **kwargs: Any) -> None:
-        if chat_template is None:
-            raise ValueError("task=python_tool needs a chat template (task.options.chat_template): tools are "
-                             "declared and answered by it")
-        if max_turns < 2 or max_observation_len < 1:
-            raise ValueError(f"task.options.max_turns={max_turns}, task.options.max_observation_len="
-                             f"{max_observation_len}: expected >= 2 (a call, then the answer) and >= 1")
         super().__init__(tokenizer_path, template=template, chat_template=chat_template, system_prompt=system_prompt,
                          enable_thinking=enable_thinking, **kwargs)
         self.toolbox = Toolbox(build_tools(list(tools), sandbox), self.tokenizer, tool_format=tool_format,
@@ -59,6 +53,19 @@ class PythonToolTask(ArithmeticTask, ToolTask):
         frame = self.toolbox.message_ids([ToolOutput("")])
         self.max_prompt_len = len(longest) + 4
         self.min_vocab_size = 1 + max(max(longest), max(frame), self.stop_token_id or 0)
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """arithmetic's options, then the tools by name, the sandbox's limits, the call format and the turns."""
+        super().check_options(options)
+        if options.get("chat_template") is None:
+            raise ValueError("task=python_tool needs a chat template (task.options.chat_template): tools are "
+                             "declared and answered by it")
+        if options["max_turns"] < 2 or options["max_observation_len"] < 1:
+            raise ValueError(f"task.options.max_turns={options['max_turns']}, task.options.max_observation_len="
+                             f"{options['max_observation_len']}: expected >= 2 (a call, then the answer) and >= 1")
+        ToolFormat.parse(options["tool_format"], "task.options.tool_format")
+        build_tools(options["tools"], options.get("sandbox"))
 
     def environment(self) -> "AnswerEnvironment":
         return AnswerEnvironment(self)

@@ -38,11 +38,12 @@ the generation prompt; the tokens after the sentinel are the ones the model's tu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from rl.choice import Choice
+from rl.choice import Choice, did_you_mean
 from rl.tasks.calls import UserCalls
 from rl.tasks.sandbox import Limits, Outcome, run_python
 
@@ -285,11 +286,17 @@ _CALL_EXAMPLE = {
 def build_tools(names: Sequence[str], sandbox: dict | None = None) -> list[Tool]:
     """Built-in tools by name (`task.options.tools`), the `python` tool with `task.options.sandbox`
     (rl/tasks/sandbox.py `Limits` fields)."""
-    unknown = [n for n in names if n not in BUILTIN_TOOLS]
-    if unknown:
-        raise ValueError(f"task.options.tools: unknown {unknown}; the built-in tools are {sorted(BUILTIN_TOOLS)}")
-    try:
-        limits = Limits(**(sandbox or {}))
-    except TypeError as e:
-        raise ValueError(f"task.options.sandbox: {e}; its keys are the fields of rl/tasks/sandbox.py Limits") from e
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"task.options.tools={names!r}: expected a list of tool names, e.g. [python]")
+    for i, name in enumerate(names):
+        if name not in BUILTIN_TOOLS:
+            raise ValueError(f"task.options.tools[{i}]={name!r}: no such tool{did_you_mean(name, BUILTIN_TOOLS)} "
+                             f"(the built-in tools: {', '.join(sorted(BUILTIN_TOOLS))})")
+    fields = [f.name for f in dataclasses.fields(Limits)]
+    for key in sandbox or {}:
+        if key not in fields:
+            close = did_you_mean(key, fields)
+            raise ValueError(f"task.options.sandbox.{key}: no such limit{close}{' ' if close else '. '}The limits "
+                             f"(rl/tasks/sandbox.py Limits): {', '.join(fields)}")
+    limits = Limits(**(sandbox or {}))
     return [python_tool(limits) if n == "python" else BUILTIN_TOOLS[n]() for n in names]
