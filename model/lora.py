@@ -48,7 +48,7 @@ DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 class LoraSettings:
     """`model.lora`: rank 0 = no adapters (full fine-tuning)."""
 
-    rank: int = 0
+    rank: int = 0  # the adapters' rank r; 0 = no adapters (full fine-tuning)
     alpha: float = 32.0  # the update is (alpha / rank) B A
     dropout: float = 0.0  # on the adapter's input, in training only
     # linear layers adapted, by their last name (attention and dense MLP projections; never the MoE router)

@@ -86,8 +86,8 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     dp: int = -1  # -1: world_size // cp
-    cp: int = 1
-    ep: int = 1
+    cp: int = 1  # context parallelism: ranks that split each packed microbatch's tokens (ring attention)
+    ep: int = 1  # expert parallelism (MoE): ranks that split the experts (num_experts / ep each)
 
 
 class Balance(Choice):
@@ -99,10 +99,10 @@ class Balance(Choice):
 
 @dataclass
 class BatchConfig:
-    packed: bool = True
+    packed: bool = True  # true: THD microbatches (samples packed in one row, no padding); false: padded [B, T]
     max_tokens: int = 4096  # token budget of one microbatch (token-budget planner; a hard cap)
     micro_batch_size: Optional[int] = None  # fixed samples per microbatch instead of a token budget
-    balance: Balance = Balance.FLOPS
+    balance: Balance = Balance.FLOPS  # what the planner evens out over DP ranks and microbatches: tokens or flops
 
 
 @dataclass
@@ -113,11 +113,15 @@ class AlgoConfig(PolicyLossConfig, KLConfig, AdvantageConfig):
 
     mini_batches: int = 1  # optimizer steps per epoch: the step's global batch split in k
     epochs: int = 1  # passes over the step's batch
+    # the log-probs the ratio divides by: policy (a no-grad pass of the pre-update policy) or rollout (the engine's)
     old_log_probs: OldLogProbs = OldLogProbs.POLICY
+    # the loss subtracts entropy_coef x the entropy (aggregated as algo.loss_agg): an exploration bonus; 0 = off
     entropy_coef: float = 0.0
+    # PPO value clipping: the critic's loss is the larger of its values' and of those values clipped to the
+    # old ones +- value_clip; None = off
     value_clip: Optional[float] = 0.2
-    vf_coef: float = 0.5
-    critic_lr: float = 1e-3
+    vf_coef: float = 0.5  # the value loss's weight in the critic's loss (algo.advantage=gae)
+    critic_lr: float = 1e-3  # the critic's AdamW learning rate (algo.advantage=gae)
     routing_replay: bool = True  # R3: replay the rollout's routed_experts in training
     # MoE load-balancing loss (Switch / Qwen3-MoE's router_aux_loss_coef) over real tokens;
     # 0 = off (the default: measured on the default run, see README)
@@ -126,11 +130,11 @@ class AlgoConfig(PolicyLossConfig, KLConfig, AdvantageConfig):
     # and roll out more prompts until the step has task.prompts_per_step groups, at most
     # max_sampling_rounds rollouts per step (then train on what was kept; logged).
     dynamic_sampling: bool = False
-    max_sampling_rounds: int = 3
+    max_sampling_rounds: int = 3  # dynamic sampling: rollouts per step at most
     # DAPO overlong shaping: the last overlong_buffer tokens before task.max_new_tokens cost
     # up to overlong_penalty_factor of reward, linearly (None = off).
     overlong_buffer: Optional[int] = None
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: float = 1.0  # overlong shaping: the reward a reply reaching task.max_new_tokens loses
 
     @property
     def uses_critic(self) -> bool:
@@ -147,7 +151,7 @@ class TaskConfig:
     name: TaskName = TaskName.TARGET_TOKEN  # a built-in task (rl/tasks/registry.py TaskName) or "file"
     prompts_per_step: int = 16  # global, split over DP ranks
     samples_per_prompt: int = 8  # the GRPO group size
-    max_new_tokens: int = 12
+    max_new_tokens: int = 12  # the longest reply, in tokens (per turn of a multi-turn task)
     prompts_path: Optional[str] = None  # task=file|math: JSONL prompts
     reward_fn: Optional[str] = None  # task=file: "module:function"
     tokenizer_path: Optional[str] = None  # task=math (and text prompts): a local tokenizer folder
@@ -160,13 +164,15 @@ class TaskConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 20
-    lr: float = 3e-3
-    lr_schedule: LRSchedule = LRSchedule.CONSTANT
+    max_steps: int = 20  # training steps (each: a rollout, then algo.epochs x algo.mini_batches updates)
+    lr: float = 3e-3  # the policy's AdamW learning rate (peak, after warmup)
+    lr_schedule: LRSchedule = LRSchedule.CONSTANT  # after warmup: constant, or cosine decay to 0 at the last update
+    # optimizer updates of linear warmup: the lr of update i < warmup_steps is lr x (i + 1) / warmup_steps
     warmup_steps: int = 0
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    device: Device = Device.AUTO
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    grad_clip: float = 1.0  # the largest global gradient 2-norm: gradients are scaled down to it; 0 = no clipping
+    device: Device = Device.AUTO  # auto: CUDA when available, else CPU
+    # recompute each decoder layer's activations in backward (less memory, more compute)
     activation_checkpointing: bool = False
     max_bad_steps: int = 3  # consecutive non-finite updates skipped before the run stops
     min_entropy: Optional[float] = None  # warn when the mean entropy falls below it
@@ -178,14 +184,16 @@ class TrainerConfig:
     # environment's answers, reward, status) to <run>/samples.jsonl, and a W&B table / MLflow artifact when those
     # loggers are on (rl/rollout/samples.py); rank 0's own samples, the step's first; 0 = off
     log_samples: int = 4
-    plot: bool = True
-    progress: bool = True
+    plot: bool = True  # write <run>/curves.png when the run ends
+    progress: bool = True  # the tqdm progress bar on rank 0
 
 
 @dataclass
 class RolloutConfig:
     """`rollout.*`: which engine generates, and the vLLM engine's settings (rl/rollout/vllm_engine.py)."""
 
+    # what generates the rollouts: hf (a transformers copy of the policy, rl/rollout/engine.py) or vllm
+    # (rl/rollout/vllm_engine.py; needs `make install-vllm`)
     engine: RolloutEngineName = RolloutEngineName.HF
     # where generation gets its weights (rl/rollout/replica.py): auto = keep an unsharded copy if the start-up
     # memory plan says it fits, else sharded (generate with the FSDP2-sharded policy itself)
@@ -223,7 +231,7 @@ class CheckpointConfig:
     every: int = 0  # save every k steps (0 = only the final checkpoint)
     keep: int = 2  # newest k complete checkpoints kept
     dir: Optional[str] = None  # None = <run folder>/checkpoints
-    final: bool = True
+    final: bool = True  # save a checkpoint after the last step
 
 
 @dataclass
@@ -238,7 +246,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     resume: str = "never"  # never | auto (this experiment's newest run, continued in its folder) | a checkpoint path
-    seed: int = 0
+    seed: int = 0  # seeds the random-init model, the prompts and the sampling
 
 
 def register() -> None:

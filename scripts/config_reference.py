@@ -12,12 +12,15 @@ tests/test_config_reference.py fails when the committed page differs from this o
 from __future__ import annotations
 
 import ast
+import collections.abc
 import dataclasses
 import inspect
 import io
+import os
 import sys
 import textwrap
 import tokenize
+import types
 import typing
 from enum import Enum
 from pathlib import Path
@@ -28,6 +31,7 @@ if str(ROOT) not in sys.path:  # run as a script from the repository root
     sys.path.insert(0, str(ROOT))
 
 PAGE = ROOT / "docs" / "config-reference.md"
+REQUIRED = inspect.Parameter.empty  # rl/tasks/options.py REQUIRED: an option without a default
 
 HEADER = """\
 # Configuration reference
@@ -93,13 +97,24 @@ def registered_names(key: str) -> list[str] | None:
 
 
 def type_cell(hint: Any, key: str) -> str:
-    optional = type(None) in typing.get_args(hint)
-    if optional:
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    """The type as a user writes its values: an enum's choices, `list of ...`, `mapping`, `or null`.
+    A union of a Choice with str (how a task takes an enum option) is the Choice; `os.PathLike`
+    and `type` beside str are str (a path, a 'module:Class')."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    optional = type(None) in args
+    args = [a for a in args if a is not type(None)]
+    choice = [a for a in args if isinstance(a, type) and issubclass(a, Enum)]
+    kept = choice or [a for a in args if a not in (type, os.PathLike)] or args
+    hint = kept[0]
+    origin = typing.get_origin(hint)
     if isinstance(hint, type) and issubclass(hint, Enum):
         text = "one of " + ", ".join(f"`{m.value}`" for m in hint)
-    elif typing.get_origin(hint) in (dict, typing.Dict):
+    elif origin in (dict, typing.Dict) or hint is dict:
         text = "mapping"
+    elif origin in (list, tuple, typing.List, collections.abc.Sequence):
+        text = "list of " + type_cell(typing.get_args(hint)[0], key) if typing.get_args(hint) else "list"
+    elif hint is typing.Any:
+        text = "any"
     else:
         text = getattr(hint, "__name__", str(hint))
         names = registered_names(key)
@@ -109,6 +124,8 @@ def type_cell(hint: Any, key: str) -> str:
 
 
 def yaml_value(value: Any) -> str:
+    """A value as a user types it on the command line or in YAML (enums by value, null, true/false,
+    [a, b], {k: v}, "" for the empty string)."""
     if isinstance(value, Enum):
         return value.value
     if value is None:
@@ -117,10 +134,16 @@ def yaml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {yaml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(yaml_value(v) for v in value) + "]"
+    if value == "":
+        return '""'
     return str(value)
 
 
 def value_cell(value: Any) -> str:
+    if value is REQUIRED:
+        return "required"
     return f"`{yaml_value(value)}`"
 
 
@@ -163,16 +186,69 @@ def escape(text: str) -> str:
 def section_table(prefix: str, cls: type, instance: Any, run: Any, checked: dict[str, str],
                   fields: list[dataclasses.Field] | None = None) -> list[str]:
     """One row per field of `cls` (or of `fields`): key, type, default, default run, range, comment."""
+    return ["| key | type | default | default run | range | description |", "|---|---|---|---|---|---|"] + [
+        row(*cells) for cells in field_rows(prefix, cls, instance, run, checked, fields)]
+
+
+def field_rows(prefix: str, cls: type, instance: Any, run: Any, checked: dict[str, str],
+               fields: list[dataclasses.Field] | None = None) -> list[list[str]]:
+    """The cells of `section_table`'s rows; a field that is itself a dataclass (`model.lora`) is
+    expanded into a row per field of its own."""
     hints = typing.get_type_hints(cls)
     comments = comments_of(cls)
-    rows = ["| key | type | default | default run | range | description |", "|---|---|---|---|---|---|"]
+    out = []
     for f in dataclasses.fields(cls) if fields is None else fields:
         key = f"{prefix}{f.name}"
-        rows.append("| " + " | ".join([
-            f"`{key}`", escape(type_cell(hints[f.name], key)), escape(value_cell(getattr(instance, f.name))),
-            escape(value_cell(getattr(run, f.name)) if hasattr(run, f.name) else ""), escape(checked.get(key, "")),
-            escape(comments.get(f.name, ""))]) + " |")
-    return rows
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += field_rows(f"{key}.", hints[f.name], getattr(instance, f.name), getattr(run, f.name, None), checked)
+            continue
+        out.append([f"`{key}`", type_cell(hints[f.name], key), value_cell(getattr(instance, f.name)),
+                    value_cell(getattr(run, f.name)) if hasattr(run, f.name) else "", checked.get(key, ""),
+                    comments.get(f.name, "")])
+    return out
+
+
+def row(*cells: str) -> str:
+    return "| " + " | ".join(escape(c) for c in cells) + " |"
+
+
+def task_options(conf: Path) -> list[str]:
+    """`task.options.*` of each task kind (rl/tasks/options.py: its class's constructor keywords, their
+    meanings), with what the task's config group (`task=KIND`, under conf/task/) sets."""
+    from omegaconf import OmegaConf
+
+    from rl.config import compose
+    from rl.tasks.options import options_of
+    from rl.tasks.registry import TASKS
+
+    out = ["### task.options", "",
+           "The options of each task kind (`task.name`), set as `task.options.KEY=VALUE` (a key the task group "
+           "does not list: `+task.options.KEY=VALUE`). They are the task class's constructor keywords "
+           "(rl/tasks/options.py); `rl.config.validate` checks them before any model or tokenizer is built: an "
+           "option the task does not take, a reasoning-gym dataset or config field, a tool, an environment "
+           "class's interface and constructor keywords. *task group* is what the task's config group `task=KIND` "
+           "sets; `required`: no default.", ""]
+    for name, cls in TASKS.items():
+        group = conf / "task" / f"{name.value}.yaml"
+        sets: dict = {}
+        if group.is_file():
+            options = compose([f"task={name.value}"]).task.options
+            sets = OmegaConf.to_container(options, resolve=False) if options is not None else {}
+        out += [f"#### task={name.value}", ""]
+        rows = []
+        for option in options_of(cls):
+            value = sets
+            for part in option.key.split("."):
+                value = value.get(part, _UNSET) if isinstance(value, dict) else _UNSET
+            shown = "" if value is _UNSET else "required" if value == "${required:}" else value_cell(value)
+            rows.append(row(f"`task.options.{option.key}`", type_cell(option.type, option.key),
+                            value_cell(option.default), shown, option.meaning))
+        out += (["| key | type | default | task group | description |", "|---|---|---|---|---|"] + rows
+                if rows else ["No options."]) + [""]
+    return out
+
+
+_UNSET = object()
 
 
 def doc_of(cls: type) -> str:
@@ -239,6 +315,8 @@ def render(config_cls: type | None = None, conf: Path | None = None) -> str:
         if doc_of(cls):
             out += [doc_of(cls), ""]
         out += section_table(f"{f.name}.", cls, getattr(default, f.name), getattr(run, f.name), checked) + [""]
+        if f.name == "task":  # the options of each task kind
+            out += task_options(conf)
     if top:
         out += ["## Top-level keys", ""]
         out += section_table("", config_cls, default, run, checked, top) + [""]

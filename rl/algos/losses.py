@@ -154,7 +154,7 @@ class PolicyLossConfig:
     # PPO/GSPO: the ratio is clipped to [1 - clip_low, 1 + clip_high].
     # CISPO: the IS weight is clipped above at 1 + clip_high; clip_low is not used (see cispo_clip_low).
     clip_low: float = 0.2
-    clip_high: float = 0.2
+    clip_high: float = 0.2  # the ratio's upper clip, 1 + clip_high (DAPO's clip-higher: above clip_low)
     # c > 1: bounds the loss of negative-advantage tokens at c * |A| (dual-clip PPO; ppo/gspo only).
     dual_clip: Optional[float] = None
     # CISPO's lower bound on the IS weight, as an epsilon: weight >= 1 - cispo_clip_low.
@@ -170,6 +170,8 @@ class PolicyLossConfig:
     log_ratio_clamp: Optional[float] = 20.0
     # Upper bound on GSPO's sequence log-ratio (None = off).
     gspo_log_ratio_max: Optional[float] = 10.0
+    # how token losses become the step's loss: token-mean (over all tokens), seq-mean-token-mean (per sequence,
+    # then over sequences), seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO: token sums / loss_agg_norm)
     loss_agg: LossAgg = LossAgg.TOKEN_MEAN
     # seq-mean-token-sum-norm's constant (each sequence's token sum is divided by it);
     # None = the response budget (task.max_new_tokens, times max_turns for a multi-turn task), filled in by the trainer.
@@ -364,8 +366,8 @@ class KLConfig:
     """KL-to-reference fields, flat (an `AlgoConfig` may inherit it beside `PolicyLossConfig`)."""
 
     kl_coef: float = 0.0  # the (initial) coefficient; 0 = no KL term
-    kl_estimator: KLEstimator = KLEstimator.K3
-    kl_mode: KLMode = KLMode.LOSS
+    kl_estimator: KLEstimator = KLEstimator.K3  # k1: log r, k2: (log r)^2 / 2, k3: 1/r - 1 + log r (r = pi / pi_ref)
+    kl_mode: KLMode = KLMode.LOSS  # loss: kl_coef x KL added to the loss; reward: -kl_coef x KL per token in the reward
     # Adaptive coefficient (Ziegler et al. 2019) when set: steer the measured KL toward kl_target.
     kl_target: Optional[float] = None
     kl_horizon: float = 10000.0  # samples over which a 20% KL error moves the coefficient by 20%
