@@ -8,7 +8,7 @@ ARGS    ?=
 
 MODEL_DIR := .cache/models/SmolLM2-135M-Instruct
 
-.PHONY: install test test-quick test-model model train demo bench bench-peer bench-peer-step bench-speed bench-rank-memory bench-prefix bench-async clean install-vllm test-vllm gpu-wheels
+.PHONY: install sandbox-deps test test-quick test-model model train demo bench bench-peer bench-peer-step bench-speed bench-rank-memory bench-prefix bench-async clean install-vllm test-vllm gpu-wheels
 
 install: $(STAMP)
 
@@ -18,10 +18,19 @@ $(STAMP): requirements.txt constraints-cpu.txt
 	$(PY) -m pip install --quiet -r requirements.txt -c constraints-cpu.txt
 	@rm -f .venv/.installed-* && touch $@
 
-test: $(STAMP)
+# The python tool's sandbox (rl/tasks/sandbox.py, backend=bwrap) needs bubblewrap; its escape tests also run
+# as a non-root user, with a python3 that user can run (tests/test_sandbox_escape.py). Installed when
+# missing, as root with apt-get; otherwise the command to run is printed (those tests then fail, saying why).
+sandbox-deps:
+	@if command -v bwrap >/dev/null && test -x /usr/bin/python3; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap python3-minimal >/dev/null; \
+	else echo "make sandbox-deps: bubblewrap or /usr/bin/python3 missing; install them (apt-get install bubblewrap python3-minimal)" >&2; fi
+
+test: $(STAMP) sandbox-deps
 	$(PY) -m pytest -m "not model and not vllm" $(ARGS)
 
-test-quick: $(STAMP)
+test-quick: $(STAMP) sandbox-deps
 	$(PY) -m pytest -m "not slow and not model and not vllm" $(ARGS)
 
 # one JSON line per bench (last line of each), bench/results/<name>.json and bench/results/bench.png;

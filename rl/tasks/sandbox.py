@@ -3,64 +3,82 @@
     result = run_python("print(6 * 7)", Limits(wall_s=5, cpu_s=2, memory_mb=256))
     result.status, result.output          # Outcome.OK, "42\n"
 
-Each call runs `sys.executable -I` (isolated: no PYTHON* variables, no user site, no cwd on the
-path) in a new session (its own process group) with a fresh scratch directory as its working
-directory, HOME and TMPDIR, stdin closed and a minimal environment. A bootstrap (`_BOOTSTRAP`,
-run in the child before the code) sets the limits and installs the guards, then runs the code
-with `exec`. Every call ends with the whole process group killed (SIGKILL) and the scratch
-directory removed, whether the code finished, failed or ran out of time.
+Model-written code is adversarial in RL (a policy rewarded for answers finds whatever gets through),
+so the boundary is the kernel's. Two backends (`Limits.backend`, `task.options.sandbox.backend`):
 
-What enforces what (be precise: the kernel's limits hold against any code; the Python guards
-only against code that stays in Python, which is why the escapes from Python are closed too):
+backend=bwrap (the default): each call runs `sys.executable -I` under bubblewrap (`bwrap`), which
+the parent starts in a new session with stdin closed and a minimal environment. What the kernel
+enforces, against any code (C, programs, forks):
 
-* wall clock (`wall_s`): the parent kills the process group at the deadline -> `timeout`.
-  Kernel-enforced (a signal), for every process that stays in the group; `os.setsid` and
-  `os.setpgid` are deleted in the child so Python code cannot leave it.
-* CPU time (`cpu_s`): RLIMIT_CPU, per process; SIGXCPU at the limit -> `cpu_limit`. Kernel.
-* memory (`memory_mb`): RLIMIT_AS, per process: an allocation past it fails (Python raises
-  MemoryError -> `memory_limit`). Kernel. It bounds address space, not resident memory.
-* processes (`max_processes`): RLIMIT_NPROC. Kernel, with two caveats: it counts every process
-  of the user id (and the kernel ignores it for root), so when the parent runs as root the
-  child first drops to the `nobody` user (uid/gid 65534), and the limit is this user's
-  processes at start plus `max_processes`. A fork refused is an `OSError` in the code. As
-  `nobody` it keeps one capability, CAP_DAC_READ_SEARCH, to read the interpreter wherever it is
-  installed (none where the parent lacks it, as root in a default Docker container).
-* file size (`max_file_mb`): RLIMIT_FSIZE, and RLIMIT_NOFILE (64 open files). Kernel.
-* network: the child first tries a new network namespace (unshare(CLONE_NEWNET) as root,
-  unshare(CLONE_NEWUSER | CLONE_NEWNET) otherwise, where unprivileged user namespaces are
-  allowed): it has only a loopback device that is down, so no connection leaves it, even from
-  C code. Kernel. Where neither works (a container without those rights) only the Python guard
-  below refuses sockets. `SandboxResult.network` says which held ("namespace" or "audit hook").
-* writes outside the scratch directory: when the parent is root the child runs as `nobody`, so
-  the kernel's file permissions refuse writes to anything `nobody` cannot write (everything but
-  world-writable places such as /tmp and /dev/shm). In every case a Python audit hook
-  (`sys.addaudithook`, which code cannot remove) refuses `open` for writing, and the os
-  functions that create, remove, rename, link or change files, on any path that does not
-  resolve (symlinks followed) inside the scratch directory. The hook is Python: it checks the
-  path once, so a symlink swapped between the check and the use by a second process of the
-  sandbox is not caught (a race), and C code is not seen by it, hence:
-* escapes from Python are refused by the same hook: starting programs (`os.exec*`,
-  `os.posix_spawn`, `os.system`, `subprocess`; `_posixsubprocess` cannot be imported, as its
-  fork_exec raises no audit event) and `ctypes` (its calls into C raise none; importing it is an
-  ImportError, which numpy takes in its stride).
-  `os.fork` is allowed (the child keeps the hook; RLIMIT_NPROC bounds it). Reading files is
-  not restricted (the interpreter and its libraries must be read); as `nobody` the kernel
-  restricts it to what `nobody` may read.
-* output: stdout and stderr (one pipe) are read as they come and kept up to `max_output_bytes`;
-  the rest is read and dropped (so the child never blocks on a full pipe) and the result says
-  `truncated`.
+* namespaces: new PID, mount, network, IPC and UTS namespaces (and cgroup, where possible). The call
+  sees only its own processes, so it cannot signal the trainer or a concurrent call; it has only a
+  loopback device of its own (no connection leaves it; abstract Unix sockets are per namespace).
+* user: as a non-root user, a new user namespace too (`--unshare-user`, and `--disable-userns` where
+  bwrap has it, 0.8+: the code cannot make another), mapped to the caller's uid. As root, no user namespace (it would map host
+  root); bwrap keeps CAP_SETUID and CAP_SETGID for the bootstrap alone, which drops to the call's own
+  uid (`SANDBOX_UIDS`: a random uid in [2^30, 2^30 + 2^29), used by nothing else on the machine), and
+  the kernel clears every capability on that drop (checked: the bootstrap exits if any is left).
+  No capabilities either way; no_new_privs (bwrap's): no setuid program or file capability elevates.
+* filesystem: a read-only view of what the interpreter needs and nothing else: /usr (and the
+  /bin, /lib... links or folders), /etc/ld.so.cache, and the interpreter's prefix and base prefix
+  (a venv and the Python it came from, e.g. pyenv's under /root), each bound read-only at its own
+  path; the folders above them are empty ones (so of /root only the path down to the interpreter
+  exists). Not the checkout, not /home, not the rest of /root or /etc. A fresh private tmpfs of
+  `scratch_mb` is /tmp: the working directory, HOME and TMPDIR; another is /dev/shm; /dev holds only
+  the standard devices (read-only); /proc is the call's own.
+* lifetime: `--die-with-parent`, `--new-session`; when the call returns the parent kills the PID
+  namespace's init (a pidfd from bwrap's `--info-fd`), the kernel kills every process of the
+  namespace, and the parent waits until init is gone, which happens only after all of them are:
+  nothing the call started (a double-forked daemon included) outlives it.
+* limits (rlimits, per process, set by the bootstrap before the code runs; the code cannot raise
+  them): CPU time `cpu_s` (SIGXCPU -> `cpu_limit`), address space `memory_mb` (MemoryError ->
+  `memory_limit`), file size `max_file_mb` (SIGXFSZ -> `killed`), 64 open files, and processes
+  `max_processes`: RLIMIT_NPROC set to the processes of the code's uid in the call's PID namespace
+  plus `max_processes`, which is exactly what the kernel counts (as root: the call's own uid; as a
+  user: its user namespace's processes of that uid), so the code can start exactly `max_processes`
+  more. The wall clock `wall_s`: the parent kills the namespace at the deadline -> `timeout`.
+* memory in aggregate: at most (`max_processes` + 1) processes of `memory_mb` address space each,
+  plus the two tmpfs of `scratch_mb` each. A cgroup bound (memory.max) is not used: it needs a
+  delegated cgroup v2 subtree, which a trainer process cannot count on (this machine has cgroup v1
+  controllers and an empty v2 hierarchy); kernel memory of the call (page tables, pipe and socket
+  buffers) is bounded only through those limits.
 
-Not covered: the machine's disk outside RLIMIT_FSIZE per file (many files in the scratch
-directory; it is deleted after the call), CPU time of many processes together (each has
-`cpu_s`, the wall clock ends them all), and anything a kernel exploit can do. A sandbox for
-untrusted code at scale wants a container or a microVM around this.
+backend=process (explicit only; logged at start-up as not a security boundary): today's runner, a
+plain `python -I` child in a new session with a fresh scratch directory (removed afterwards) as its
+working directory, HOME and TMPDIR. The same rlimits and wall clock (the parent kills the process
+group). As root it runs as `nobody`, keeping CAP_DAC_READ_SEARCH (it reads every file, /etc/shadow
+included); a network namespace where one can be made. Processes are counted by uid across the
+machine (after unshare(CLONE_NEWUSER) every process of the machine looks like the user's: the bound
+is far too high), a process that leaves the group (`posix.setsid`) outlives the call, the code can
+signal its parent and concurrent calls of its user, and it reads (and writes) what its user may
+wherever the Python guards below do not look.
+
+The Python guards, in both backends a second layer that nothing relies on (code that digs into the
+interpreter through `gc` disarms them; tests/test_sandbox_escape.py does, and backend=bwrap holds):
+an audit hook refuses writes outside the scratch directory, sockets, starting programs and ctypes,
+`_posixsubprocess` and `ctypes` cannot be imported, `os.setsid`/`setpgid` are deleted; each refusal is
+reported on a pipe and makes the status `refused` even when the code caught it. The bootstrap's last
+report ends that pipe: a run that ended by itself without it (the code closed the pipe to hide its
+refusals, or left by `os._exit`) is `refused` too. A determined code can still forge that report:
+the status is a diagnosis, the kernel is the boundary.
+
+Output: stdout and stderr (one pipe) are read as they come and kept up to `max_output_bytes`; the
+rest is read and dropped (so the child never blocks on a full pipe) and the result says `truncated`.
+
+Not covered: the machine's disk is not written by backend=bwrap (its tmpfs are memory); CPU time of
+many processes together (each has `cpu_s`, the wall clock ends them all); kernel exploits (the call
+runs unprivileged code against the host's kernel, as a container would; a microVM goes further).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import json
+import logging
 import os
+import secrets
+import select
 import selectors
 import shutil
 import signal
@@ -71,6 +89,19 @@ import time
 from dataclasses import asdict, dataclass
 
 NOBODY = 65534
+SANDBOX_UIDS = (1 << 30, 1 << 29)  # backend=bwrap as root: each call's own uid, base + a random offset below this
+log = logging.getLogger(__name__)
+
+
+class Backend(str, enum.Enum):
+    """`task.options.sandbox.backend`: what isolates a call (see the module docstring)."""
+
+    BWRAP = "bwrap"  # bubblewrap: kernel namespaces, a read-only view of the interpreter, a private tmpfs
+    PROCESS = "process"  # a plain child process with rlimits and Python guards: not a security boundary
+
+
+class SandboxUnavailable(RuntimeError):
+    """backend=bwrap cannot run here; the message names the cause and the fix."""
 
 
 class Outcome(str, enum.Enum):
@@ -87,7 +118,7 @@ class Outcome(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Limits:
-    """The limits of one run (`task.options.sandbox` for the `python` tool)."""
+    """The limits of one run, and the backend that enforces them (`task.options.sandbox` for the `python` tool)."""
 
     wall_s: float = 5.0
     cpu_s: int = 3
@@ -95,10 +126,17 @@ class Limits:
     max_processes: int = 8
     max_file_mb: int = 16
     max_output_bytes: int = 4096
+    scratch_mb: int = 64  # backend=bwrap: the size of the private tmpfs /tmp (scratch, HOME) and of /dev/shm
+    backend: Backend = Backend.BWRAP
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "backend", Backend(self.backend))
+        except ValueError:
+            raise ValueError(f"task.options.sandbox.backend={self.backend!r}: expected one of "
+                             f"{', '.join(b.value for b in Backend)}") from None
         for name, value in asdict(self).items():
-            if not value > 0:
+            if name != "backend" and not value > 0:
                 raise ValueError(f"task.options.sandbox.{name}={value!r}: expected a positive number")
 
 
@@ -110,8 +148,8 @@ class SandboxResult:
     truncated: bool  # output was longer than max_output_bytes
     seconds: float  # wall clock of the run
     network: str  # what kept the network away: "namespace" (kernel) or "audit hook" (Python only)
-    user: str  # "nobody" (the parent was root) or "unchanged"
-    pid: int  # the child's pid = its process group's id (killed when the call returned)
+    user: str  # the code's user: "uid N" (bwrap as root), "nobody" (process as root) or "unchanged"
+    pid: int  # process: the child's pid = its process group's id; bwrap: bwrap's pid (the sandbox is killed with it)
     refused: list[str]  # what the guard refused, in order (the code may have caught the error and gone on)
 
 
@@ -119,30 +157,43 @@ _REFUSED_EXIT = 86  # the bootstrap's exit status when the hook refused somethin
 _MEMORY_EXIT = 87
 _SETUP_EXIT = 88
 
-# Runs in the child, before the code; argv[1] = JSON {limits, scratch, code path}. Kept as source
-# text so that nothing of the parent (its imports, its threads) exists in the child.
+# Runs in the child, before the code; argv[1] = JSON {backend, limits, scratch, code_fd, report_fd, uid}.
+# Kept as source text so that nothing of the parent (its imports, its threads) exists in the child.
 _BOOTSTRAP = r'''
 import json, os, resource, sys
 cfg = json.loads(sys.argv[1])
 scratch = os.path.realpath(cfg["scratch"])
-network = "audit hook"
+with open(cfg["code_fd"], encoding="utf-8") as f:  # the code, from a memfd the parent wrote (closed here)
+    source = f.read()
 
-import ctypes
-libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWUSER, CLONE_NEWNET, PR_SET_KEEPCAPS, CAP_DAC_READ_SEARCH = 0x10000000, 0x40000000, 8, 2
+def _bwrap_user(uid):
+    # bwrap as root: it kept CAP_SETUID and CAP_SETGID for this drop to the call's own uid alone
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # from root to another uid: the kernel clears every capability
+    with open("/proc/self/status") as f:
+        caps = [line.split() for line in f if line.startswith(("CapPrm", "CapEff", "CapAmb"))]
+    if any(int(value, 16) for _, value in caps):
+        raise OSError(f"capabilities left after the drop to uid {uid}: {caps}")
 
-def _read_only_caps():
-    # keep one capability, CAP_DAC_READ_SEARCH (read any file: the interpreter may live in a
-    # folder `nobody` cannot read, such as /root), and nothing else: no write, no resource override
-    # (where the parent never had it, e.g. root in a default Docker container: none at all)
-    for keep in (1 << CAP_DAC_READ_SEARCH, 0):
-        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
-        data = (ctypes.c_uint32 * 6)(keep, keep, 0, 0, 0, 0)
-        if libc.capset(header, data) == 0:
-            return
-    raise OSError(ctypes.get_errno(), "capset")
+def _process_user():
+    # backend=process: a network namespace where one can be made; as root, the `nobody` user
+    global network
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    CLONE_NEWUSER, CLONE_NEWNET, PR_SET_KEEPCAPS, CAP_DAC_READ_SEARCH = 0x10000000, 0x40000000, 8, 2
 
-try:
+    def _read_only_caps():
+        # keep one capability, CAP_DAC_READ_SEARCH (read any file: the interpreter may live in a
+        # folder `nobody` cannot read, such as /root), and nothing else: no write, no resource override
+        # (where the parent never had it, e.g. root in a default Docker container: none at all)
+        for keep in (1 << CAP_DAC_READ_SEARCH, 0):
+            header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+            data = (ctypes.c_uint32 * 6)(keep, keep, 0, 0, 0, 0)
+            if libc.capset(header, data) == 0:
+                return
+        raise OSError(ctypes.get_errno(), "capset")
+
     if os.geteuid() == 0:
         if libc.unshare(CLONE_NEWNET) == 0:
             network = "namespace"
@@ -154,12 +205,23 @@ try:
         _read_only_caps()
     elif libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
         network = "namespace"
+
+network = "audit hook"
+try:
+    if cfg["backend"] == "bwrap":
+        network = "namespace"  # bwrap --unshare-net
+        if cfg["uid"] is not None:
+            _bwrap_user(cfg["uid"])
+    else:
+        _process_user()
 except Exception as e:
     print(f"sandbox set-up failed: {type(e).__name__}: {e}", file=sys.stderr)
     sys.exit(%(setup)d)
 os.write(cfg["report_fd"], f"network={network}\n".encode())
 
 def _mine():
+    # this uid's processes: under bwrap /proc is the call's own PID namespace, so this counts what the
+    # kernel counts for RLIMIT_NPROC (the call's uid outside, or its user namespace's processes)
     uid, n = os.getuid(), 0
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -178,8 +240,6 @@ resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 nproc = _mine() + lim["max_processes"]
 resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 os.chdir(scratch)
-with open(cfg["code"], encoding="utf-8") as f:
-    source = f.read()
 for name in ("ctypes", "_ctypes"):
     sys.modules.pop(name, None)
 for name in ("setsid", "setpgid", "setpgrp"):
@@ -250,7 +310,8 @@ def _install(scratch, report):
     return SandboxRefused
 
 SandboxRefused = _install(scratch, cfg["report_fd"])
-del libc, ctypes, _read_only_caps, _mine, _install, json, resource, cfg
+_report = cfg["report_fd"]
+del _bwrap_user, _process_user, _mine, _install, json, resource, cfg
 try:
     exec(compile(source, "<python>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 except SystemExit:
@@ -261,42 +322,67 @@ except BaseException as e:  # the traceback from the code's first frame on: the 
     if isinstance(e, MemoryError):
         print("sandbox: memory limit reached", file=sys.stderr)
     sys.exit(%(refused)d if isinstance(e, SandboxRefused) else %(memory)d if isinstance(e, MemoryError) else 1)
+finally:  # the last report: without it the parent knows the code closed the channel or left by os._exit
+    try:
+        os.write(_report, b"end\n")
+    except OSError:
+        pass
 ''' % {"refused": _REFUSED_EXIT, "memory": _MEMORY_EXIT, "setup": _SETUP_EXIT}
 
 
 def run_python(code: str, limits: Limits | None = None) -> SandboxResult:
     """Run `code` in the sandbox (see the module docstring) and say how it ended. Never raises for
-    what the code does; an OSError only if the child cannot be started at all."""
+    what the code does; `SandboxUnavailable` where backend=bwrap cannot run (`check_backend`), an
+    OSError if the child cannot be started at all."""
     limits = limits or Limits()
-    scratch = tempfile.mkdtemp(prefix="rl-sandbox-")
-    code_path = os.path.join(scratch, "main.py")
-    with open(code_path, "w", encoding="utf-8") as f:
-        f.write(code)
+    check_backend(limits.backend)
+    return _run(code, limits)
+
+
+def _run(code: str, limits: Limits) -> SandboxResult:
+    bwrap = limits.backend is Backend.BWRAP
     root = os.geteuid() == 0
-    if root:  # the scratch directory and the code belong to the user the child becomes
+    uid = SANDBOX_UIDS[0] + secrets.randbelow(SANDBOX_UIDS[1]) if bwrap and root else None
+    scratch = "/tmp" if bwrap else tempfile.mkdtemp(prefix="rl-sandbox-")  # bwrap: its private tmpfs
+    if root and not bwrap:  # the scratch directory belongs to the user the child becomes
         os.chown(scratch, NOBODY, NOBODY)
-        os.chown(code_path, NOBODY, NOBODY)
-    report_r, report_w = os.pipe()  # the child's side channel: its network mode, each refusal
-    cfg = {"limits": asdict(limits), "scratch": scratch, "code": code_path, "nobody": NOBODY, "report_fd": report_w}
+    code_fd = os.memfd_create("code")  # the code reaches the child as an fd the bootstrap reads and closes
+    with os.fdopen(os.dup(code_fd), "w", encoding="utf-8") as f:
+        f.write(code)
+    os.lseek(code_fd, 0, os.SEEK_SET)
+    report_r, report_w = os.pipe()  # the child's side channel: its network mode, each refusal, its end
+    info_r, info_w = os.pipe() if bwrap else (None, None)  # bwrap --info-fd: the pid of the sandbox's init
+    cfg = {"backend": limits.backend.value, "limits": asdict(limits) | {"backend": limits.backend.value},
+           "scratch": scratch, "code_fd": code_fd, "nobody": NOBODY, "report_fd": report_w, "uid": uid}
     env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1"}
+    python = [sys.executable, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)]
+    command = _bwrap_command(limits, root, info_w) + python if bwrap else python
     start = time.monotonic()
     try:
-        proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)], cwd=scratch, env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True, pass_fds=(report_w,))
+        proc = subprocess.Popen(command, cwd="/" if bwrap else scratch, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                pass_fds=(code_fd, report_w) + ((info_w,) if bwrap else ()))
     except BaseException:
-        os.close(report_r)
-        shutil.rmtree(scratch, ignore_errors=True)
+        for fd in (report_r, info_r):
+            if fd is not None:
+                os.close(fd)
+        if not bwrap:
+            shutil.rmtree(scratch, ignore_errors=True)
         raise
     finally:
-        os.close(report_w)
-    out, report = _Capped(limits.max_output_bytes), _Capped(1 << 16)
+        for fd in (code_fd, report_w, info_w):
+            if fd is not None:
+                os.close(fd)
+    out, report, info = _Capped(limits.max_output_bytes), _Capped(1 << 16), _Capped(1 << 12)
+    init = None  # bwrap: a pidfd of the sandbox's init (PID 1 of its namespace)
     timed_out = False
     try:
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout.fileno(), selectors.EVENT_READ, out)
             sel.register(report_r, selectors.EVENT_READ, report)
+            if bwrap:
+                sel.register(info_r, selectors.EVENT_READ, info)
             while sel.get_map():
                 left = start + limits.wall_s - time.monotonic()
                 if left <= 0:
@@ -307,25 +393,164 @@ def run_python(code: str, limits: Limits | None = None) -> SandboxResult:
                     chunk = os.read(key.fd, 1 << 16)
                     if chunk:
                         key.data.add(chunk)
+                        if key.fd == info_r and init is None:  # as soon as bwrap says, while init is its child
+                            init = _pidfd(info.text())
                     else:
                         sel.unregister(key.fd)  # every writer closed it
                 if not ready and proc.poll() is not None:
                     break  # it ended; what processes it left still write is not waited for
     finally:
-        _kill_group(proc.pid)  # whatever happened: nothing of the run outlives the call
-        proc.wait()
+        # whatever happened: nothing of the run outlives the call
+        if bwrap:
+            _end_sandbox(proc, init)
+        else:
+            _kill_group(proc.pid)
+            proc.wait()
         proc.stdout.close()
-        os.close(report_r)
-        shutil.rmtree(scratch, ignore_errors=True)
+        for fd in (report_r, info_r):
+            if fd is not None:
+                os.close(fd)
+        if not bwrap:
+            shutil.rmtree(scratch, ignore_errors=True)
     lines = report.text().splitlines()
-    refused = [line for line in lines if not line.startswith("network=")]
+    refused = [line for line in lines if not line.startswith("network=") and line != "end"]
     network = next((line.partition("=")[2] for line in lines if line.startswith("network=")), "none (not started)")
-    status = _outcome(proc.returncode, timed_out)
+    returncode = proc.returncode
+    if bwrap and returncode is not None and 128 < returncode <= 128 + 64:
+        returncode = 128 - returncode  # bwrap reports a signal n as the exit status 128 + n
+    status = _outcome(returncode, timed_out)
+    if status in (Outcome.OK, Outcome.ERROR) and "end" not in lines and "network=" in report.text():
+        refused.append("the sandbox's report channel was closed, or the code left by os._exit: what it tried "
+                       "is not known")
     if refused and status in (Outcome.OK, Outcome.ERROR):
         status = Outcome.REFUSED  # it tried something forbidden, caught the refusal and went on
-    return SandboxResult(status=status, output=out.text(), returncode=proc.returncode, truncated=out.dropped > 0,
-                         seconds=time.monotonic() - start, network=network, user="nobody" if root else "unchanged",
-                         pid=proc.pid, refused=refused)
+    user = f"uid {uid}" if uid is not None else "nobody" if root and not bwrap else "unchanged"
+    return SandboxResult(status=status, output=out.text(), returncode=returncode, truncated=out.dropped > 0,
+                         seconds=time.monotonic() - start, network=network, user=user, pid=proc.pid,
+                         refused=refused)
+
+
+def _bwrap_command(limits: Limits, root: bool, info_fd: int) -> list[str]:
+    """bubblewrap's arguments for one call (see the module docstring)."""
+    cmd = [shutil.which("bwrap") or "bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+           "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    if root:  # no user namespace (it would map host root); the bootstrap drops to the call's uid with these two
+        cmd += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        cmd += ["--unshare-user"] + (["--disable-userns"] if _bwrap_has("--disable-userns") else [])
+    cmd += ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):  # merged /usr: links; else the folders
+        if os.path.islink(top):
+            cmd += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            cmd += ["--ro-bind", top, top]
+    bound = ["/usr"]
+    if os.path.isfile("/etc/ld.so.cache"):  # the dynamic loader's index of libraries; nothing else of /etc
+        cmd += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+        bound.append("/etc/ld.so.cache")
+    for folder in _interpreter_folders():
+        cmd += ["--ro-bind", folder, folder]
+        bound.append(folder)
+    made = set()  # the folders bwrap makes above a bound one are mode 0700: opened to the call's uid
+    for folder in bound[1:]:
+        parent = os.path.dirname(folder)
+        while parent != "/" and not any(parent == b or parent.startswith(b + "/") for b in bound):
+            made.add(parent)
+            parent = os.path.dirname(parent)
+    for parent in sorted(made):
+        cmd += ["--chmod", "0755", parent]
+    size = str(limits.scratch_mb << 20)
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/tmp",
+            "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+            "--chdir", "/tmp", "--info-fd", str(info_fd), "--"]
+    return cmd
+
+
+@functools.lru_cache(maxsize=None)
+def _bwrap_has(option: str) -> bool:
+    """bwrap knows `option` (--disable-userns came with bubblewrap 0.8)."""
+    try:
+        return option in subprocess.run([shutil.which("bwrap") or "bwrap", "--help"], capture_output=True,
+                                        text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreter_folders() -> tuple[str, ...]:
+    """The folders the interpreter needs outside /usr: its prefix and base prefix (a venv and the
+    Python it was made from), and the real folder of `sys.executable`, each once, outermost first."""
+    found = []
+    for path in (sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))):
+        for folder in {os.path.abspath(path), os.path.realpath(path)}:
+            if folder != "/usr" and not folder.startswith("/usr/"):
+                found.append(folder)
+    found.sort(key=len)
+    kept: list[str] = []
+    for folder in found:
+        if not any(folder == k or folder.startswith(k + "/") for k in kept):
+            kept.append(folder)
+    return tuple(kept)
+
+
+def _pidfd(info: str) -> int | None:
+    """A pidfd of the sandbox's init, from bwrap's --info-fd JSON (None before bwrap wrote it)."""
+    try:
+        return os.pidfd_open(json.loads(info)["child-pid"])
+    except (ValueError, KeyError, OSError):
+        return None
+
+
+def _end_sandbox(proc: subprocess.Popen, init: int | None) -> None:
+    """Kill the sandbox's init (PID 1 of its namespace): the kernel kills every other process of the
+    namespace, and init's exit completes only once they are gone, which its pidfd reports (readable
+    then). So when this returns nothing of the call is left, whether bwrap had exited already (as root
+    it leaves when the code's process ends, its init still reaping) or not."""
+    if init is not None:
+        try:
+            signal.pidfd_send_signal(init, signal.SIGKILL)
+            if not select.select([init], [], [], 10)[0]:
+                log.warning("the python sandbox's init (pidfd %d) outlived SIGKILL by 10 s", init)
+        except OSError:
+            pass  # it had ended
+        finally:
+            os.close(init)
+    else:
+        _kill_group(proc.pid)  # bwrap before its init existed (--die-with-parent takes what it started)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        proc.wait()
+
+
+@functools.lru_cache(maxsize=None)
+def check_backend(backend: Backend | str) -> None:
+    """Refuse a backend that cannot run here, naming the cause and the fix (once per process; the
+    config check calls it before any model is built). backend=process is logged as what it is."""
+    backend = Backend(backend)
+    if backend is Backend.PROCESS:
+        log.warning("task.options.sandbox.backend=process: the python tool runs model-written code in a plain "
+                    "child process with rlimits and Python guards; this is NOT a security boundary (files the "
+                    "user can read, programs started around the guards, processes the user can signal)")
+        return
+    fix = ("or set task.options.sandbox.backend=process explicitly (a plain child process: not a security "
+           "boundary)")
+    if shutil.which("bwrap") is None:
+        raise SandboxUnavailable("the python tool's sandbox needs bubblewrap (bwrap), which is not installed: install "
+                                 f"it (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap), {fix}")
+    probe = _run("print(6 * 7)", Limits(wall_s=30, cpu_s=10, backend=Backend.BWRAP))
+    if probe.status is not Outcome.OK or probe.output != "42\n":
+        if os.geteuid() == 0:
+            cause = ("as root, bwrap needs CAP_SYS_ADMIN to make namespaces (a default Docker container lacks it: "
+                     "run the container with --cap-add SYS_ADMIN and a seccomp profile that allows unshare, or "
+                     "--privileged)")
+        else:
+            cause = ("as a non-root user, bwrap needs unprivileged user namespaces: allow them (sysctl "
+                     "kernel.unprivileged_userns_clone=1 and user.max_user_namespaces > 0; on Ubuntu 23.10+ "
+                     "kernel.apparmor_restrict_unprivileged_userns=0)")
+        raise SandboxUnavailable(f"bubblewrap cannot start the python tool's sandbox here (a probe ended "
+                                 f"{probe.status.value}: {probe.output.strip()[-400:]!r}); {cause}, {fix}")
 
 
 class _Capped:

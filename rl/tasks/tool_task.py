@@ -29,8 +29,8 @@ class ToolTask(MultiTurnTask):
 
 class PythonToolTask(ArithmeticTask, ToolTask):
     """`python_tool`: `arithmetic` with the `python` tool (see the module docstring). `tools`: the
-    built-in tools by name; `sandbox`: the python tool's limits (rl/tasks/sandbox.py `Limits`:
-    wall_s, cpu_s, memory_mb, max_processes, max_file_mb, max_output_bytes); `tool_format`: how the
+    built-in tools by name; `sandbox`: the python tool's backend and limits (rl/tasks/sandbox.py
+    `Limits`: backend, wall_s, cpu_s, memory_mb, max_processes, max_file_mb, max_output_bytes, scratch_mb); `tool_format`: how the
     model writes a call (rl/tasks/tools.py `ToolFormat`); `max_observation_len`: the longest tool
     message in tokens (a longer one is cut, status `truncated`)."""
 

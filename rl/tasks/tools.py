@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 
 from rl.choice import Choice, did_you_mean
 from rl.tasks.calls import UserCalls
-from rl.tasks.sandbox import Limits, Outcome, run_python
+from rl.tasks.sandbox import Limits, Outcome, check_backend, run_python
 
 
 class ToolFormat(Choice):
@@ -125,8 +125,9 @@ def python_tool(limits: Limits | None = None) -> Tool:
             text += "\n[" + _STATUS_TEXT[result.status].format(l=limits, refused="; ".join(result.refused)) + "]"
         return ToolOutput(text.strip("\n") or "(no output)", result.status.value)
 
-    return Tool("python", "Run Python code and return what it prints (stdout and stderr). No network, no "
-                "files outside the working directory.",
+    return Tool("python", "Run Python code and return what it prints (stdout and stderr). Each call starts "
+                "afresh in a sandbox: no network; files can be written only in the working directory, which is "
+                "emptied after the call; limits on time, memory and processes apply.",
                 {"type": "object", "properties": {"code": {"type": "string", "description": "Python source"}},
                  "required": ["code"]}, run)
 
@@ -292,6 +293,14 @@ def build_tools(names: Sequence[str], sandbox: dict | None = None) -> list[Tool]
         if name not in BUILTIN_TOOLS:
             raise ValueError(f"task.options.tools[{i}]={name!r}: no such tool{did_you_mean(name, BUILTIN_TOOLS)} "
                              f"(the built-in tools: {', '.join(sorted(BUILTIN_TOOLS))})")
+    limits = sandbox_limits(sandbox) if "python" in names else None
+    return [python_tool(limits) if n == "python" else BUILTIN_TOOLS[n]() for n in names]
+
+
+def sandbox_limits(sandbox: dict | None) -> Limits:
+    """`task.options.sandbox` as the python tool's `Limits`, its backend checked to run here
+    (rl/tasks/sandbox.py `check_backend`: bwrap missing or unable to make namespaces is refused, naming
+    the fix); every error names the key."""
     fields = [f.name for f in dataclasses.fields(Limits)]
     for key in sandbox or {}:
         if key not in fields:
@@ -299,4 +308,8 @@ def build_tools(names: Sequence[str], sandbox: dict | None = None) -> list[Tool]
             raise ValueError(f"task.options.sandbox.{key}: no such limit{close}{' ' if close else '. '}The limits "
                              f"(rl/tasks/sandbox.py Limits): {', '.join(fields)}")
     limits = Limits(**(sandbox or {}))
-    return [python_tool(limits) if n == "python" else BUILTIN_TOOLS[n]() for n in names]
+    try:
+        check_backend(limits.backend)
+    except RuntimeError as e:
+        raise ValueError(f"task.options.sandbox.backend={limits.backend.value}: {e}") from e
+    return limits
