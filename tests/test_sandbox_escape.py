@@ -71,6 +71,14 @@ class Runner:
         self.returncode = 0  # the user's driver: its exit status (a negative one: it was killed)
 
     def __call__(self, *jobs: tuple[str, str, float]) -> list[dict | None]:
+        """The results, in order (None for each where the user's driver was killed). A disarmed run
+        must have had nothing refused by the Python guards: what held was the kernel."""
+        results = self._run(jobs)
+        for (code, _, _), r in zip(jobs, results):
+            assert r is None or not code.startswith(DISARM) or r["refused"] == [], r
+        return results
+
+    def _run(self, jobs: tuple[tuple[str, str, float], ...]) -> list[dict | None]:
         payload = [{"code": code, "limits": LIMITS | {"backend": backend}, "delay": delay}
                    for code, backend, delay in jobs]
         if self.who == "caller":
@@ -406,3 +414,39 @@ except OSError:
         assert any("report channel was closed" in what for what in r["refused"]), r
         (control,) = run((code.replace("os.close(fd)", "pass"), backend, 0))  # the channel left open
         assert control["status"] == "refused" and "outside the scratch directory" in control["refused"][0], control
+
+
+def test_a_program_cannot_reach_the_host_over_tcp(run):
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        code = DISARM + f"""
+import subprocess, sys
+probe = "import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')"
+p = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True)
+print(p.stdout.strip() or p.stderr.strip().splitlines()[-1])
+"""
+        (r,) = run((code, "bwrap", 0))
+        assert "connected" not in r["output"] and "Error" in r["output"], r["output"]  # a program, outside the hook
+        server.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            server.accept()
+        with socket.create_connection(("127.0.0.1", port), timeout=2):  # the control: the port is open
+            server.accept()[0].close()
+
+
+def test_the_code_has_no_capabilities_no_new_privileges_and_cannot_raise_its_limits(run):
+    code = DISARM + """
+import resource
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print(" ".join(status[k].strip() for k in ("CapPrm", "CapEff", "CapAmb", "NoNewPrivs")))
+soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+try:
+    resource.setrlimit(resource.RLIMIT_NPROC, (hard + 100, hard + 100))
+    print("raised")
+except (ValueError, OSError):
+    print("kept", hard)
+"""
+    (r,) = run((code, "bwrap", 0))
+    caps, limit = r["output"].splitlines()
+    assert caps == "0000000000000000 0000000000000000 0000000000000000 1", caps
+    assert limit.startswith("kept"), limit
