@@ -171,8 +171,9 @@ def test_limits_are_checked():
 def test_a_tool_task_without_a_working_bwrap_refuses_to_start_naming_the_fix(monkeypatch, caplog):
     import rl.tasks.sandbox as sandbox
     from rl.config import check_command_line
+    from rl.tasks.tools import build_tools
 
-    sandbox.check_backend.cache_clear()
+    sandbox._check_bwrap.cache_clear()
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)  # bubblewrap not installed
     with pytest.raises(ValueError, match=r"task.options.sandbox.backend=bwrap: .*apt-get install bubblewrap.*"
                                          r"backend=process"):
@@ -180,16 +181,18 @@ def test_a_tool_task_without_a_working_bwrap_refuses_to_start_naming_the_fix(mon
     with pytest.raises(sandbox.SandboxUnavailable, match="not installed"):
         run_python("print(1)")
     monkeypatch.undo()
-    sandbox.check_backend.cache_clear()
+    sandbox._check_bwrap.cache_clear()
     real = sandbox._bwrap_command
     monkeypatch.setattr(sandbox, "_bwrap_command", lambda *a: real(*a)[:1] + ["--userns", "999"] + real(*a)[1:])
     with pytest.raises(sandbox.SandboxUnavailable, match="cannot start .*namespaces"):  # bwrap fails to start
         sandbox.check_backend("bwrap")
     monkeypatch.undo()
-    sandbox.check_backend.cache_clear()
+    sandbox._check_bwrap.cache_clear()
     with caplog.at_level("WARNING", logger="rl.tasks.sandbox"):
         check_command_line(["task=python_tool", "task.options.sandbox.backend=process"])  # explicit: it starts
-    assert "NOT a security boundary" in caplog.text
+        (tool,) = build_tools(["python"], {"backend": "process"})  # the task's tools, in the run (train.log)
+    assert caplog.text.count("NOT a security boundary") == 2
+    assert tool.fn("print(1)").text == "1"
     with pytest.raises(ValueError, match="task.options.sandbox: .*backend='docker'"):
         check_command_line(["task=python_tool", "task.options.sandbox.backend=docker"])
     assert check_command_line(["task=python_tool"]) is not None  # bwrap works here

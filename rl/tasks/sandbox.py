@@ -39,9 +39,10 @@ enforces, against any code (C, programs, forks):
   more. The wall clock `wall_s`: the parent kills the namespace at the deadline -> `timeout`.
 * memory in aggregate: at most (`max_processes` + 1) processes of `memory_mb` address space each,
   plus the two tmpfs of `scratch_mb` each. A cgroup bound (memory.max) is not used: it needs a
-  delegated cgroup v2 subtree, which a trainer process cannot count on (this machine has cgroup v1
-  controllers and an empty v2 hierarchy); kernel memory of the call (page tables, pipe and socket
-  buffers) is bounded only through those limits.
+  cgroup v2 subtree delegated to the trainer with the memory controller enabled, which a trainer
+  cannot count on (the project's CI machine mounts the memory controller on cgroup v1, its v2
+  hierarchy offers only hugetlb, and bwrap makes no cgroups); kernel memory of the call (page
+  tables, pipe and socket buffers) is bounded only through those limits.
 
 backend=process (explicit only; logged at start-up as not a security boundary): today's runner, a
 plain `python -I` child in a new session with a fresh scratch directory (removed afterwards) as its
@@ -335,7 +336,8 @@ def run_python(code: str, limits: Limits | None = None) -> SandboxResult:
     what the code does; `SandboxUnavailable` where backend=bwrap cannot run (`check_backend`), an
     OSError if the child cannot be started at all."""
     limits = limits or Limits()
-    check_backend(limits.backend)
+    if limits.backend is Backend.BWRAP:
+        check_backend(limits.backend)
     return _run(code, limits)
 
 
@@ -524,16 +526,20 @@ def _end_sandbox(proc: subprocess.Popen, init: int | None) -> None:
         proc.wait()
 
 
-@functools.lru_cache(maxsize=None)
 def check_backend(backend: Backend | str) -> None:
-    """Refuse a backend that cannot run here, naming the cause and the fix (once per process; the
-    config check calls it before any model is built). backend=process is logged as what it is."""
-    backend = Backend(backend)
-    if backend is Backend.PROCESS:
+    """Refuse a backend that cannot run here, naming the cause and the fix (bwrap: probed once per
+    process; the config check calls this before any model is built, the task again when it builds
+    its tools). backend=process is logged, at each of those, as what it is."""
+    if Backend(backend) is Backend.PROCESS:
         log.warning("task.options.sandbox.backend=process: the python tool runs model-written code in a plain "
                     "child process with rlimits and Python guards; this is NOT a security boundary (files the "
                     "user can read, programs started around the guards, processes the user can signal)")
-        return
+    else:
+        _check_bwrap()
+
+
+@functools.lru_cache(maxsize=None)
+def _check_bwrap() -> None:
     fix = ("or set task.options.sandbox.backend=process explicitly (a plain child process: not a security "
            "boundary)")
     if shutil.which("bwrap") is None:
