@@ -10,7 +10,6 @@ interpreter that user can run. What the code did outside is checked from here, o
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import pwd
@@ -29,6 +28,8 @@ import pytest
 
 import rl.tasks.sandbox as sandbox
 from rl.tasks.sandbox import Limits, run_python
+
+pytestmark = pytest.mark.slow  # ~50 s: two or three sandboxes a test, and the non-root run through runuser
 
 USER = "rlsandbox"  # the non-root user the second run of each test is (made by the test, as root, when missing)
 LIMITS = dict(wall_s=8.0, cpu_s=4, memory_mb=512, max_processes=4, max_output_bytes=8192)
