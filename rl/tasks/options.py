@@ -74,6 +74,10 @@ MEANINGS: dict[str, str] = {
     "sandbox.max_processes": "processes the code may run at once",
     "sandbox.max_file_mb": "the largest file the code may write, in MB",
     "sandbox.max_output_bytes": "what the model reads of the output: bytes of stdout and stderr kept (the rest cut)",
+    "sandbox.scratch_mb": "backend=bwrap: the size in MB of the private tmpfs /tmp (scratch, HOME) and of /dev/shm",
+    "sandbox.backend": "bwrap: kernel isolation by bubblewrap (namespaces, read-only filesystem, no capabilities); "
+                       "process: a plain child process with rlimits and Python guards, NOT a security boundary "
+                       "(docs/tools.md)",
     # environment (rl/tasks/environment.py)
     "environment": "your environment class, 'module:Class' (reset and step; text, message-level or gym-style)",
     "environment_options": "keywords of the environment class's constructor: Class(**environment_options), checked "
