@@ -58,6 +58,9 @@ takes a `seed` keyword gets a per-sample seed, mixed from (the call's seed, i.e.
 and the step, the prompt index, the sample's place in its group): a stochastic environment
 draws the same episodes when a run is resumed or repeated with the same seed.
 
+An environment answer (or tool output) longer than `rl/tasks/chat.py answer_chars` characters (the
+most that `task.max_observation_len` tokens can stand for) is cut to them before it is tokenized, so
+an answer of any size costs what its start does, and counts as `truncated`.
 An environment answer longer than `task.max_observation_len` tokens is cut to fit, not an error:
 the answer's text tokens are cut at their end and the chat template's frame around them (the
 end of the model's turn before, the next generation prompt after: the ids `observation_ids("")`
@@ -92,7 +95,8 @@ from packing.experience import Experience
 from rl.rollout.engine import make_record
 from rl.rollout.sampler import group_places, sample_seed
 from rl.tasks.calls import Status, UserCalls
-from rl.tasks.base import MultiTurnTask, Task, assign_rewards, check_reward, task_calls
+from rl.tasks.chat import answer_chars
+from rl.tasks.base import FP32_MAX, MultiTurnTask, Task, assign_rewards, check_reward, task_calls
 from rl.tasks.tool_task import ToolTask
 from rl.tasks.tools import Toolbox, ToolCall, ToolOutput
 
@@ -246,6 +250,8 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
     toolbox = task.toolbox if isinstance(task, ToolTask) else None
     tool_frame = None  # the same for a tool message
     tools_of = f"tools of {type(task).__name__}"
+    tokenizer = getattr(task, "tokenizer", None)  # answers are cut to `chars` characters before they are tokenized
+    chars = answer_chars(tokenizer, task.max_observation_len) if tokenizer is not None else None
     for turn in range(task.max_turns):
         playing = [i for i, ep in enumerate(episodes) if not ep.done]
         if task.strip_thinking and turn > 0:
@@ -278,6 +284,8 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
                 status, called, outputs = answered[i]
                 turn_log.calls = [(c, outputs[k] if k < len(outputs) else None) for k, c in enumerate(called)]
                 if status is None and outputs:
+                    if chars is not None and any(len(o.text) > chars for o in outputs):  # as an environment answer
+                        outputs, ep.truncated = [ToolOutput(o.text[:chars], o.status) for o in outputs], True
                     with (guard := calls.guard(tools_of, where(i))):
                         ids = toolbox.message_ids(outputs)
                     status = guard.status
@@ -296,6 +304,9 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
             with guard:
                 observation, reward, done = calls.run(ep.env.step, task.decode(response), what=who)
                 reward = check_reward(reward, f"run_episodes: {who}", i, prompt_indices[i])
+                if not abs(ep.reward + reward) <= FP32_MAX:
+                    raise ValueError(f"run_episodes: {who}: sample {i}'s rewards sum to {ep.reward + reward!r} after turn "
+                                     f"{turn + 1}, beyond fp32's range (|sum| <= {FP32_MAX:.4g})")
                 if not done and turn < task.max_turns - 1 and not isinstance(observation, str):
                     raise ValueError(f"run_episodes: {who} returned observation {observation!r} with done=False for "
                                      f"sample {i}: an episode that goes on needs the next user turn")
@@ -309,6 +320,8 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
                 if not done:
                     ep.status = Status.MAX_TURNS
                 continue
+            if chars is not None and len(observation) > chars:  # cut before it is tokenized: any size costs the same
+                observation, ep.truncated = observation[:chars], True
             with (guard := calls.guard(f"chat template of {name}", f"run_episodes: sample {i}, turn {turn + 1}")):
                 ids = list(task.observation_ids(observation))
             if guard.status is not None:

@@ -20,8 +20,10 @@ held-out split for `eval.every`), and `calls` (how its user code is called, set 
 tasks, `math`), arithmetic.py, environment.py (the user's environments); rl/tasks/registry.py
 builds them by name.
 
-A reward must be a finite real number: `assign_rewards` rejects NaN, inf, None, bools and strings
-with a ValueError naming the reward function, the record, its prompt index and the value.
+A reward must be a finite real number that fits in fp32 (the trainer's rewards are fp32: 1e39 is inf
+there): `assign_rewards` rejects NaN, inf, |x| > 3.4e38, None, bools and strings with a ValueError
+naming the reward function, the record, its prompt index and the value (with task.on_error=skip:
+that sample's status `error`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from packing.experience import Experience
 from rl.tasks.calls import OnError, Status, UserCalls
 
 Prompt = tuple[torch.Tensor, dict]
+FP32_MAX = torch.finfo(torch.float32).max  # a reward (or an episode's sum of them) beyond it is inf in fp32
 
 
 class Task(ABC):
@@ -167,14 +170,23 @@ def _index(rec: Experience) -> str:
 
 def check_reward(value: Any, who: str, i: int, prompt_index: Any) -> float:
     """`value` as a float; a ValueError naming `who` (the reward function), the record, its
-    prompt index and the value unless it is a finite real number (a 0-d real tensor counts)."""
+    prompt index and the value unless it is a finite real number within fp32's range (a 0-d real
+    tensor counts)."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool and not value.is_complex():
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        prompt = "?" if prompt_index is None else int(prompt_index)
+    prompt = "?" if prompt_index is None else int(prompt_index)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or (
+            not isinstance(value, numbers.Integral) and not math.isfinite(value)):
         raise ValueError(
             f"{who} returned {value!r} ({type(value).__name__}) for record {i} (prompt index {prompt}); a reward "
             f"must be a finite real number (float or int), not NaN, inf, None, a bool or a string")
+    try:
+        fits = abs(float(value)) <= FP32_MAX
+    except OverflowError:  # an int past float64's range
+        fits = False
+    if not fits:
+        raise ValueError(f"{who} returned {value!r} for record {i} (prompt index {prompt}); a reward must fit in "
+                         f"fp32 (|reward| <= {FP32_MAX:.4g}): the trainer holds rewards in fp32, where it is inf")
     return float(value)
 
 

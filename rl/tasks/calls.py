@@ -14,6 +14,11 @@ run goes on. The first failure of each kind (the code's name and the exception's
 logged with its traceback, later ones at debug level; each step counts them
 (`episodes_error`, `episodes_timeout`). `on_error=raise`: the exception stops the run as it
 always did (a call past its deadline raises `CallTimeout`, a `TimeoutError`): for debugging.
+`SystemExit` or `KeyboardInterrupt` raised by the code (`sys.exit()` in a reward) is an exception of
+that call like any other: `run` raises it as `UserExit` (naming the code), never as an exit of the
+run, which would end a rollout thread silently or the run without a word in train.log. The one
+exception: a `KeyboardInterrupt` inline on the main thread (`timeout_s=None`) may be the user's
+Ctrl-C, and propagates as it is.
 
 The deadline (`timeout_s`, wall clock; None: none, the call runs inline) works on any thread:
 the call runs on a worker thread (one per calling thread, reused from call to call) and the
@@ -68,6 +73,11 @@ class Status(enum.IntEnum):
 
 class CallTimeout(TimeoutError):
     """A user call ran past `task.timeout_s`."""
+
+
+class UserExit(RuntimeError):
+    """The user's code raised `SystemExit` or `KeyboardInterrupt` (`sys.exit()` in a reward, say):
+    an error of that call, naming it, not an exit of the run (see `UserCalls.run`)."""
 
 
 class TooManyHung(RuntimeError):
@@ -139,7 +149,14 @@ class UserCalls:
         """`fn(*args, **kwargs)`, its exception re-raised; past `timeout_s` a `CallTimeout`
         (the call abandoned, see the module docstring)."""
         if self.timeout_s is None:
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except Exception:
+                raise
+            except BaseException as e:  # SystemExit, GeneratorExit: the code's, never the run's
+                if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+                    raise  # inline on the main thread it may be the user's Ctrl-C: it stops the run
+                raise _exit(fn, what, e) from e
         worker = getattr(self._local, "worker", None)
         if worker is None:
             worker = self._local.worker = _Worker()
@@ -158,6 +175,8 @@ class UserCalls:
             raise CallTimeout(f"{what or getattr(fn, '__qualname__', fn)} ran past task.timeout_s={self.timeout_s} s "
                               f"(abandoned on its thread)")
         if job.error is not None:
+            if not isinstance(job.error, Exception):  # SystemExit, KeyboardInterrupt on the worker: the code's own
+                raise _exit(fn, what, job.error) from job.error
             raise job.error
         return job.value
 
@@ -182,10 +201,17 @@ class UserCalls:
         return status
 
 
+def _exit(fn: Callable, what: str, error: BaseException) -> UserExit:
+    name = what or getattr(fn, "__qualname__", repr(fn))
+    return UserExit(f"{name} raised {type(error).__name__}({', '.join(map(repr, error.args))}): user code cannot "
+                    f"end the run; it is an error of this call")
+
+
 class Guard:
     """`with calls.guard(what):` an `Exception` inside ends the sample: with on_error=skip it is
     logged and swallowed and `status` says ERROR or TIMEOUT (None: nothing failed); with
-    on_error=raise it propagates. A `BaseException` (KeyboardInterrupt, SystemExit) always does.
+    on_error=raise it propagates. A `BaseException` (KeyboardInterrupt, SystemExit) raised in the
+    block itself, not by user code run through `UserCalls.run` (there it is a `UserExit`), always does.
     `TooManyHung` (too many abandoned calls still running) always propagates."""
 
     def __init__(self, calls: UserCalls, what: str, where: str) -> None:

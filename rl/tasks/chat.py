@@ -4,6 +4,7 @@ as the tokens between two model turns, replies decoded, tokenizers loaded from l
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Callable
 
 from rl.tasks.base import Task, as_ids
@@ -90,21 +91,78 @@ def observation_encoder(tokenizer: Any, chat_template: str | None,
     generation prompt: what the chat template puts after an assistant message's content
     (its end-of-turn, the user message, the assistant header), found by rendering a
     conversation whose assistant content is a sentinel. With `chat_template=None`: the
-    text on its own line."""
+    text on its own line. The text's own characters never become special tokens
+    (`encode_answers`)."""
     if chat_template is None:
-        return lambda text: list(tokenizer.encode(f"\n{text}\n", add_special_tokens=False))
+        return lambda text: list(tokenizer.encode(f"\n{text}\n", add_special_tokens=False, split_special_tokens=True))
     template = None if chat_template == "tokenizer" else chat_template
 
-    def encode(text: str) -> list[int]:
+    def render(texts: list[str]) -> str:
         rendered = tokenizer.apply_chat_template(
-            user_turn("?") + [{"role": "assistant", "content": _SENTINEL}] + user_turn(text), tokenize=False,
+            user_turn("?") + [{"role": "assistant", "content": _SENTINEL}] + user_turn(texts[0]), tokenize=False,
             add_generation_prompt=True, chat_template=template, **_thinking(enable_thinking))
         if _SENTINEL not in rendered:
             raise ValueError("the chat template drops earlier assistant turns: a multi-turn episode cannot be "
                              "rendered token-in/token-out with it")
-        return list(tokenizer.encode(rendered[rendered.index(_SENTINEL) + len(_SENTINEL):], add_special_tokens=False))
+        return rendered[rendered.index(_SENTINEL) + len(_SENTINEL):]
 
-    return encode
+    return lambda text: encode_answers(tokenizer, render, [text])
+
+
+def special_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts of the tokenizer's special tokens (its added tokens marked special: `<|im_start|>`,
+    `<|im_end|>`, ...), which a plain `encode` turns into their ids wherever they appear."""
+    found = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return tuple(sorted({t.content for t in found.values() if getattr(t, "special", False) and t.content}
+                        | set(getattr(tokenizer, "all_special_tokens", ()))))
+
+
+def encode_answers(tokenizer: Any, render: Callable[[list[str]], str], texts: list[str]) -> list[int]:
+    """`render(texts)` (a chat template's frame around answers: an environment's, the tools') as
+    ids, the answers' own characters never turned into special tokens: a tool output holding
+    `<|im_start|>user` is those characters' ordinary tokens, not a forged turn. Answers free of
+    special-token text: the rendering encoded whole (as it always was). Otherwise the frame's
+    pieces (found by rendering sentinels in the answers' places) are encoded as they are and the
+    answers with `split_special_tokens=True`; a template that renders an answer other than as is
+    (or stripped) is a ValueError."""
+    rendered = render(texts)
+    specials = special_texts(tokenizer)
+    if not any(s in t for t in texts for s in specials):
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    marks = [f"\x00answer{k}\x00" for k in range(len(texts))]
+    frame = render(marks)
+    pieces, rest = [], frame
+    for mark in marks:
+        head, found, rest = rest.partition(mark)
+        if not found:
+            raise ValueError("the chat template does not render an answer as its text: its special-token text "
+                             "cannot be kept from becoming special tokens")
+        pieces.append(head)
+    pieces.append(rest)
+    for shown in (texts, [t.strip() for t in texts]):  # as is, or stripped by the template
+        if "".join(p + t for p, t in zip(pieces, shown)) + pieces[-1] == rendered:
+            ids = []
+            for piece, text in zip(pieces, shown):
+                ids += tokenizer.encode(piece, add_special_tokens=False)
+                ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+            return ids + list(tokenizer.encode(pieces[-1], add_special_tokens=False))
+    raise ValueError("the chat template renders an answer holding special-token text other than as is (or stripped): "
+                     "its special-token text cannot be kept from becoming special tokens")
+
+
+def answer_chars(tokenizer: Any, max_tokens: int) -> int:
+    """How many characters of an answer can matter when it is cut to `max_tokens` tokens: the
+    answer's text is cut to this many before it is tokenized (a 10 MB answer costs what its
+    first characters do). One token stands for at most as many characters as its longest
+    vocabulary entry has (a byte-level entry has one character per byte), so the cut text
+    still makes more than `max_tokens` tokens; 16 tokens to spare for the frame."""
+    longest = _LONGEST.get(tokenizer)
+    if longest is None:
+        longest = _LONGEST[tokenizer] = max(1, max((len(t) for t in tokenizer.get_vocab()), default=1))
+    return (max_tokens + 16) * longest
+
+
+_LONGEST: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 
 def load_tokenizer(path: str | os.PathLike, key: str = "task.tokenizer_path") -> Any:

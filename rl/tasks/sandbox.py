@@ -345,13 +345,17 @@ def _run(code: str, limits: Limits) -> SandboxResult:
     bwrap = limits.backend is Backend.BWRAP
     root = os.geteuid() == 0
     uid = SANDBOX_UIDS[0] + secrets.randbelow(SANDBOX_UIDS[1]) if bwrap and root else None
+    code_fd = os.memfd_create("code")  # the code reaches the child as an fd the bootstrap reads and closes
+    try:  # code that cannot be written (not a str, a lone surrogate from JSON) leaves nothing behind
+        with os.fdopen(os.dup(code_fd), "w", encoding="utf-8") as f:
+            f.write(code)
+    except BaseException:
+        os.close(code_fd)
+        raise
+    os.lseek(code_fd, 0, os.SEEK_SET)
     scratch = "/tmp" if bwrap else tempfile.mkdtemp(prefix="rl-sandbox-")  # bwrap: its private tmpfs
     if root and not bwrap:  # the scratch directory belongs to the user the child becomes
         os.chown(scratch, NOBODY, NOBODY)
-    code_fd = os.memfd_create("code")  # the code reaches the child as an fd the bootstrap reads and closes
-    with os.fdopen(os.dup(code_fd), "w", encoding="utf-8") as f:
-        f.write(code)
-    os.lseek(code_fd, 0, os.SEEK_SET)
     report_r, report_w = os.pipe()  # the child's side channel: its network mode, each refusal, its end
     info_r, info_w = os.pipe() if bwrap else (None, None)  # bwrap --info-fd: the pid of the sandbox's init
     cfg = {"backend": limits.backend.value, "limits": asdict(limits) | {"backend": limits.backend.value},

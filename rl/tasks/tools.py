@@ -24,8 +24,8 @@ text (or a `ToolOutput`, text with a status). The reply is parsed by transformer
                interpreter; small chat models such as SmolLM2-135M write these unprompted).
 
 The reply is decoded with its special tokens (Mistral's `[TOOL_CALLS]` is one), the stop token at its
-end dropped. A call the model got wrong (not JSON, no such tool, arguments that do not fit) is not a
-failure of anyone's code: its tool message says what was wrong (status `bad_call`) and the episode
+end dropped. A call the model got wrong (not JSON, no such tool, arguments that do not fit the tool's
+JSON schema: checked with `jsonschema`, a wrong type included) is not a failure of anyone's code: its tool message says what was wrong (status `bad_call`) and the episode
 goes on. The tool function runs through the task's `UserCalls` (rl/tasks/calls.py): an exception or a
 call past `task.timeout_s` ends that episode (reward 0, status `error` / `timeout`), never the run.
 
@@ -43,8 +43,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import jsonschema
+
 from rl.choice import Choice, did_you_mean
 from rl.tasks.calls import UserCalls
+from rl.tasks.chat import encode_answers
 from rl.tasks.sandbox import Limits, Outcome, check_backend, run_python
 
 
@@ -158,6 +161,14 @@ class Toolbox:
         if len(set(names)) != len(names):
             raise ValueError(f"task.options.tools: names repeat: {names}")
         self.tools = {t.name: t for t in tools}
+        self.validators = {}  # a call's arguments are checked against its tool's JSON schema (bad_call if not)
+        for t in tools:
+            try:
+                validator = jsonschema.validators.validator_for(t.parameters)
+                validator.check_schema(t.parameters)
+            except jsonschema.exceptions.SchemaError as e:
+                raise ValueError(f"tool {t.name!r}: its parameters are not a valid JSON schema: {e.message}") from e
+            self.validators[t.name] = validator(t.parameters)
         self.schemas = [t.schema() for t in tools]
         self.tokenizer = tokenizer
         self.format = ToolFormat.parse(tool_format, "task.options.tool_format")
@@ -201,14 +212,18 @@ class Toolbox:
 
     def message_ids(self, outputs: Sequence[ToolOutput]) -> list[int]:
         """The tool messages (one per output, in order) as the tokens after the model's turn, up to
-        the next generation prompt."""
-        messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}]
-        messages += [{"role": "tool", "content": o.text} for o in outputs]
-        rendered = self._render(self.system + messages)
-        if _SENTINEL not in rendered:
-            raise ValueError("the chat template drops earlier assistant turns: tool results cannot be rendered "
-                             "token-in/token-out with it")
-        return self._encode(rendered[rendered.index(_SENTINEL) + len(_SENTINEL):])
+        the next generation prompt; the outputs' own text never becomes special tokens
+        (rl/tasks/chat.py `encode_answers`)."""
+        def render(texts: list[str]) -> str:
+            messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}]
+            messages += [{"role": "tool", "content": text} for text in texts]
+            rendered = self._render(self.system + messages)
+            if _SENTINEL not in rendered:
+                raise ValueError("the chat template drops earlier assistant turns: tool results cannot be rendered "
+                                 "token-in/token-out with it")
+            return rendered[rendered.index(_SENTINEL) + len(_SENTINEL):]
+
+        return encode_answers(self.tokenizer, render, [o.text for o in outputs])  # no forged special tokens
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -252,10 +267,15 @@ class Toolbox:
             return ToolCall(name, {}, f"the arguments of {name!r} must be a JSON object, got: {str(args)[:200]}")
         schema = self.tools[name].parameters
         missing = [k for k in schema.get("required", []) if k not in args]
-        unknown = sorted(set(args) - set(schema.get("properties", {})))
+        unknown = sorted(set(args) - set(schema.get("properties", {})))  # the function takes no other keyword
         if missing or unknown:
             return ToolCall(name, args, f"{name!r} takes {sorted(schema.get('properties', {}))} (required "
                                         f"{schema.get('required', [])}); missing {missing}, unknown {unknown}")
+        wrong = jsonschema.exceptions.best_match(self.validators[name].iter_errors(args))
+        if wrong is not None:  # a wrongly typed argument, a value out of its enum, ...
+            where = "".join(f"[{p!r}]" for p in wrong.absolute_path)
+            return ToolCall(name, args, f"the arguments of {name!r} do not fit its schema: arguments{where}: "
+                                        f"{wrong.message[:300]}")
         return ToolCall(name, args)
 
     # --------------------------------------------------------------- running
