@@ -28,7 +28,7 @@ from rl.choice import Choice, did_you_mean
 from rl.rollout.scheduler import RolloutMode
 from rl.rollout.replica import ReplicaMode, RolloutEngineName, check_sharded
 from rl.algos.losses import KLConfig, KLMode, PolicyLossConfig, check_policy_loss_config
-from rl.tasks.calls import OnError
+from rl.tasks.calls import Isolation, OnError
 from rl.trainer.metrics import Logger
 from rl.tasks.base import Task
 from rl.tasks.registry import TaskName
@@ -160,6 +160,11 @@ class TaskConfig:
     # sample (reward 0, counted as episodes_error / episodes_timeout) and the run goes on; raise = it stops the run
     on_error: OnError = OnError.SKIP
     timeout_s: Optional[float] = 60.0  # wall-clock limit of one reward / environment call (any thread); null: none
+    # where rewards and environments run (rl/tasks/calls.py; tools: in the trainer's process either way):
+    # thread = in the trainer's process, a call past timeout_s abandoned (it runs on: a busy one takes CPU, a
+    # GIL-holding one overruns the limit); process = worker processes (one per running call or episode, forked
+    # from one made at start-up: rl/tasks/processes.py), a call past timeout_s killed with what it started
+    isolation: Isolation = Isolation.THREAD
 
 
 @dataclass

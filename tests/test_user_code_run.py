@@ -5,7 +5,9 @@ rl/rollout/episodes.py):
 * an environment or tool answer of any size is cut before it is tokenized (`truncated`);
 * `SystemExit` / `KeyboardInterrupt` raised by user code is an error of that call, naming it;
 * tool arguments are checked against the tool's JSON schema (`bad_call`), no scratch directory leaks;
-* tool and environment text cannot produce the chat template's special tokens.
+* tool and environment text cannot produce the chat template's special tokens;
+* `task.isolation=process`: a call past its deadline is killed (a GIL-holding regex, a busy loop and
+  what it started), environments play in workers of their own, a run trains with nothing left spinning.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import pytest
 import torch
 from test_tasks import CHAT, tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 from test_tools import FAST, TOOL_CHAT, Scripted, call, end_id  # noqa: F401 - fixture
-from test_user_code import _Echo, _records
+from test_user_code import _records
 
 from rl.rollout.episodes import run_episodes
 from rl.tasks.base import Task, assign_rewards, check_reward
@@ -299,3 +301,163 @@ def test_tool_and_environment_text_cannot_forge_special_tokens(tokenizer):
     plain = "The answer is 42."
     assert box.message_ids([ToolOutput(plain)]) == tokenizer.encode(
         "<|end|><|user|><tool_response>" + plain + "</tool_response><|end|><|assistant|>", add_special_tokens=False)
+
+
+# ------------------------------------------------------------------ task.isolation=process
+def _catastrophic():
+    import re
+
+    return float(bool(re.match(r"(a+)+$", "a" * 24 + "b")))  # ~2 s in C, holding the GIL throughout
+
+
+def _busy_with_a_child():
+    subprocess.Popen(["sleep", "60"])  # what the code started dies with it
+    while True:
+        pass
+
+
+def _children() -> list:
+    import psutil
+
+    return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _double(x):
+    return x * 2
+
+
+def _pool_only(calls) -> bool:
+    """The process's children are the pool's zygote and its idle workers, no more (nothing spins on)."""
+    pool = calls._pool
+    return sorted(p.pid for p in _children()) == sorted([pool.zygote] + [w.pid for w in pool._idle])
+
+
+def test_process_isolation_kills_a_call_past_its_deadline_a_gil_holding_one_included():
+    calls = UserCalls("skip", 0.3, "process")
+    try:
+        start = time.perf_counter()
+        with (guard := calls.guard("reward regex")):
+            calls.run(_catastrophic, what="reward regex")
+        seconds = time.perf_counter() - start
+        assert guard.status is Status.TIMEOUT and "its process killed" in str(guard.error) and seconds < 1.0, seconds
+        with (busy := calls.guard("reward busy")):
+            calls.run(_busy_with_a_child, what="reward busy")
+        assert busy.status is Status.TIMEOUT and calls.hung == 0
+        time.sleep(0.2)  # the zygote reaps the killed worker
+        assert _pool_only(calls) and not any(p.name() == "sleep" for p in _children())  # nothing left running
+        with (fine := calls.guard("reward")):
+            assert calls.run(_double, 21.0) == 42.0
+        assert fine.status is None
+        with (unsent := calls.guard("reward lambda")):
+            calls.run(lambda x: x, 1.0, what="reward lambda")
+        assert unsent.status is Status.ERROR and "cannot be sent to a worker process" in str(unsent.error)
+        with (exits := calls.guard("reward exits")):
+            calls.run(_exits, what="reward function my:score")
+        assert exits.status is Status.ERROR and "reward function my:score raised SystemExit(3)" in str(exits.error)
+        with (dies := calls.guard("reward dies")):
+            calls.run(os._exit, 7, what="reward dies")
+        assert dies.status is Status.ERROR and "ended without an answer" in str(dies.error)
+        assert calls.run(_double, 1.5) == 3.0  # a fresh worker after each loss
+    finally:
+        calls.close()
+    assert _children() == []
+    # the control: on a thread the regex holds the GIL, so the deadline cannot even be noticed until it ends
+    threaded = UserCalls("skip", 0.3, "thread")
+    start = time.perf_counter()
+    with (late := threaded.guard("reward regex")):
+        threaded.run(_catastrophic, what="reward regex")
+    assert late.status is Status.TIMEOUT and time.perf_counter() - start > 1.0
+
+
+SPIN_UNTIL = threading.Event()
+
+
+class _Stuck:
+    """An environment that raises on prompts whose number is 3, busy-loops on 5, else goes on."""
+
+    def reset(self, prompt, seed=None):
+        self.number, self.seed = int(prompt["number"]), seed
+        return [{"role": "user", "content": prompt["prompt"]}]
+
+    def step(self, response_text):
+        if self.number == 3:
+            raise KeyError("no such cell")
+        if self.number == 5:
+            while not SPIN_UNTIL.is_set():  # on a thread it must end once the test is over
+                pass
+        return f"Seed {self.seed % 100}.", 1.0, False
+
+
+@pytest.fixture
+def spinning():
+    SPIN_UNTIL.clear()
+    yield
+    SPIN_UNTIL.set()  # the abandoned thread of the control ends
+
+
+def test_process_isolation_plays_environments_in_processes_and_kills_a_stuck_one(tokenizer_dir, tokenizer,
+                                                                                 tmp_path, spinning):
+    rows = [{"prompt": f"What is {n} plus 0?", "number": n} for n in range(6)]
+    path = tmp_path / "lines.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    outcomes = {}
+    for isolation in ("process", "thread"):
+        task = build_task("environment", prompts_path=str(path), tokenizer_path=str(tokenizer_dir),
+                          environment=_Stuck, max_turns=2, max_observation_len=40, chat_template=CHAT,
+                          calls=UserCalls("skip", 0.5, isolation))
+        records = run_episodes(_says(tokenizer, "3"), task, [torch.tensor(ids) for ids, _ in task.items],
+                               [dict(m) for _, m in task.items], prompt_indices=list(range(6)), max_new_tokens=4,
+                               temperature=0.0, seed=0)
+        outcomes[isolation] = ([Status(int(r.status)) for r in records], [r.sequences.tolist() for r in records],
+                               task.calls.hung)
+        if isolation == "process":
+            time.sleep(0.2)  # the zygote reaps the killed worker
+            idle = len(task.calls._pool._idle)
+            assert _pool_only(task.calls) and idle == 5  # the stuck one's worker killed, the others back in the pool
+            task.calls.close()
+    status, sequences, hung = outcomes["process"]
+    assert status == [Status.MAX_TURNS] * 3 + [Status.ERROR, Status.MAX_TURNS, Status.TIMEOUT]
+    assert hung == 0 and _children() == []
+    assert (status, sequences) == outcomes["thread"][:2]  # the same episodes (the seed reached reset in the child)
+    assert outcomes["thread"][2] == 1  # the control: on a thread the stuck step is abandoned and spins on
+
+
+def test_the_config_names_isolation():
+    from inprocess import SMALL, compose
+
+    from rl.tasks.calls import Isolation
+
+    assert compose(*SMALL).task.isolation is Isolation.THREAD  # the default: today's mechanism
+    assert compose(*SMALL, "task.isolation=process").task.isolation is Isolation.PROCESS
+    with pytest.raises(ValueError, match=r"task.isolation"):
+        compose(*SMALL, "task.isolation=container")
+
+
+def spins(prompt_ids, response_ids):
+    """A reward that busy-loops forever on responses starting with an even token, else 1.0 or 0.0."""
+    if int(response_ids[0]) % 2 == 0:
+        while True:
+            pass
+    return float(int(response_ids[-1]) % 2)
+
+
+@pytest.mark.slow
+def test_a_run_with_process_isolation_kills_what_spins_and_trains(tmp_path):
+    """task.isolation=process on the rollout thread (rollout.mode=one_step_off): rewards that spin are
+    killed at task.timeout_s (episodes_timeout), none is left running (calls_hung 0, no child), every
+    step trains."""
+    from inprocess import trainer
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [4 + i, 5, 6]}) + "\n" for i in range(8)))
+    tr = trainer("task=file", f"task.prompts_path={prompts}", "task.reward_fn=tests.test_user_code_run:spins",
+                 "task.prompts_per_step=4", "task.samples_per_prompt=4", "task.max_new_tokens=4",
+                 "task.timeout_s=0.3", "task.isolation=process", "task.on_error=skip", "rollout.mode=one_step_off",
+                 "algo.tis_cap=2.0", "trainer.max_steps=3", "trainer.progress=false")
+    metrics = [tr.step(s) for s in range(3)]
+    assert all(math.isfinite(m["loss"]) for m in metrics)
+    assert sum(m["episodes_timeout"] for m in metrics) > 0 and sum(m["episodes_done"] for m in metrics) > 0
+    assert all(m["calls_hung"] == 0 for m in metrics)
+    assert _pool_only(tr.task.calls)  # what spun was killed
+    tr.task.calls.close()
+    assert _children() == []

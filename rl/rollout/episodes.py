@@ -96,6 +96,7 @@ from rl.rollout.engine import make_record
 from rl.rollout.sampler import group_places, sample_seed
 from rl.tasks.calls import Status, UserCalls
 from rl.tasks.chat import answer_chars
+from rl.tasks.processes import RemoteEnvironment
 from rl.tasks.base import FP32_MAX, MultiTurnTask, Task, assign_rewards, check_reward, task_calls
 from rl.tasks.tool_task import ToolTask
 from rl.tasks.tools import Toolbox, ToolCall, ToolOutput
@@ -140,6 +141,11 @@ def _own(meta: dict) -> dict:
         return copy.deepcopy(meta)
     except Exception:  # noqa: BLE001 - something that cannot be deep-copied: a copy of the dict itself
         return dict(meta)
+
+
+def _kind(env: Any) -> str:
+    """How errors name an environment: its class (its class in the child, task.isolation=process)."""
+    return getattr(env, "class_name", None) if isinstance(env, RemoteEnvironment) else type(env).__name__
 
 
 def _takes_seed(reset: Any) -> bool:
@@ -235,9 +241,9 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
         ep = _Episode(prompt, prompt, None)
         guard = calls.guard(f"environment {name}", f"run_episodes: sample {i} (prompt index {int(prompt_indices[i])})")
         with guard:
-            ep.env = env = calls.run(task.environment, what=f"{name}: environment()")
+            ep.env = env = calls.environment(task.environment, what=f"{name}: environment()")
             kwargs = {"seed": environment_seed(seed, int(prompt_indices[i]), place[i])} if _takes_seed(env.reset) else {}
-            first = task.encode_messages(calls.run(env.reset, meta, what=f"{type(env).__name__}.reset", **kwargs))
+            first = task.encode_messages(calls.run(env.reset, meta, what=f"{_kind(env)}.reset", **kwargs))
             if first != prompt.tolist():
                 raise ValueError(f"run_episodes: sample {i} (prompt index {int(prompt_indices[i])}): the environment's "
                                  f"first turn renders to {len(first)} tokens, not the {prompt.numel()} of the task's "
@@ -297,7 +303,7 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
                         tool_frame = toolbox.message_ids([ToolOutput("")])
                     turn_log.cut = _observe(ep, rec, response, ids, task.max_observation_len, stop, tool_frame)
                     continue
-            who = f"{type(ep.env).__name__}.step"
+            who = f"{_kind(ep.env)}.step"
             turn_log.environment = True
             guard = calls.guard(f"environment {name}", f"run_episodes: sample {i} (prompt index "
                                                         f"{int(prompt_indices[i])}), turn {turn + 1}")
@@ -330,6 +336,8 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
             if frame is None and len(ids) > task.max_observation_len:
                 frame = list(task.observation_ids(""))
             turn_log.cut = _observe(ep, rec, response, ids, task.max_observation_len, stop, frame)
+    for ep in episodes:
+        calls.release(ep.env)  # task.isolation=process: the episode's process ends
     out = []
     for i, ep in enumerate(episodes):
         tokens, sampled, log_probs = zip(*ep.pieces)

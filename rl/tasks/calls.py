@@ -35,6 +35,12 @@ a function that hangs that often needs fixing, not more threads.
 
 An environment whose `step` timed out may still be running in its abandoned thread: the
 caller never touches that environment again.
+
+`isolation=process` (`task.isolation`; the default is `thread`, all of the above): rewards and
+environments run in worker processes instead (rl/tasks/processes.py): a call past `timeout_s` is
+killed, not abandoned (a busy loop or a GIL-holding regex included), `hung` stays 0. `share(task)`
+starts the pool when the task is built; `environment(factory)` builds an environment in a worker
+of its own, `release(env)` ends its episode. Tools call `run_on_thread` (in this process either way).
 """
 
 from __future__ import annotations
@@ -55,6 +61,13 @@ class OnError(Choice):
 
     SKIP = "skip"  # that sample ends with reward 0 and the status `error` (or `timeout`); the run goes on
     RAISE = "raise"  # the run stops with it (today's behaviour, for debugging)
+
+
+class Isolation(Choice):
+    """`task.isolation`: where the user's code runs."""
+
+    THREAD = "thread"  # in the trainer's process, on a worker thread; a call past its deadline is abandoned
+    PROCESS = "process"  # in a forked child (rl/tasks/processes.py); a call past its deadline is killed
 
 
 class Status(enum.IntEnum):
@@ -123,8 +136,10 @@ class UserCalls:
 
     max_hung = 64
 
-    def __init__(self, on_error: OnError | str = OnError.SKIP, timeout_s: float | None = None) -> None:
+    def __init__(self, on_error: OnError | str = OnError.SKIP, timeout_s: float | None = None,
+                 isolation: Isolation | str = Isolation.THREAD) -> None:
         self.on_error = OnError.parse(on_error, "task.on_error")
+        self.isolation = Isolation.parse(isolation, "task.isolation")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"task.timeout_s={timeout_s!r}: expected a positive number of seconds or null")
         self.timeout_s = timeout_s
@@ -132,6 +147,7 @@ class UserCalls:
         self._lock = threading.Lock()
         self._hung: list[tuple[_Worker, str]] = []
         self._logged: set[tuple[str, str]] = set()
+        self._pool = None  # isolation=process: rl/tasks/processes.py WorkerPool
 
     @classmethod
     def strict(cls) -> "UserCalls":
@@ -147,7 +163,19 @@ class UserCalls:
 
     def run(self, fn: Callable, *args: Any, what: str = "", **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)`, its exception re-raised; past `timeout_s` a `CallTimeout`
-        (the call abandoned, see the module docstring)."""
+        (the call abandoned, see the module docstring; with isolation=process, killed)."""
+        if self.isolation is Isolation.PROCESS:
+            from rl.tasks.processes import RemoteMethod
+
+            name = what or getattr(fn, "__qualname__", repr(fn))
+            if isinstance(fn, RemoteMethod):  # an environment's method: in its episode's worker
+                return fn.call(args, kwargs, self.timeout_s, name)
+            return self.pool().call(fn, args, kwargs, self.timeout_s, name)
+        return self.run_on_thread(fn, *args, what=what, **kwargs)
+
+    def run_on_thread(self, fn: Callable, *args: Any, what: str = "", **kwargs: Any) -> Any:
+        """`run` in this process whatever `isolation` says (tools: the python tool's code runs in its
+        own sandboxed process already)."""
         if self.timeout_s is None:
             try:
                 return fn(*args, **kwargs)
@@ -179,6 +207,49 @@ class UserCalls:
                 raise _exit(fn, what, job.error) from job.error
             raise job.error
         return job.value
+
+    def share(self, task: Any) -> None:
+        """isolation=process: start the worker pool now, holding `task` (rl/tasks/registry.py
+        `build_task` calls it before any model is built: the pool's zygote is forked while the
+        process is small); its methods are then sent to the workers by reference. Nothing otherwise."""
+        if self.isolation is Isolation.PROCESS and self._pool is None:
+            from rl.tasks.processes import WorkerPool
+
+            self._pool = WorkerPool(task)
+
+    def pool(self) -> Any:
+        """The worker pool (isolation=process), started on first use if `share` was not called."""
+        with self._lock:
+            if self._pool is None:
+                from rl.tasks.processes import WorkerPool
+
+                self._pool = WorkerPool(None)
+            return self._pool
+
+    def close(self) -> None:
+        """End the worker pool's processes (isolation=process); nothing otherwise."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def environment(self, factory: Callable[[], Any], what: str = "") -> Any:
+        """A new environment, `factory()`: built through `run` (isolation=thread), or in a process
+        of its own that serves its `reset` and `step` (isolation=process: rl/tasks/processes.py
+        `RemoteEnvironment`, ended by `release`)."""
+        if self.isolation is not Isolation.PROCESS:
+            return self.run(factory, what=what)
+        from rl.tasks.processes import RemoteEnvironment
+
+        return RemoteEnvironment(self.pool(), factory, self.timeout_s,
+                                 what or getattr(factory, "__qualname__", repr(factory)))
+
+    @staticmethod
+    def release(env: Any) -> None:
+        """The episode of `env` is over: its process (isolation=process) ends; nothing otherwise."""
+        from rl.tasks.processes import RemoteEnvironment
+
+        if isinstance(env, RemoteEnvironment):
+            env.close()
 
     def guard(self, what: str, where: str = "") -> "Guard":
         """A context for one sample's calls: see `Guard`."""

@@ -65,6 +65,8 @@ def build_task(name: TaskName | str, *, calls: UserCalls | None = None, **kwargs
         raise ValueError(f"task '{name.value}' needs a vocabulary of at least {task.min_vocab_size} ids, the model "
                          f"has {vocab}")
     task.calls = calls
+    if calls is not None:
+        calls.share(task)  # task.isolation=process: the workers' zygote, holding the task, forked now
     probe_reward(task, calls)
     return task
 

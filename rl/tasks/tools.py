@@ -285,7 +285,7 @@ class Toolbox:
         if call.problem is not None:
             return ToolOutput(f"[status: bad_call: {call.problem}]", "bad_call")
         calls = calls or UserCalls.strict()
-        out = calls.run(self.tools[call.name].fn, what=f"tool {call.name!r}", **call.arguments)
+        out = calls.run_on_thread(self.tools[call.name].fn, what=f"tool {call.name!r}", **call.arguments)
         if isinstance(out, ToolOutput):
             return out
         if not isinstance(out, str):

@@ -94,7 +94,8 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
     vocab_size = model_config_value(cfg, "vocab_size")[0]
     task = build_task(cfg.task.name, prompts_path=cfg.task.prompts_path, reward_fn=cfg.task.reward_fn,
                       tokenizer_path=cfg.task.tokenizer_path, vocab_size=vocab_size, **cfg.task.options,
-                      calls=UserCalls(cfg.task.on_error, cfg.task.timeout_s))  # how its user code is called
+                      calls=UserCalls(cfg.task.on_error, cfg.task.timeout_s,  # how its user code is called
+                                      cfg.task.isolation))
     check_task_fits(cfg, task)  # batch.max_tokens holds the task's longest prompt + task.max_new_tokens
     heldout = heldout_problems(task, cfg.eval.num_prompts, cfg.task.name.value) if cfg.eval.every else []
 
