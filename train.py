@@ -22,9 +22,10 @@ from tqdm import tqdm  # noqa: E402
 
 from model.library_noise import silence_library_noise  # noqa: E402
 from model.parallel_dims import init_distributed  # noqa: E402
-from rl.trainer.checkpoint import Checkpointer, run_to_continue  # noqa: E402
+from rl.trainer.checkpoint import Checkpointer  # noqa: E402
 from rl.config import Config, check_command_line, load, register, validate  # noqa: E402
 from rl.trainer.metrics import MetricsWriter, code_commit, run_failed  # noqa: E402
+from rl.trainer.run_folder import RunFolderInUse, claim, start_folder  # noqa: E402
 
 register()
 log = logging.getLogger("train")
@@ -35,6 +36,8 @@ def main(dict_cfg: DictConfig) -> dict:
     out_dir = HydraConfig.get().runtime.output_dir
     try:
         return run(dict_cfg, out_dir)
+    except RunFolderInUse:  # another run's folder: its train.log and FAILED mark are left alone
+        raise
     except (Exception, KeyboardInterrupt) as error:  # the error and its traceback in train.log, the folder FAILED
         run_failed(out_dir, error)
         raise
@@ -54,6 +57,8 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1 if dims.world_size > 1 else torch.get_num_threads())
 
+    # the run folder (and checkpoint.dir) locked for the run's life and seen by every rank, else a refusal on every rank
+    held = claim([out_dir, cfg.checkpoint.dir], dims)
     ckpt = Checkpointer(cfg, dims, out_dir)  # checkpoint.* and resume checked before any model is built
 
     trainer = build_trainer(cfg, dims)
@@ -91,6 +96,7 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
         log.info("after %d steps: held-out accuracy %s (%d problems)", cfg.trainer.max_steps,
                  _accuracy(final), len(trainer.heldout))
     writer.close(plot=cfg.trainer.plot)
+    held.close()
     if torch.distributed.is_initialized():  # a clean exit: no communicator torn down under a live thread
         torch.distributed.destroy_process_group()
     return writer.history[-1] if writer.history else {}
@@ -107,8 +113,11 @@ if __name__ == "__main__":
     silence_library_noise()  # the check below reads a pretrained checkpoint's family: transformers, torchao
     try:  # the command line checked in seconds, before the heavy imports and before a run folder exists
         checked = check_command_line(sys.argv[1:])
+        folder = start_folder(*checked) if checked is not None else None  # the run id, agreed by every rank
     except ValueError as e:
         sys.exit(f"config error: {e}")
-    if checked is not None and (folder := run_to_continue(*checked)) is not None:
+    except RunFolderInUse as e:  # before Hydra writes into the other run's folder
+        sys.exit(f"error: {e}")
+    if folder is not None:
         sys.argv.append(f"hydra.run.dir={folder}")  # resume=auto: this experiment's newest run, continued in place
     main()

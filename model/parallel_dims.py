@@ -216,3 +216,32 @@ def init_distributed(dp: int = -1, cp: int = 1, ep: int = 1, *, device: str = "a
     dims = ParallelDims(dp=dp, cp=cp, ep=ep, world_size=dist.get_world_size(), device=where)
     build_mesh(dims)
     return dims
+
+
+def decided_on_rank0(dims: ParallelDims, decide):
+    """`decide()` run on rank 0 alone, its (picklable) result returned on every rank; an
+    exception it raises on rank 0 is raised on every rank. What a start-up decision reads from
+    local state (free memory, a folder listing, a file) is read once, so every rank takes the
+    same branch before a collective (one rank picking another plan would hang the group)."""
+    if not dims.distributed:
+        return decide()
+    box: list = [None]
+    if dims.rank == 0:
+        try:
+            box[0] = (True, decide())
+        except Exception as error:  # noqa: BLE001 - raised below, on every rank
+            box[0] = (False, error)
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def gathered(dims: ParallelDims, value) -> list:
+    """Every rank's `value` (picklable), in rank order, on every rank (a one-item list alone)."""
+    if not dims.distributed:
+        return [value]
+    out: list = [None] * dims.world_size
+    dist.all_gather_object(out, value)
+    return out

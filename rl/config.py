@@ -10,7 +10,6 @@ import json
 import os
 import re
 import typing
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -273,14 +272,16 @@ def _required(*, _node_: Any) -> None:
 
 
 def run_id() -> str:
-    """The run folder's name: torchrun's run id (shared by every rank and kept across
-    restarts), else a timestamp plus a random suffix, so two runs never share a folder."""
+    """The run folder's name, the same on every rank of a job: torchrun's run id (`--rdzv-id`,
+    kept across restarts), else a timestamp plus a random suffix (two runs never share a
+    folder) drawn by rank 0 and read by every rank through torchrun's store, kept across
+    restarts too (rl/trainer/run_folder.py)."""
     elastic = os.environ.get("TORCHELASTIC_RUN_ID")
     if elastic and elastic != "none":
         return elastic
-    from datetime import datetime
+    from rl.trainer.run_folder import agreed_before_init, new_run_id
 
-    return f"{datetime.now():%Y-%m-%d_%H-%M-%S}_{uuid.uuid4().hex[:6]}"
+    return agreed_before_init("run_id", new_run_id, per_job=True)
 
 
 # ------------------------------------------------------------- the command line
