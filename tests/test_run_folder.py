@@ -1,6 +1,7 @@
-"""Run folders: one folder and one checkpoint set per job whatever the launch (two torchrun
-agents on this machine as two nodes, static and c10d rendezvous, a shared and an unshared
-folder); a folder held by one run at a time."""
+"""Run folders and run state: one folder and one checkpoint set per job whatever the launch
+(two torchrun agents on this machine as two nodes, static and c10d rendezvous, a shared and an
+unshared folder); start-up decisions taken once for every rank; a folder held by one run at a
+time; resume=auto falling back past a checkpoint that does not load."""
 
 import json
 import os
@@ -13,8 +14,11 @@ from pathlib import Path
 import pytest
 
 from model.parallel_dims import ParallelDims
+from rl.trainer.checkpoint import complete_checkpoints
 from rl.trainer.run_folder import LOCK, RunFolderInUse, claim
-from tests.distributed import free_port
+from tests.distributed import free_port, run_distributed
+from tests.test_checkpoint import metrics
+from run_folder_worker import decisions
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}, "OMP_NUM_THREADS": "1",
@@ -85,6 +89,36 @@ def test_two_nodes_on_unshared_folders_refuse_at_start_up_on_every_rank(tmp_path
     assert "step 0 reward" not in results[0][1]  # stopped at start-up
 
 
+@pytest.mark.slow
+def test_start_up_decisions_are_taken_once_and_an_unshared_checkpoint_is_never_published(tmp_path):
+    """Two gloo ranks with different local state take one decision: the replica plan (rank 1
+    reads 1 byte free), the checkpoint resume=auto loads (only rank 0 sees it), vLLM's random-init
+    folder (one per node, same name). A save into folders the ranks do not share is refused on both
+    ranks without COMPLETE; a truncated, then a garbled, newest checkpoint is fallen back past on
+    both ranks and kept aside."""
+    r0, r1 = run_distributed(decisions, 2, str(tmp_path), timeout=600)
+    assert r0["own_budget"] > 10**6 and r1["own_budget"] == 1  # the control: their own readings differ
+    assert r0["replica"] == r1["replica"] == "sharded" and "least over 2 ranks" in r0["replica_source"]
+    for r in (r0, r1):
+        assert "is not seen by every rank: rank 1" in r["unshared_probe"], r["unshared_probe"]
+        assert "__1_0.distcp (rank 1's shards) not found" in r["unshared_save"], r["unshared_save"]
+        assert "not published" in r["unshared_save"] and r["unshared_published"] == []
+    assert "COMPLETE" not in r0["unshared_tmp"] and "__0_0.distcp" in r0["unshared_tmp"]
+    assert r0["own_listing"] == ["step_00000001", "step_00000002"] and r1["own_listing"] == []  # the control
+    assert r0["chosen"] == r1["chosen"] == str(tmp_path / "shared" / "checkpoints" / "step_00000002")
+    ckpts = tmp_path / "shared" / "checkpoints"
+    assert r0["truncated_fallback"] == r1["truncated_fallback"] == (str(ckpts / "step_00000001"), 1)
+    assert r0["garbage_chosen"] == r1["garbage_chosen"] == str(ckpts / "step_00000003")  # the files look whole
+    assert r0["garbage_fallback"] == r1["garbage_fallback"] == 1
+    assert r0["kept"] == ["step_00000001", "step_00000002.unloadable", "step_00000003.unloadable"]
+    log = "\n".join(r0["log"])
+    assert f"{ckpts / 'step_00000002' / '__1_0.distcp'} (rank 1's shards) holds" in log and "truncated" in log, log
+    assert "kept as step_00000002.unloadable; resuming from step_00000001" in log, log
+    assert "step_00000003 does not load (rank " in log and "kept as step_00000003.unloadable" in log, log
+    assert r0["init_folder"][0] == r1["init_folder"][0] and r0["init_folder"][1:] == ("node0", True)
+    assert r1["init_folder"][1:] == ("node1", True)
+
+
 def test_a_locked_folder_refuses_a_second_claim_naming_the_holder_until_released(tmp_path):
     """flock is per open file: a second claim in this very process conflicts like another run's."""
     first = claim([tmp_path / "run"], ParallelDims())
@@ -133,3 +167,27 @@ def test_a_second_run_in_the_same_folder_refuses_naming_the_first_and_a_killed_r
                            capture_output=True, text=True, timeout=300)
     assert third.returncode == 0, third.stderr[-3000:]
     assert steps(run) == [0]
+
+
+@pytest.mark.slow
+def test_resume_auto_falls_back_past_a_truncated_newest_checkpoint_and_keeps_it(tmp_path):
+    """4 steps saved every 2; the newest checkpoint's shard file cut in half. resume=auto loads
+    step 2, logs the failing file, keeps the checkpoint as step_00000004.unloadable, and redoes
+    steps 2-3 bit for bit (the metrics the first run logged)."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run}", *SMALL, "trainer.max_steps=4",
+           "checkpoint.every=2"]
+    first = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    uninterrupted = metrics(run)
+    shard = run / "checkpoints" / "step_00000004" / "__0_0.distcp"
+    os.truncate(shard, cut := shard.stat().st_size // 2)
+    again = subprocess.run([*cmd, "resume=auto"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    log = (run / "train.log").read_text()
+    assert f"checkpoint {run / 'checkpoints' / 'step_00000004'} does not load ({shard} (rank 0's shards) holds" in log
+    assert "kept as step_00000004.unloadable; resuming from step_00000002" in log, log
+    assert f"resumed from {run / 'checkpoints' / 'step_00000002'} (2 steps done)" in log, log
+    assert (run / "checkpoints" / "step_00000004.unloadable" / "__0_0.distcp").stat().st_size == cut  # kept as it was
+    assert [p.name for p in complete_checkpoints(run / "checkpoints")] == ["step_00000002", "step_00000004"]
+    assert metrics(run) == uninterrupted  # steps 2-3 redone bit for bit

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
+import uuid
 
 import torch
 
@@ -50,7 +52,7 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
     else:
         require_vllm()
         model_dir = cfg.model.pretrained_path
-        if model_dir is None:  # a random-init model: vLLM loads a folder, so write one (rank 0, shared)
+        if model_dir is None:  # a random-init model: vLLM loads a folder, so write one (one per node)
             model_dir = _random_init_folder(new_model, dims, cfg.seed)
         max_len = engine_max_len(cfg, task)
         tp_group = None
@@ -79,11 +81,25 @@ def engine_max_len(cfg, task) -> int | None:
 
 
 def _random_init_folder(new_model, dims, seed: int) -> str:
-    folder = os.path.join(tempfile.gettempdir(), f"rl-vllm-init-{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}")
-    if dims.rank == 0:
+    """The folder vLLM loads a random-init policy from, on this node's temporary storage: its
+    name drawn by rank 0 (the same on every rank), written by the first rank of each node
+    (LOCAL_RANK 0) under a temporary name and renamed into place, so nodes sharing the
+    folder's filesystem or not both find it; every rank waits for it."""
+    from model.parallel_dims import decided_on_rank0
+
+    name = decided_on_rank0(dims, lambda: f"rl-vllm-init-{uuid.uuid4().hex[:12]}")
+    folder = os.path.join(tempfile.gettempdir(), name)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not os.path.isdir(folder):
         model = new_model()
+        # transformers >= 5 writes on global rank 0 alone once a process group exists; this is each node's copy
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        part = f"{folder}.part-{os.getpid()}"
         # LoRA: the checkpoint of the base under stock names (adapters start at B = 0: merged = base)
-        model.save_pretrained(folder, state_dict=merged_state_dict(model) if has_adapters(model) else None)
+        model.save_pretrained(part, state_dict=merged_state_dict(model) if has_adapters(model) else None)
+        try:
+            os.rename(part, folder)
+        except OSError:  # another node's rank renamed its copy first (one shared temporary folder)
+            shutil.rmtree(part, ignore_errors=True)
     if dims.distributed:
         torch.distributed.barrier()
     return folder

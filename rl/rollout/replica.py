@@ -26,8 +26,10 @@ this rank's shard bytes of the policy, and of the critic when the algorithm has 
 the budget: `rollout.memory_budget_gb` when set, else the device's free memory now (cuda:
 `torch.cuda.mem_get_info`; cpu: psutil's available memory shared by the ranks of this host)
 less a reserve of `RESERVE` of it (activations, the KV cache, the allocator). The copy fits
-when copy + state to come <= budget. The decision and its figures are logged at start-up
-(rank 0) and kept as `engine.replica`.
+when copy + state to come <= budget. Every rank takes the same decision: the budget is the
+least and the state to come the largest over the ranks (an all-reduce), since generation
+from the shards is a collective and ranks that chose differently would hang. The decision
+and its figures are logged at start-up (rank 0) and kept as `engine.replica`.
 
 bench/memory_plan.py applies the same rule to the at-scale models.
 """
@@ -147,6 +149,11 @@ def choose_replica(cfg, dims, actor: nn.Module) -> ReplicaChoice:
     state = 3 * shards * (2 if cfg.algo.uses_critic else 1)  # grads + AdamW moments; a critic about the policy's size
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size if dims.device.type == "cpu" else 1))
     budget, source = device_budget(dims.device, budget_gb=r.memory_budget_gb, local_ranks=local_ranks)
+    if dims.distributed:  # one plan for every rank (sharded generation is a collective): the tightest rank's figures
+        figures = torch.tensor([budget, -state], dtype=torch.int64, device=dims.device)
+        torch.distributed.all_reduce(figures, op=torch.distributed.ReduceOp.MIN)
+        budget, state = int(figures[0]), -int(figures[1])
+        source = f"the least over {dims.world_size} ranks of: {source}"
     return choose(r.replica, engine=str(r.engine), replica_bytes=replica, state_bytes=state, budget_bytes=budget,
                   budget_source=source, sharded_unsupported=sharded_unsupported(cfg))
 

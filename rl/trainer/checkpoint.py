@@ -18,16 +18,23 @@ One folder per save, named by the steps it completed, under `checkpoint.dir` (de
 
 `resume`: `never` (the default) starts fresh, `auto` takes the newest complete checkpoint
 of `checkpoint.dir`, a path takes that checkpoint (or the newest in that folder). With `auto`
-train.py first picks the run folder (`run_to_continue`): the newest run of the same experiment
-under `outputs/` (or the run whose `checkpoints/` `checkpoint.dir` names), continued in place. A group
-that torchrun restarted after a failure (`--max-restarts`, TORCHELASTIC_RESTART_COUNT > 0)
-always continues from its run's newest checkpoint when there is one, whatever `resume` says:
-restarting from scratch would overwrite the run it is meant to continue.
+train.py first picks the run folder (`run_to_continue`, on rank 0: rl/trainer/run_folder.py):
+the newest run of the same experiment under `outputs/` (or the run whose `checkpoints/`
+`checkpoint.dir` names), continued in place. A group that torchrun restarted after a failure
+(`--max-restarts`, TORCHELASTIC_RESTART_COUNT > 0) always continues from its run's newest
+checkpoint when there is one, whatever `resume` says: restarting from scratch would overwrite
+the run it is meant to continue. Which checkpoint is decided on rank 0 and broadcast. Under
+`auto` and after a restart, a checkpoint that does not load (a file missing or truncated, found
+before any model is built; or a load that fails on any rank) is passed over for the newest one
+that does; the failing file is logged and the checkpoint kept as `step_N.unloadable`.
 
 Atomic: every rank writes into `step_00000004.tmp`; DCP's save is a collective that returns
-once every rank's files and the metadata are on disk; then rank 0 writes COMPLETE, renames
-the folder, and only then removes checkpoints beyond the newest `checkpoint.keep`. A kill at
-any point leaves the previous checkpoint the newest complete one.
+once every rank's files and the metadata are on disk; then rank 0 checks that every file the
+metadata names (each rank's `__<rank>_0.distcp`) is there at its size, writes COMPLETE,
+renames the folder, and only then removes checkpoints beyond the newest `checkpoint.keep`. A
+kill at any point leaves the previous checkpoint the newest complete one; a rank whose shards
+rank 0 cannot see (folders not shared between nodes) makes the save an error on every rank,
+never a COMPLETE checkpoint that cannot load.
 
 What a checkpoint holds (`Trainer.state_dict` plus the two entries added here):
   actor     policy weights + AdamW state      critic    the same, when the algorithm has one
@@ -73,6 +80,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Shard
@@ -80,7 +88,7 @@ from torch.distributed.tensor import DTensor, Shard
 from model.library_noise import quiet_single_process
 from model.lora import has_adapters, is_adapter
 from model.moe import is_expert_param
-from model.parallel_dims import ParallelDims
+from model.parallel_dims import ParallelDims, decided_on_rank0, gathered
 
 if TYPE_CHECKING:
     from rl.config import Config
@@ -98,6 +106,7 @@ class Checkpointable(Protocol):
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
+SET_ASIDE = ".unloadable"  # a checkpoint resume=auto fell back past: kept, renamed, never loaded or rotated away
 _NAME = re.compile(r"^step_(\d+)$")
 # config keys that define the saved tensors: a difference refuses the checkpoint, naming the key;
 # the model's shape is the effective Hugging Face config (hf_config.json), not the override dicts
@@ -105,6 +114,10 @@ MODEL_KEYS = ("model.name", "model.dtype")
 # Hugging Face config fields that do not shape a tensor
 _HF_IGNORED = {"transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "use_cache",
                "output_router_logits"}
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint of another model or algorithm: refused, never fallen back past."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -219,25 +232,61 @@ def save_checkpoint(trainer: Checkpointable, root: Path, step: int, cfg: "Config
     state = {**trainer.state_dict(), "step": step, "rng": {f"rank{dims.rank}": rng_state(dims)}}
     with quiet_single_process():
         dcp.save(state, checkpoint_id=tmp, no_dist=not dims.distributed)  # returns once every rank has written
-    if dims.rank == 0:
-        (tmp / "config.yaml").write_text(config_yaml(cfg))
-        trainer.hf_config.to_json_file(tmp / "hf_config.json")
-        info = {"step": step, "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "ep": dims.ep,
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        _write_synced(tmp / MARKER, json.dumps(info) + "\n")
-        old = final.with_name(final.name + ".old")
-        if final.exists():  # the same step saved before (a resume from an older checkpoint)
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.rename(final)
-        _fsync(root)
-        shutil.rmtree(old, ignore_errors=True)
-        for stale in complete_checkpoints(root)[:-cfg.checkpoint.keep]:
-            shutil.rmtree(stale)
-        for stale in root.glob("step_*.tmp"):  # saves killed earlier
-            shutil.rmtree(stale, ignore_errors=True)
-    _barrier(dims)  # published before any rank moves on
+    decided_on_rank0(dims, lambda: _publish(trainer, tmp, final, step, cfg, dims))  # an error raised on every rank
     return final
+
+
+def _publish(trainer: Checkpointable, tmp: Path, final: Path, step: int, cfg: "Config", dims: ParallelDims) -> None:
+    """Rank 0: every shard the metadata names present in `tmp` (each rank's, seen from here),
+    then COMPLETE, the rename, the rotation. A checkpoint that would not load is never published."""
+    missing = unloadable_files(tmp)
+    if missing:
+        raise RuntimeError(
+            f"checkpoint {final} not published (its shards stay in {tmp}): " + "; ".join(missing)
+            + ". Every rank writes its shards into this folder and rank 0 publishes it, so every rank must see it: "
+            "put checkpoint.dir (default <run folder>/checkpoints) on a filesystem every node mounts at the same path")
+    root = final.parent
+    (tmp / "config.yaml").write_text(config_yaml(cfg))
+    trainer.hf_config.to_json_file(tmp / "hf_config.json")
+    info = {"step": step, "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "ep": dims.ep,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    _write_synced(tmp / MARKER, json.dumps(info) + "\n")
+    old = final.with_name(final.name + ".old")
+    if final.exists():  # the same step saved before (a resume from an older checkpoint)
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    _fsync(root)
+    shutil.rmtree(old, ignore_errors=True)
+    for stale in complete_checkpoints(root)[:-cfg.checkpoint.keep]:
+        shutil.rmtree(stale)
+    for stale in root.glob("step_*.tmp"):  # saves killed earlier
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def unloadable_files(path: Path) -> list[str]:
+    """What keeps the checkpoint at `path` from loading, found without reading a tensor: its
+    metadata unreadable, or a file the metadata names (rank r's `__<r>_0.distcp`) missing or
+    shorter than the bytes it must hold. Empty: every file is there."""
+    try:
+        meta = dcp.FileSystemReader(path).read_metadata()
+    except Exception as error:  # missing, truncated, not DCP's
+        return [f"{path / '.metadata'}: unreadable ({type(error).__name__}: {error})"]
+    need: dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, size in sorted(need.items()):
+        rank = m.group(1) if (m := re.match(r"__(\d+)_", name)) else "?"
+        try:
+            got = (path / name).stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{path / name} (rank {rank}'s shards) not found")
+            continue
+        if got < size:
+            problems.append(f"{path / name} (rank {rank}'s shards) holds {got} bytes, the metadata needs {size} "
+                            "(truncated)")
+    return problems
 
 
 def load_checkpoint(trainer: Checkpointable, path: str | Path, dims: ParallelDims) -> int:
@@ -302,7 +351,7 @@ def check_entries(state: dict[str, Any], saved: dict[str, Any], path: Path) -> N
     problems += [f"{key}: in the checkpoint, not in this run" for key in extra]
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-        raise ValueError(f"checkpoint {path} does not match this run (another model or algorithm?): "
+        raise CheckpointMismatch(f"checkpoint {path} does not match this run (another model or algorithm?): "
                          + "; ".join(problems[:5]) + more)
 
 
@@ -330,7 +379,7 @@ def check_config(path: Path, cfg: "Config") -> None:
     changed = _changed(saved, now)
     for key in changed:
         if any(key == m or key.startswith(m + ".") for m in MODEL_KEYS):
-            raise ValueError(f"resume={str(path)!r}: the checkpoint was saved with "
+            raise CheckpointMismatch(f"resume={str(path)!r}: the checkpoint was saved with "
                              f"{key}={saved.get(key, '<unset>')!r}, this run has {key}={now.get(key, '<unset>')!r} "
                              "(a checkpoint of another model)")
     _check_model_shape(path, cfg)
@@ -357,7 +406,7 @@ def _check_model_shape(path: Path, cfg: "Config") -> None:
             given = [f"model.overrides.{k}" for k in m.overrides if k in names]
             source = given[0] if given else (f"{m.pretrained_path}/config.json" if m.pretrained_path
                                              else f"the tiny {config.model_type} default")
-            raise ValueError(f"resume={str(path)!r}: the checkpoint's model has {key}={saved.get(key)!r}, this run's "
+            raise CheckpointMismatch(f"resume={str(path)!r}: the checkpoint's model has {key}={saved.get(key)!r}, this run's "
                              f"has {key}={now.get(key)!r} (from {source}): a checkpoint of another model")
 
 
@@ -388,12 +437,13 @@ def run_to_continue(cfg: "Config", run_dir: str | None) -> Path | None:
         return None
     now, found, others = _flat(config_dict(cfg)), [], []
     for folder in outputs.iterdir():
-        saved = complete_checkpoints(folder / "checkpoints")
-        if not saved:
+        # the newest checkpoint whose config reads (a truncated one is the Checkpointer's to fall back past)
+        saved = next(((p, c) for p in reversed(complete_checkpoints(folder / "checkpoints"))
+                      if (c := _saved_config(p)) is not None), None)
+        if saved is None:
             continue
-        differ = [k for k in _changed(_flat(yaml.safe_load((saved[-1] / "config.yaml").read_text())), now)
-                  if not any(k == c or k.startswith(c + ".") for c in RUN_CONTROL)]
-        (others if differ else found).append(((saved[-1] / MARKER).stat().st_mtime, folder, differ))
+        differ = [k for k in _changed(_flat(saved[1]), now) if not any(k == c or k.startswith(c + ".") for c in RUN_CONTROL)]
+        (others if differ else found).append(((saved[0] / MARKER).stat().st_mtime, folder, differ))
     if found:
         _, folder, _ = max(found, key=lambda f: f[0])
         _say(f"resume=auto: continuing {folder}, the newest run of this experiment under {outputs}")
@@ -403,6 +453,15 @@ def run_to_continue(cfg: "Config", run_dir: str | None) -> Path | None:
         _say(f"resume=auto: no run under {outputs} has a checkpoint of this experiment (the newest, {folder}, "
              f"differs in {', '.join(differ[:5])}); starting a new run")
     return None
+
+
+def _saved_config(path: Path) -> dict | None:
+    """A checkpoint's config.yaml as a dict; None when it does not read."""
+    try:
+        saved = yaml.safe_load((path / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return saved if isinstance(saved, dict) else None
 
 
 def _say(line: str) -> None:
@@ -417,40 +476,85 @@ def _changed(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 # ------------------------------------------------------------------ checkpointer
 class Checkpointer:
-    """When to save, where, and which checkpoint a run resumes from (see the module docstring)."""
+    """When to save, where, and which checkpoint a run resumes from (see the module docstring).
+    Which checkpoint is decided on rank 0 and read by every rank (a listing may differ between
+    nodes: NFS caches attributes). `resume=auto` and a torchrun restart fall back past a
+    checkpoint that does not load to the newest one that does: the failing file is logged
+    and the checkpoint kept, renamed `step_N.unloadable` (never loaded again, never rotated away)."""
 
     def __init__(self, cfg: "Config", dims: ParallelDims, run_dir: str | Path) -> None:
         c = cfg.checkpoint  # its ranges are rl.config.validate's
         self.cfg, self.dims = cfg, dims
         self.root = Path(c.dir) if c.dir else Path(run_dir) / "checkpoints"
-        self.resume_from = self._resume_path(cfg.resume)
-        if self.resume_from is not None:
-            check_config(self.resume_from, cfg)
+        self.resume_from, self.fallback = decided_on_rank0(dims, lambda: self._choose(cfg.resume))
 
-    def _resume_path(self, resume: str) -> Path | None:
+    def _choose(self, resume: str) -> tuple[Path | None, bool]:
+        """Rank 0: (the checkpoint to resume, None for a fresh start; whether to fall back past it)."""
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
         if restart > 0 and complete_checkpoints(self.root):  # torchrun restarted the group after a failure
             log.info("torchrun restart %d: continuing from this run's newest checkpoint", restart)
-            return complete_checkpoints(self.root)[-1]
+            return self._newest_loadable(), True
         if resume == "never":
-            return None
+            return None, False
         if resume == "auto":  # the run folder is this experiment's newest run (`run_to_continue`)
-            found = complete_checkpoints(self.root)
-            if not found:
+            if not complete_checkpoints(self.root):
                 log.warning("resume=auto: no complete checkpoint under %s, starting fresh", self.root)
-            return found[-1] if found else None
+                return None, True
+            return self._newest_loadable(), True
         try:
-            return find_checkpoint(resume)
+            path = find_checkpoint(resume)
         except ValueError as e:
             raise ValueError(f"resume={resume!r}: {e}; expected never, auto, a checkpoint folder "
                              f"(e.g. {self.root / checkpoint_name(4)}) or a folder of them") from None
+        problems = _unreadable(path)
+        if problems:
+            raise ValueError(f"resume={resume!r}: {path} does not load: {'; '.join(problems)}")
+        check_config(path, self.cfg)
+        return path, False
+
+    def _newest_loadable(self, failed: dict[Path, str] | None = None) -> Path:
+        """Rank 0: the newest complete checkpoint of `root` whose files are all there (its config
+        checked against this run's); those that are not, and `failed` (loads that failed), set
+        aside. A RuntimeError naming every failing file when none is left."""
+        failed = dict(failed or {})
+        for path in reversed(complete_checkpoints(self.root)):
+            if path in failed:
+                continue
+            problems = _unreadable(path)
+            if problems:
+                failed[path] = "; ".join(problems)
+                continue
+            check_config(path, self.cfg)  # another model: refused, not fallen back past
+            for bad, why in failed.items():
+                kept = _set_aside(bad)
+                log.warning("checkpoint %s does not load (%s): kept as %s; resuming from %s", bad, why, kept.name,
+                            path.name)
+            return path
+        raise RuntimeError(f"no checkpoint under {self.root} loads: "
+                           + "; ".join(f"{p.name}: {why}" for p, why in failed.items())
+                           + " (all kept as they are; resume=never starts over, in another hydra.run.dir)")
 
     def resume(self, trainer: Checkpointable) -> int:
-        """Load the checkpoint chosen by `resume`; the number of steps already done (0 when fresh)."""
+        """Load the checkpoint chosen by `resume`; the number of steps already done (0 when fresh).
+        A collective: a load that fails on any rank is retried from the checkpoint before it on
+        every rank (resume=auto, restarts), else raised on every rank."""
         if self.resume_from is None:
             return 0
         t0 = time.perf_counter()
-        step = load_checkpoint(trainer, self.resume_from, self.dims)
+        while True:
+            try:
+                step, failed = load_checkpoint(trainer, self.resume_from, self.dims), ""
+            except CheckpointMismatch:
+                raise
+            except (Exception, CheckpointException) as error:  # a file that does not read: agreed below, on every rank
+                step, failed = -1, _reason(error)
+            failures = list(dict.fromkeys(why for why in gathered(self.dims, failed) if why))
+            if not failures:
+                break
+            why = "; ".join(failures)
+            if not self.fallback:
+                raise RuntimeError(f"resume={self.cfg.resume!r}: {self.resume_from} does not load: {why}")
+            self.resume_from = decided_on_rank0(self.dims, lambda: self._newest_loadable({self.resume_from: why}))
         log.info("resumed from %s (%d steps done) in %.2f s", self.resume_from, step, time.perf_counter() - t0)
         if step >= self.cfg.trainer.max_steps:
             log.warning("the checkpoint has %d steps done, trainer.max_steps=%d: nothing left to run", step,
@@ -468,6 +572,36 @@ class Checkpointer:
 
 
 # --------------------------------------------------------------------- helpers
+def _unreadable(path: Path) -> list[str]:
+    """Why the complete checkpoint at `path` would not load, from its files alone (no tensor read)."""
+    problems = []
+    for name in (MARKER, "hf_config.json"):
+        try:
+            json.loads((path / name).read_text() or "{}")
+        except (OSError, ValueError) as error:
+            problems.append(f"{path / name}: {type(error).__name__}: {error}")
+    if _saved_config(path) is None:
+        problems.append(f"{path / 'config.yaml'}: unreadable")
+    return problems + unloadable_files(path)
+
+
+def _reason(error: BaseException) -> str:
+    """A load's error on one line a rank: DCP's CheckpointException holds each failing rank's."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {r}: {_reason(e)}" for r, (e, _) in sorted(error.failures.items()))
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename a checkpoint that does not load out of the way (kept for inspection)."""
+    kept, n = path.with_name(path.name + SET_ASIDE), 1
+    while kept.exists():
+        n += 1
+        kept = path.with_name(f"{path.name}{SET_ASIDE}{n}")
+    path.rename(kept)
+    return kept
+
+
 def _barrier(dims: ParallelDims) -> None:
     if dims.distributed:
         dist.barrier()
