@@ -22,10 +22,11 @@ from tqdm import tqdm  # noqa: E402
 
 from model.library_noise import silence_library_noise  # noqa: E402
 from model.parallel_dims import init_distributed  # noqa: E402
-from rl.trainer.checkpoint import Checkpointer  # noqa: E402
+from rl.trainer.checkpoint import Checkpointer, save_checkpoint  # noqa: E402
 from rl.config import Config, check_command_line, load, register, validate  # noqa: E402
 from rl.trainer.metrics import MetricsWriter, code_commit, run_failed  # noqa: E402
 from rl.trainer.run_folder import RunFolderInUse, claim, start_folder  # noqa: E402
+from rl.trainer.stop import StopSignal  # noqa: E402
 
 register()
 log = logging.getLogger("train")
@@ -77,20 +78,29 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
         bar.set_postfix(shown | now, refresh=True)
 
     trainer.on_progress = progress if not bar.disable else None
-    for step in bar:
-        now.clear()
-        metrics = trainer.step(step)  # with the held-out evaluation of the policy it started from, when due
-        writer.log(metrics, trainer.samples)  # samples: rank 0's first trainer.log_samples episodes of the step
-        if "eval_accuracy" in metrics:
-            log.info("step %d held-out accuracy %s (%d problems, %.0f s)", step, _accuracy(metrics),
-                     len(trainer.heldout), metrics["eval_s"])
-            shown["eval_acc"] = f"{metrics['eval_accuracy']:.3f}"
-        log.info("step %d reward %.4f loss %.4g grad_norm %.4g tokens/s %.0f", step, metrics["reward_mean"],
-                 metrics["loss"], metrics["grad_norm"], metrics["tokens_per_s"])
-        shown.update(reward=f"{metrics['reward_mean']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
-        bar.set_postfix(shown)
-        ckpt.after_step(trainer, step + 1)  # every checkpoint.every steps, and after the last
-    if cfg.eval.every and start < cfg.trainer.max_steps:  # the trained policy
+    stopped = None  # the steps done when a stop signal (SIGTERM, SIGUSR1) ended the run early
+    with StopSignal(dims) as stop:  # rl/trainer/stop.py: every rank stops after the same step
+        for step in bar:
+            now.clear()
+            metrics = trainer.step(step)  # with the held-out evaluation of the policy it started from, when due
+            writer.log(metrics, trainer.samples)  # samples: rank 0's first trainer.log_samples episodes of the step
+            if "eval_accuracy" in metrics:
+                log.info("step %d held-out accuracy %s (%d problems, %.0f s)", step, _accuracy(metrics),
+                         len(trainer.heldout), metrics["eval_s"])
+                shown["eval_acc"] = f"{metrics['eval_accuracy']:.3f}"
+            log.info("step %d reward %.4f loss %.4g grad_norm %.4g tokens/s %.0f", step, metrics["reward_mean"],
+                     metrics["loss"], metrics["grad_norm"], metrics["tokens_per_s"])
+            shown.update(reward=f"{metrics['reward_mean']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+            bar.set_postfix(shown)
+            saved = ckpt.after_step(trainer, step + 1)  # every checkpoint.every steps, and after the last
+            if step + 1 < cfg.trainer.max_steps and stop.requested():
+                stopped = step + 1
+                saved = saved or save_checkpoint(trainer, ckpt.root, stopped, cfg, dims)
+                log.info("%s: stopped after %d of %d steps with the checkpoint %s; continue the run with resume=auto "
+                         "(or resume=%s)", stop.received or "a stop signal on another rank", stopped,
+                         cfg.trainer.max_steps, saved, saved)
+                break
+    if cfg.eval.every and start < cfg.trainer.max_steps and stopped is None:  # the trained policy
         final = {"step": cfg.trainer.max_steps, **trainer.evaluate()}
         writer.log(final)
         log.info("after %d steps: held-out accuracy %s (%d problems)", cfg.trainer.max_steps,

@@ -2,9 +2,11 @@
 on PYTHONPATH (with the repository root), Python imports this module at start-up in every
 process of a run (torchrun, launch/local.sh and each rank). `RL_TEST_KILL=<point>:<step>[:<rank>]`
 SIGKILLs that rank (default 0) at `point`, in a run's first attempt only (torchrun's
-TORCHELASTIC_RESTART_COUNT is 0 or unset):
+TORCHELASTIC_RESTART_COUNT is 0 or unset), or sends it `RL_TEST_SIGNAL` instead (TERM, USR1: a stop
+request, rl/trainer/stop.py):
   in_save     the checkpoint of `step` steps has its shards written, not yet published
   after_step  `step` steps are done (and saved when due)
+  in_step     step `step` (0-based) begins
   in_rollout  rollout.max_staleness >= 1: the rollout thread's generation of `step`'s rollout
               has begun (while an earlier step trains: a rollout in flight)
 `RL_TEST_TRACE=<file>` (every attempt) appends one JSON line per trained step and rank: the
@@ -27,7 +29,7 @@ if SPEC and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
     def _maybe_kill(where: str, step: int) -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         if where == point and step == int(at) and rank == int(who[0] if who else 0):
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("RL_TEST_SIGNAL", "KILL")))
 
     from rl.rollout import scheduler
 
@@ -50,6 +52,16 @@ if SPEC and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
 
     dcp.save, checkpoint.Checkpointer.after_step = _save, _after_step
     scheduler.RolloutScheduler._run = _in_rollout
+    if point == "in_step":  # the trainer module only when needed (it imports the model code)
+        from rl.trainer import trainer as _trainer_module
+
+        trainer_step = _trainer_module.Trainer.step
+
+        def _in_step(self, at, *args, **kwargs):
+            _maybe_kill("in_step", at)
+            return trainer_step(self, at, *args, **kwargs)
+
+        _trainer_module.Trainer.step = _in_step
 
 TRACE = os.environ.get("RL_TEST_TRACE")
 if TRACE:
