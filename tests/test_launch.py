@@ -1,7 +1,9 @@
 """Launch scripts print the exact command they run; the GPU check and the memory plan work on CPU.
 
 - launch/slurm.sbatch --dry-run: the `srun ... torchrun ...` line from fake SLURM variables
-  (2 nodes of 8 GPUs), with and without `scontrol` on PATH.
+  (2 nodes of 8 GPUs), with and without `scontrol` on PATH; outside SLURM, from the stand-ins
+  it names on stderr; the socket interfaces passed to the ranks when set. (Its SIGUSR1 before
+  the time limit, run end to end with a stand-in srun: tests/test_stop.py.)
 - launch/local.sh --dry-run / DRY_RUN=1: the torchrun line, `--max-restarts` included.
 - the launch scripts are valid bash (launch/gpu_check.sh's rehearsal: tests/test_gpu_check.py).
 - bench/memory_plan.py counts the published parameters from meta models and says what fits.
@@ -40,10 +42,13 @@ def _dry_run(script: str, *args: str, **kw) -> list[str]:
     return shlex.split(lines[0])
 
 
-def _srun_line(head: str = "gpu07", restarts: str = "3", nproc: str = "8", port: str = "29500") -> list[str]:
-    return ["srun", "--ntasks-per-node=1", ".venv/bin/torchrun", "--nnodes", "2", "--nproc-per-node", nproc,
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head}:{port}", "--rdzv-id", "4242",
-            "--max-restarts", restarts, "train.py", "trainer.max_steps=3"]
+def _srun_line(head: str = "gpu07", restarts: str = "3", nproc: str = "8", port: str = "29500", nodes: str = "2",
+               job: str = "4242", shutdown: str = "270", env: tuple[str, ...] = ()) -> list[str]:
+    return ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", *(["env", *env] if env else []),
+            ".venv/bin/torchrun", "--nnodes", nodes, "--nproc-per-node", nproc,
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head}:{port}", "--rdzv-id", job,
+            "--max-restarts", restarts, "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            "--shutdown-timeout", shutdown, "train.py", "trainer.max_steps=3"]
 
 
 # ------------------------------------------------------------------- SLURM
@@ -52,10 +57,26 @@ def test_slurm_dry_run_prints_srun_torchrun_with_rendezvous_on_the_first_node():
 
 
 def test_slurm_dry_run_reads_overrides_from_the_environment():
-    env = {**SLURM_2x8, "MAX_RESTARTS": "1", "NPROC": "4", "RDZV_PORT": "29601"}
+    env = {**SLURM_2x8, "MAX_RESTARTS": "1", "NPROC": "4", "RDZV_PORT": "29601", "SHUTDOWN_TIMEOUT": "500"}
     del env["SLURM_JOB_NUM_NODES"]  # older SLURM: only SLURM_NNODES
     line = _dry_run("launch/slurm.sbatch", "--dry-run", "trainer.max_steps=3", env=env)
-    assert line == _srun_line(restarts="1", nproc="4", port="29601")
+    assert line == _srun_line(restarts="1", nproc="4", port="29601", shutdown="500")
+
+
+def test_slurm_passes_the_socket_interfaces_to_the_ranks_when_set():
+    env = {**SLURM_2x8, "NCCL_SOCKET_IFNAME": "ib0,ib1", "GLOO_SOCKET_IFNAME": "eth0"}
+    line = _dry_run("launch/slurm.sbatch", "--dry-run", "trainer.max_steps=3", env=env)
+    assert line == _srun_line(env=("NCCL_SOCKET_IFNAME=ib0,ib1", "GLOO_SOCKET_IFNAME=eth0"))
+    only_gloo = _dry_run("launch/slurm.sbatch", "--dry-run", "trainer.max_steps=3",
+                         env={**SLURM_2x8, "GLOO_SOCKET_IFNAME": "lo"})
+    assert only_gloo == _srun_line(env=("GLOO_SOCKET_IFNAME=lo",))
+
+
+def test_slurm_time_limit_signal_is_usr1_to_the_batch_shell_and_the_script_execs_srun():
+    """SLURM's warning goes to the script alone (B:), which by then is srun (exec): srun turns a
+    SIGTERM into SIGKILL for its tasks, a SIGUSR1 it passes on (torchrun: --signals-to-handle)."""
+    text = (ROOT / "launch/slurm.sbatch").read_text()
+    assert re.search(r"(?m)^#SBATCH --signal=B:USR1@300$", text) and re.search(r'(?m)^exec "\$\{cmd\[@\]\}"$', text)
 
 
 def test_slurm_dry_run_keeps_an_override_with_spaces_as_one_argument():
@@ -82,8 +103,22 @@ def test_slurm_first_node_without_scontrol(nodelist, first):
 @pytest.mark.parametrize("missing", ["SLURM_JOB_NODELIST", "SLURM_JOB_ID", "SLURM_GPUS_ON_NODE"])
 def test_slurm_without_its_variables_fails_naming_the_variable(missing):
     env = {k: v for k, v in SLURM_2x8.items() if k != missing}
-    done = _bash("launch/slurm.sbatch", "--dry-run", env=env)
+    done = _bash("launch/slurm.sbatch", "trainer.max_steps=3", env=env)  # a run, not a dry run: no srun reached
     assert done.returncode != 0 and missing in done.stderr and not done.stdout
+
+
+def test_slurm_dry_run_outside_slurm_stands_in_for_what_sbatch_sets_and_says_so():
+    """No SLURM variable at all (a laptop, CI): 1 node, localhost, 8 GPUs, job id dry-run, each
+    named on stderr; what is set is used and not named."""
+    done = _bash("launch/slurm.sbatch", "--dry-run", "trainer.max_steps=3")
+    assert done.returncode == 0, done.stderr
+    assert shlex.split(done.stdout) == _srun_line(head="localhost", nodes="1", job="dry-run")
+    assert done.stderr.strip() == ("slurm.sbatch --dry-run: not set, standing in: SLURM_JOB_NUM_NODES=1 "
+                                   "SLURM_JOB_NODELIST=localhost SLURM_GPUS_ON_NODE=8 SLURM_JOB_ID=dry-run")
+    done = _bash("launch/slurm.sbatch", "--dry-run", "trainer.max_steps=3",
+                 env={"SLURM_NNODES": "4", "NPROC": "2", "SLURM_JOB_NODELIST": "gpu[3-6]"})
+    assert shlex.split(done.stdout) == _srun_line(head="gpu3", nodes="4", nproc="2", job="dry-run")
+    assert done.stderr.strip() == "slurm.sbatch --dry-run: not set, standing in: SLURM_JOB_ID=dry-run"
 
 
 # ------------------------------------------------------------------- local

@@ -4,6 +4,11 @@
   block, and `requested()` is true on every rank once any rank got one (2 gloo ranks).
 - One process, SIGTERM as step 3 begins: the step finishes, the run saves step_00000004, logs
   the stop and exits 0; `resume=auto` finishes it with the uninterrupted run's metrics.
+- launch/slurm.sbatch itself (a stand-in srun that runs its command line on this machine; one
+  node of 2 ranks, c10d on localhost, GLOO_SOCKET_IFNAME passed through): SIGUSR1 to the job
+  step, as srun passes SLURM's time-limit warning on, reaches both ranks through torchrun;
+  they stop after the same step with one complete checkpoint holding both ranks' shards, and
+  the same script with resume=auto continues from it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +26,7 @@ import pytest
 from model.parallel_dims import ParallelDims
 from rl.trainer.checkpoint import complete_checkpoints
 from rl.trainer.stop import StopSignal
-from tests.distributed import run_distributed
+from tests.distributed import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"tokens_per_s", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "step_s", "weight_sync_s"}
@@ -85,4 +91,49 @@ def test_sigterm_saves_the_step_it_stops_at_and_resume_gives_the_uninterrupted_m
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {ckpt} (4 steps done)" in (out / "train.log").read_text()
     assert _metrics(out) == _metrics(whole)  # steps 4..7 bit for bit
+
+
+# ------------------------------------------------------------ launch/slurm.sbatch, end to end
+def _sbatch(tmp_path: Path, job: str, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+    """launch/slurm.sbatch as sbatch would start it on one node of 2 ranks, with `srun` a stand-in
+    that drops its options and runs the command in its place (as srun's task, the same process)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    srun = bin_dir / "srun"
+    srun.write_text('#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n')
+    srun.chmod(0o755)
+    slurm = {"SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": job, "NPROC": "2",
+             "SLURM_SUBMIT_DIR": str(ROOT), "RDZV_PORT": str(free_port()), "MAX_RESTARTS": "0",
+             "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(["bash", str(ROOT / "launch" / "slurm.sbatch"), *overrides],
+                            env={**ENV, "PATH": f"{bin_dir}:{ENV['PATH']}", **slurm, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _signal_after_two_steps(proc: subprocess.Popen, out: Path, sig: signal.Signals) -> str:
+    deadline = time.monotonic() + 300
+    metrics = out / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    return proc.communicate(timeout=300)[0]
+
+
+@pytest.mark.slow
+def test_slurm_time_limit_signal_stops_every_rank_at_one_checkpoint_that_resumes(tmp_path):
+    out = tmp_path / "run"
+    args = [f"hydra.run.dir={out}", "trainer.plot=false", "trainer.progress=false"]
+    log = _signal_after_two_steps(_sbatch(tmp_path, "4242", *args, "trainer.max_steps=40"), out, signal.SIGUSR1)
+    (ckpt,) = complete_checkpoints(out / "checkpoints")
+    n = int(ckpt.name.removeprefix("step_"))
+    assert 2 <= n < 40, log[-3000:]
+    assert f"SIGUSR1: stopped after {n} of 40 steps" in (out / "train.log").read_text()
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert len(_metrics(out)) == n and "forcefully exiting" not in log  # both ranks left by themselves
+    resumed = _sbatch(tmp_path, "4243", *args, f"trainer.max_steps={n + 2}", "resume=auto")
+    tail = resumed.communicate(timeout=600)[0]
+    assert resumed.returncode == 0, tail[-3000:]
+    assert f"resumed from {ckpt} ({n} steps done)" in (out / "train.log").read_text()
+    assert [m["step"] for m in _metrics(out)] == list(range(n + 2))
 
