@@ -675,6 +675,10 @@ def _check_rollout_mode(cfg: Config) -> None:
     if not k:
         return
     m = f"rollout.mode={RolloutMode(r.mode).value}" if r.mode is not None else f"rollout.max_staleness={k}"
+    if r.tensor_parallel_size > 1:  # before the engine's check below, which may be lifted alone
+        raise ValueError(f"{m} with rollout.tensor_parallel_size={r.tensor_parallel_size}: a TP group gathers its "
+                         "prompts (a collective) on the rollout thread while the main thread trains, which no GPU "
+                         "test has run yet; set rollout.max_staleness=0 or rollout.tensor_parallel_size=1")
     if ReplicaMode(r.replica) is ReplicaMode.SHARDED:
         raise ValueError(f"{m} with rollout.replica=sharded: generation would use the training policy's shards "
                          "while they train; set rollout.replica=keep (or auto)")

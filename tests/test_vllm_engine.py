@@ -15,6 +15,7 @@ for head_dim 16, so the tiny models use head_dim 32.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,7 +40,10 @@ def test_llm_kwargs_cpu_and_cuda_colocated():
     cuda = llm_kwargs("/m", device="cuda", tensor_parallel_size=2, world_size=8, gpu_memory_utilization=0.4,
                       enable_sleep_mode=True)
     assert cuda["distributed_executor_backend"] == "external_launcher"
-    assert (cuda["tensor_parallel_size"], cuda["data_parallel_size"]) == (2, 4)
+    # one engine per TP group, vLLM's own DP off (offline LLM with data_parallel_size > 1 can hang): the
+    # trainer already gives each rank its prompts
+    assert (cuda["tensor_parallel_size"], cuda["data_parallel_size"]) == (2, 1)
+    assert llm_kwargs("/m", device="cuda", world_size=8)["data_parallel_size"] == 1
     assert cuda["gpu_memory_utilization"] == 0.4 and cuda["enable_sleep_mode"] is True
     one = llm_kwargs("/m", device="cuda", world_size=1)  # one process, no torchrun: no RANK to read
     assert one["distributed_executor_backend"] == "uni" and one["tensor_parallel_size"] == 1
@@ -132,6 +136,22 @@ def test_rollout_config_checks_name_their_key():
         compose("rollout.sync_bucket_bytes=10")
     with pytest.raises(ValueError, match="rollout.tensor_parallel_size"):
         compose("rollout.tensor_parallel_size=3", world_size=2)
+
+
+@pytest.mark.parametrize("staleness", [("rollout.max_staleness=1",), ("rollout.mode=async", "rollout.max_staleness=2")])
+def test_vllm_tensor_parallel_with_a_rollout_thread_is_refused_before_vllm_is_imported(monkeypatch, staleness):
+    """rollout.tensor_parallel_size > 1 with max_staleness >= 1 (a TP gather on the rollout thread
+    beside the training collectives) is refused naming both keys, until a GPU test runs it; found
+    without vLLM installed. Controls: TP 2 with max_staleness=0, and TP 1 with a rollout thread, pass
+    this check (they reach the vLLM import, or the HF engine's own rules)."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # the refusal comes before `import vllm`
+    tp2 = ("rollout.engine=vllm", "rollout.tensor_parallel_size=2", "algo.tis_cap=2.0")
+    with pytest.raises(ValueError, match=r"rollout\.(max_staleness|mode)=\w+ with rollout\.tensor_parallel_size=2: .*"
+                                         r"set rollout\.max_staleness=0 or rollout\.tensor_parallel_size=1"):
+        compose(*tp2, *staleness, world_size=2)
+    with pytest.raises(ImportError, match="make install-vllm"):  # control: past the check, at the vLLM import
+        compose(*tp2, "rollout.max_staleness=0", world_size=2)
+    compose("rollout.tensor_parallel_size=1", "algo.tis_cap=2.0", *staleness, world_size=2)  # control: hf, TP 1
     with pytest.raises(Exception, match="rollout.engine"):
         compose("rollout.engine=sglang")
 

@@ -27,8 +27,10 @@ reset. How the tensors travel:
   all, goes through the same `collective_rpc` with no copy to host.
 
 GPU colocation: under torchrun the engine lives inside each rank (`external_launcher`, which
-reads torchrun's RANK), with `rollout.tensor_parallel_size` ranks per vLLM replica (the
-replicas are vLLM's data-parallel ranks); one process without torchrun uses `uni` (TP 1).
+reads torchrun's RANK), one engine per `rollout.tensor_parallel_size` ranks, each on its own:
+vLLM's data parallelism stays 1 (an offline `LLM` with data_parallel_size > 1 can hang, vLLM
+#27269 / #27282, and the trainer already gives each rank its own prompts); one process without
+torchrun uses `uni` (TP 1).
 Either way `rollout.gpu_memory_utilization` of the GPU; with `rollout.enable_sleep_mode`
 the trainer calls `sleep()` after the rollout (level 1: weights to host, KV cache freed)
 and `load_weights` wakes the weights, loads, then wakes the KV cache. TP peers must run
@@ -166,8 +168,8 @@ def llm_kwargs(model_dir: str, *, device: str, dtype: str = "float32", max_model
                enforce_eager: bool = True, routed_experts: bool = False, lora_rank: int = 0) -> dict[str, Any]:
     """The `vllm.LLM(...)` arguments: token-id prompts only (no tokenizer), processed log-probs
     (of softmax(logits / T)), the worker extension; on cuda the colocated layout of verl / TRL
-    (`world_size` > 1: external_launcher, TP inside the torchrun ranks, DP = world / TP; one
-    process: the uniprocess executor; sleep mode). `routed_experts`: no prefix caching across
+    (`world_size` > 1: external_launcher, one engine per TP group of torchrun ranks, vLLM's
+    data_parallel_size 1; one process: the uniprocess executor; sleep mode). `routed_experts`: no prefix caching across
     generations is needed, but vLLM's V1 model runner is (`engine_env`). `lora_rank` > 0:
     `enable_lora` with vLLM's smallest `max_lora_rank` that holds it, one adapter live."""
     kw: dict[str, Any] = dict(
@@ -193,7 +195,7 @@ def llm_kwargs(model_dir: str, *, device: str, dtype: str = "float32", max_model
                              f"({world_size} ranks)")
         backend = "external_launcher" if world_size > 1 else "uni"  # external_launcher reads torchrun's RANK
         kw.update(distributed_executor_backend=backend, tensor_parallel_size=tensor_parallel_size,
-                  data_parallel_size=world_size // tensor_parallel_size,
+                  data_parallel_size=1,  # the engines of the TP groups are independent (module docstring)
                   gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
     elif device == "cpu":
         if tensor_parallel_size != 1:
