@@ -121,6 +121,15 @@ def test_slurm_dry_run_outside_slurm_stands_in_for_what_sbatch_sets_and_says_so(
     assert done.stderr.strip() == "slurm.sbatch --dry-run: not set, standing in: SLURM_JOB_ID=dry-run"
 
 
+def test_the_documented_slurm_dry_run_is_what_the_script_prints():
+    """docs/configuration.md shows `launch/slurm.sbatch --dry-run trainer.max_steps=3` outside SLURM
+    with its stderr and stdout lines: the script prints exactly those."""
+    doc = (ROOT / "docs/configuration.md").read_text()
+    block = doc[doc.index("$ launch/slurm.sbatch --dry-run trainer.max_steps=3"):].split("```")[0].splitlines()
+    done = _bash("launch/slurm.sbatch", "--dry-run", "trainer.max_steps=3")
+    assert block[1:3] == [done.stderr.strip(), done.stdout.strip()]
+
+
 # ------------------------------------------------------------------- local
 def test_local_dry_run_prints_torchrun_with_max_restarts_0_by_default():
     line = _dry_run("launch/local.sh", "4", "trainer.max_steps=3", env={"DRY_RUN": "1"})
