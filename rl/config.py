@@ -169,7 +169,10 @@ class TaskConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = 20  # training steps (each: a rollout, then algo.epochs x algo.mini_batches updates)
-    lr: float = 3e-3  # the policy's AdamW learning rate (peak, after warmup)
+    # the policy's AdamW learning rate (peak, after warmup): 3e-3 fits the tiny random models; model=pretrained
+    # (and model=smollm2) set 1e-5 for full fine-tuning, and start-up warns above FULL_FINETUNE_MAX_LR (1e-4) on
+    # a checkpoint without LoRA; LoRA's adapters take ~20x full fine-tuning's (the LoRA experiment: 2e-4)
+    lr: float = 3e-3
     lr_schedule: LRSchedule = LRSchedule.CONSTANT  # after warmup: constant, or cosine decay to 0 at the last update
     # optimizer updates of linear warmup: the lr of update i < warmup_steps is lr x (i + 1) / warmup_steps
     warmup_steps: int = 0
@@ -519,6 +522,23 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
     _check_device(cfg)
     _check_rollout(cfg, world_size)
     return dims
+
+
+# above it, full fine-tuning of a pretrained checkpoint warns at start-up (`learning_rate_warning`): the
+# usual full fine-tuning rates are 1e-6 (TRL's GRPO default) to 1e-5 (this project's SmolLM2 runs); 3e-3, the
+# tiny random models' default, wrecks a pretrained checkpoint within a few steps
+FULL_FINETUNE_MAX_LR = 1e-4
+
+
+def learning_rate_warning(cfg: Config) -> str | None:
+    """The start-up warning for full fine-tuning of a pretrained checkpoint (model.pretrained_path set,
+    model.lora.rank 0) at a `trainer.lr` above `FULL_FINETUNE_MAX_LR`; None when the rate is not suspect."""
+    if cfg.model.pretrained_path is None or cfg.model.lora.rank or cfg.trainer.lr <= FULL_FINETUNE_MAX_LR:
+        return None
+    return (f"trainer.lr={cfg.trainer.lr:g} is above {FULL_FINETUNE_MAX_LR:g} for full fine-tuning of the pretrained "
+            f"checkpoint model.pretrained_path={cfg.model.pretrained_path}: such rates wreck a pretrained model in a "
+            f"few steps; full fine-tuning usually takes 1e-6..1e-5 (model=pretrained's default: 1e-5), LoRA "
+            f"(model.lora.rank > 0) about 2e-4")
 
 
 def _positive(x: Any) -> bool:

@@ -236,6 +236,29 @@ def test_the_readme_math_command_composes_and_math_defaults_to_the_tokenizers_ch
     assert compose(*readme[:-2], check=False).task.options == options  # the default
 
 
+def test_a_pretrained_checkpoint_trains_at_its_own_learning_rate_and_a_high_one_warns(tmp_path):
+    """model=pretrained (and model=smollm2, which is it with a folder) set trainer.lr=1e-5; the tiny
+    random models keep the schema's 3e-3; an experiment or the command line still set their own."""
+    from rl.config import FULL_FINETUNE_MAX_LR, learning_rate_warning
+
+    pretrained = ("model=pretrained", f"model.pretrained_path={tmp_path}")
+    assert compose(*pretrained, check=False).trainer.lr == 1e-5
+    assert compose("model=smollm2", check=False).trainer.lr == 1e-5
+    assert compose(check=False).trainer.lr == compose("model=dense_tiny", check=False).trainer.lr == 3e-3
+    assert compose("+experiment=smollm2_arithmetic_lora", check=False).trainer.lr == 2e-4  # LoRA's own
+    assert compose(*pretrained, "trainer.lr=1e-6", check=False).trainer.lr == 1e-6
+    # the README's own-model command resolves to it (what `python train.py ... --cfg job` prints)
+    assert compose(*pretrained, "task=arithmetic", check=False).trainer.lr == 1e-5
+
+    assert learning_rate_warning(compose(*pretrained, check=False)) is None
+    assert learning_rate_warning(compose(*pretrained, f"trainer.lr={FULL_FINETUNE_MAX_LR}", check=False)) is None
+    message = learning_rate_warning(compose(*pretrained, "trainer.lr=3e-3", check=False))
+    assert message.startswith(f"trainer.lr=0.003 is above 0.0001 for full fine-tuning of the pretrained checkpoint "
+                              f"model.pretrained_path={tmp_path}"), message
+    assert learning_rate_warning(compose(*pretrained, "trainer.lr=3e-3", "model.lora.rank=8", check=False)) is None
+    assert learning_rate_warning(compose("trainer.lr=3e-3", check=False)) is None  # a tiny random model
+
+
 @pytest.mark.parametrize("advantage", ["grpo", "rloo"])
 def test_a_kl_reward_that_nothing_would_read_is_refused(advantage):
     message = refused(f"algo.advantage={advantage}", "algo.kl_coef=0.01", "algo.kl_mode=reward")
