@@ -129,30 +129,42 @@ def test_varied_groups_counts_the_groups_whose_rewards_differ():
     assert varied_groups(recs([0.0], [1.0])) == 1.0  # groups of one: nothing to compare, no warning
 
 
-def test_steps_without_reward_variance_in_any_group_warn_naming_the_cause(caplog):
-    from rl.trainer.guard import UNIFORM_STEPS, DivergenceGuard
+def test_steps_without_reward_variance_warn_at_once_then_every_signal_repeat_steps_naming_the_cause(caplog):
+    from rl.trainer.guard import SIGNAL_REPEAT, DivergenceGuard
 
-    guard = DivergenceGuard(max_bad_steps=3)
-    flat = {"reward_varied_groups": 0.0, "reward_mean": 0.0}
-    with caplog.at_level(logging.WARNING, logger="train"):
-        for step in range(UNIFORM_STEPS - 1):
-            guard.end(step, dict(flat))
-        guard.end(UNIFORM_STEPS - 1, {"reward_varied_groups": 0.25, "reward_mean": 0.1})  # the control: a streak ends
+    guard = DivergenceGuard(max_bad_steps=3, signal_hint="the answer is the reply's last <answer>...</answer>")
+    flat, varied = {"reward_varied_groups": 0.0, "reward_mean": 0.0}, {"reward_varied_groups": 0.25, "reward_mean": 0.1}
+    with caplog.at_level(logging.INFO, logger="train"):
+        guard.end(0, dict(varied))  # the control: a step with signal says nothing
         assert not caplog.records
-        for step in range(UNIFORM_STEPS, 3 * UNIFORM_STEPS):
+        for step in range(1, 1 + 2 * SIGNAL_REPEAT + 1):  # a streak of 2 x SIGNAL_REPEAT + 1 steps
             guard.end(step, dict(flat))
-    assert len(caplog.records) == 1, caplog.records  # once per streak
-    message = caplog.records[0].getMessage()
-    assert message.startswith(f"steps {UNIFORM_STEPS}-{2 * UNIFORM_STEPS - 1}: no prompt group had rewards that differ")
-    assert "every group-relative advantage is 0" in message
+        guard.end(100, dict(varied))  # the streak ends: logged once at INFO, no warning
+        guard.end(101, dict(varied))
+        guard.end(102, {"reward_varied_groups": 0.0, "reward_mean": 1.0})  # a new streak warns at once
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [int(m.split(":")[0].split()[1]) for m in warnings] == [1, 1 + SIGNAL_REPEAT, 1 + 2 * SIGNAL_REPEAT, 102]
+    first = warnings[0]
+    assert first.startswith("step 1: no prompt group had rewards that differ (reward_varied_groups=0, 1 step(s) in a "
+                            f"row; repeated every {SIGNAL_REPEAT} such steps)"), first
+    assert "every group-relative advantage is 0" in first and "No reward fired (reward_mean 0)" in first
+    assert "the reply's last <answer>...</answer>" in first  # the task's hint
+    assert f"{1 + SIGNAL_REPEAT} step(s) in a row" in warnings[1]
+    assert "every sample of a prompt scored alike (reward_mean 1" in warnings[-1].lower()
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert infos == [f"step 100: a prompt group's rewards differ again, after {1 + 2 * SIGNAL_REPEAT} step(s) without"]
 
 
-def test_a_constant_reward_is_logged_as_no_varied_group(tmp_path, monkeypatch):
+def test_a_constant_reward_is_logged_as_no_varied_group_and_warns_at_once(tmp_path, monkeypatch, caplog):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt_ids": [5, 6, 7]}\n{"prompt_ids": [8, 9]}\n')
     (tmp_path / "constant_rewards.py").write_text("def one(prompt_ids, response_ids):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     tr = trainer(*SMALL, "task=file", f"task.prompts_path={prompts}", "task.reward_fn=constant_rewards:one")
-    metrics = tr.step(0)
+    with caplog.at_level(logging.WARNING, logger="train"):
+        metrics = tr.step(0)
     assert metrics["reward_varied_groups"] == 0.0 and metrics["grad_norm"] == 0.0
+    warned = [r.getMessage() for r in caplog.records if "no prompt group had rewards that differ" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("step 0: ")  # the first such step warns
+    assert "reward_mean 1" in warned[0] and "check the reward (constant_rewards:one)" in warned[0], warned
     assert 0 < trainer(*SMALL).step(0)["reward_varied_groups"] <= 1  # the control: target_token's rewards vary

@@ -77,6 +77,25 @@ def test_the_reward_is_the_datasets_own_score_answer(tokenizer_dir, tokenizer):
     assert last.reward(ids, tokenizer.encode("no number"), meta) == 0.0
 
 
+def test_the_no_signal_hint_names_where_the_answer_is_read_and_its_suggestion_rewards_prose(tokenizer_dir,
+                                                                                              tokenizer):
+    """What the divergence guard's no-signal warning names for the task (rl/trainer/guard.py)."""
+    import re
+
+    tagged = gym(tokenizer_dir, dataset="basic_arithmetic", dataset_config=SMALL, size=10)
+    hint = tagged.signal_hint()
+    assert "<answer>...</answer> (task.options.answer_tag=answer)" in hint and "task.options.answer_pattern" in hint
+    suggested = re.search(r"answer_pattern \(e.g. '([^']+)'", hint).group(1)
+    ids, meta = tagged.prompts(1, seed=0)[0]
+    prose = tokenizer.encode(f"The sum is {meta['answer']}.")
+    assert tagged.reward(ids, prose, meta) == 0.0  # what the hint is about: prose is never rewarded
+    fixed = gym(tokenizer_dir, dataset="basic_arithmetic", dataset_config=SMALL, size=10, answer_pattern=suggested)
+    assert fixed.reward(ids, prose, meta) == 1.0  # the suggestion rewards it
+    assert "task.options.answer_pattern='-?\\\\d+'" in fixed.signal_hint()  # the hint names the pattern in use
+    assert "task.options.answer_tag=''" in gym(tokenizer_dir, dataset="basic_arithmetic", dataset_config=SMALL,
+                                              size=10, answer_tag="").signal_hint()
+
+
 def test_datasets_mix_by_weight_and_each_scores_its_own(tokenizer_dir, tokenizer):
     task = gym(tokenizer_dir, datasets={"basic_arithmetic": {"weight": 3, "config": SMALL},
                                         "chain_sum": {"weight": 1}}, size=400)
@@ -113,3 +132,30 @@ def test_the_config_composes_and_a_run_trains_and_evaluates(tiny_llama, tokenize
     metrics = [tr.step(s) for s in range(2)]
     assert all(0.0 <= m["reward_mean"] <= 1.0 and 0.0 <= m["eval_accuracy"] <= 1.0 for m in metrics)
     assert len(tr.heldout) == 6 and not set(questions(tr.heldout)) & tr.task.train_questions
+
+
+@pytest.mark.slow
+def test_train_log_warns_at_start_up_on_a_high_lr_and_at_the_first_step_without_signal(tiny_llama, tokenizer_dir,
+                                                                                         tmp_path):
+    """train.py on a pretrained (tiny) checkpoint: full fine-tuning at trainer.lr=3e-3 warns before the
+    first step, naming the key and the bound; the default answer_tag, which the untrained model never
+    writes, gives no reward signal, and step 0 warns naming task.options.answer_tag / answer_pattern."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={out}", "model=pretrained",
+           f"model.pretrained_path={tiny_llama}", "task=reasoning_gym", "task.options.dataset=basic_arithmetic",
+           f"task.tokenizer_path={tokenizer_dir}", "task.options.size=20", "task.prompts_per_step=2", "task.samples_per_prompt=2", "task.max_new_tokens=4",
+           "trainer.max_steps=1", "trainer.lr=3e-3", "trainer.progress=false", "trainer.plot=false",
+           "checkpoint.final=false"]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (out / "train.log").read_text()
+    assert "trainer.lr=0.003 is above 0.0001 for full fine-tuning of the pretrained checkpoint" in log
+    assert log.index("trainer.lr=0.003 is above") < log.index("step 0 reward")  # at start-up
+    assert "step 0: no prompt group had rewards that differ" in log and "No reward fired (reward_mean 0)" in log
+    assert "(task.options.answer_tag=answer): a model that answers in prose never writes it" in log

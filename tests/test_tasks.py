@@ -122,6 +122,12 @@ def test_math_task_takes_a_text_reward_function_by_name(tmp_path, tokenizer_dir,
                       reward_fn="tests.test_tasks:length_reward")
     assert task.reward([1], tokenizer.encode("one two three"), {"answer": 3}) == 1.0
     assert task.reward([1], tokenizer.encode("one two"), {"answer": 3}) == 0.0
+    # the no-signal warning's hint (rl/trainer/guard.py) names the reward in use: this one, or the answer checker's rule
+    assert task.signal_hint() == ("check the reward (tests.test_tasks:length_reward) on a few replies: it never told "
+                                  "them apart")
+    checked = build_task("math", prompts_path=str(path), tokenizer_path=str(tokenizer_dir))
+    assert checked.signal_hint().startswith("the reward (rl.tasks.answers:math_reward) compares the reply's last "
+                                            "\\boxed{...}, else its last number, with the answer")
 
 
 def test_math_task_errors(tmp_path, tokenizer_dir):

@@ -133,6 +133,19 @@ class ReasoningGymTask(TextTask, FileTask):
     def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> float:
         return float(self.data.score_answer(self.answer(self.decode(response_ids)), meta))
 
+    def signal_hint(self) -> str:
+        """Where the answer is read from (`answer`): the usual reason a model is never rewarded."""
+        if self.answer_pattern is not None:
+            return (f"the answer is the last match of task.options.answer_pattern={self.answer_pattern!r} in the "
+                    f"reply: check that the replies hold the answer in that form")
+        if self.answer_tag:
+            return (f"the answer is the reply's last <{self.answer_tag}>...</{self.answer_tag}> "
+                    f"(task.options.answer_tag={self.answer_tag}): a model that answers in prose never writes it; "
+                    f"set task.options.answer_pattern (e.g. '-?\\d+': the reply's last number) or ask for the tag "
+                    f"in task.options.template")
+        return ("the answer is the whole reply (task.options.answer_tag=''): a reply with more than the answer "
+                "scores at most len(answer) / len(reply); set task.options.answer_pattern to pick the answer out")
+
 
 def _specs(dataset: str | None, dataset_config: dict | None, datasets: dict | None,
            keys: bool = False) -> list[tuple]:

@@ -24,9 +24,13 @@ Entropy collapse is a warning, not an error: a mean entropy below `trainer.min_e
 (None: off) says the policy is turning deterministic, the usual sign of a too-large
 learning rate that still gives finite numbers.
 
-No learning signal is a warning too: `UNIFORM_STEPS` steps in a row on which no prompt group's
-rewards differ (`reward_varied_groups` 0) give every group-relative advantage 0, so loss and
-grad_norm are 0 and nothing moves (a tiny random model on a text task, a constant reward).
+No learning signal is a warning too: a step on which no prompt group's rewards differ
+(`reward_varied_groups` 0) gives every group-relative advantage 0, so loss and grad_norm are 0
+and nothing moves (a reply format the reward never reads, a reward that never fires, a tiny
+random model on a text task). The first such step warns, naming what the task's reward reads
+(`Task.signal_hint`: reasoning-gym's `answer_tag` / `answer_pattern`, the math answer checker,
+the user's reward), and the warning repeats every `SIGNAL_REPEAT` such steps while the streak
+lasts; a step with a group whose rewards differ ends the streak (logged at INFO).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ log = logging.getLogger("train")
 LOCAL_TERMS = ("rewards", "advantages", "loss")  # seen by one rank; grad_norm is global already
 
 
-UNIFORM_STEPS = 3  # steps in a row without reward variance inside any group before the warning
+SIGNAL_REPEAT = 10  # the no-signal warning: on the first step of a streak, then every 10 steps of it
 
 
 class DivergenceError(RuntimeError):
@@ -52,9 +56,11 @@ class DivergenceError(RuntimeError):
 
 
 class DivergenceGuard:
-    def __init__(self, max_bad_steps: int, min_entropy: float | None = None, *, verbose: bool = True) -> None:
+    def __init__(self, max_bad_steps: int, min_entropy: float | None = None, *, verbose: bool = True,
+                 signal_hint: str = "") -> None:
         self.max_bad_steps, self.min_entropy = max_bad_steps, min_entropy
         self.verbose = verbose  # rank 0 logs; every rank raises
+        self.signal_hint = signal_hint  # the task's likely cause of no reward signal (`Task.signal_hint`)
         self.bad_steps = 0  # consecutive
         self.uniform_steps = 0  # consecutive steps without reward variance inside any group
         self._seen: dict[str, torch.Tensor] = {}  # term -> "non-finite somewhere" (a 0-d bool on the device)
@@ -119,16 +125,27 @@ class DivergenceGuard:
             log.warning("step %d: mean entropy %.3g is below trainer.min_entropy=%g: the policy is collapsing "
                         "(a learning rate too large for the task?)", step, entropy, self.min_entropy)
 
-
     def _check_signal(self, step: int, metrics: dict[str, float]) -> None:
-        """Warn once a run has gone `UNIFORM_STEPS` steps without a prompt group whose rewards differ."""
-        self.uniform_steps = self.uniform_steps + 1 if metrics.get("reward_varied_groups", 1.0) == 0 else 0
-        if self.uniform_steps == UNIFORM_STEPS and self.verbose:
-            log.warning("steps %d-%d: no prompt group had rewards that differ (reward_varied_groups=0, reward_mean "
-                        "%.4g): every group-relative advantage is 0, so loss and grad_norm are 0 and the policy does "
-                        "not learn. The task is out of the model's reach (or too easy), or the reward is constant: "
-                        "check the reward on a few samples; more task.samples_per_prompt or a higher model.temperature "
-                        "widen the groups", step - UNIFORM_STEPS + 1, step, metrics.get("reward_mean", math.nan))
+        """Warn on the first step without a prompt group whose rewards differ, and every
+        `SIGNAL_REPEAT` steps while none does; the end of such a streak is logged."""
+        if metrics.get("reward_varied_groups", 1.0) != 0:
+            if self.uniform_steps and self.verbose:
+                log.info("step %d: a prompt group's rewards differ again, after %d step(s) without", step,
+                         self.uniform_steps)
+            self.uniform_steps = 0
+            return
+        self.uniform_steps += 1
+        if (self.uniform_steps - 1) % SIGNAL_REPEAT or not self.verbose:
+            return
+        reward = metrics.get("reward_mean", math.nan)
+        cause = ("no reward fired (reward_mean 0)" if reward == 0 else
+                 f"every sample of a prompt scored alike (reward_mean {reward:.4g}: a constant reward, or a task "
+                 f"out of the model's reach or too easy)")
+        log.warning("step %d: no prompt group had rewards that differ (reward_varied_groups=0, %d step(s) in a row; "
+                    "repeated every %d such steps): every group-relative advantage is 0, so loss and grad_norm are 0 "
+                    "and the policy does not learn. %s; %s. More task.samples_per_prompt or a higher "
+                    "model.temperature widen the groups.", step, self.uniform_steps, SIGNAL_REPEAT,
+                    cause[0].upper() + cause[1:], self.signal_hint or "check the reward on a few replies")
 
 
 @torch.no_grad()

@@ -209,7 +209,8 @@ class Trainer:
         token_sum_norm = algo.loss_agg_norm or float(cfg.task.max_new_tokens * task.max_turns)
         self.objective = Objective(algo, token_sum_norm=token_sum_norm, kl_ctl=self.kl_ctl,
                                    moe_layers=len(moe_blocks(actor.model, strict=False)))
-        self.guard = DivergenceGuard(cfg.trainer.max_bad_steps, cfg.trainer.min_entropy, verbose=dims.rank == 0)
+        self.guard = DivergenceGuard(cfg.trainer.max_bad_steps, cfg.trainer.min_entropy, verbose=dims.rank == 0,
+                                     signal_hint=task.signal_hint())  # what the task's reward reads
         # batch.balance=flops: the planner evens out a * tokens + b * tokens^2 (linear layers + attention)
         self.cost = flop_cost(self.hf_config) if cfg.batch.balance is Balance.FLOPS else None
         # where and when the rollout stage's samples are generated (rl/rollout/source.py, scheduler.py)
