@@ -25,14 +25,17 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-import torch.distributed.checkpoint as dcp
-import yaml
+from model.library_noise import quiet_single_process, silence_library_noise
 
-from model.library_noise import quiet_single_process
-from model.lora import LoraSettings, is_adapter, peft_config
-from model.models import MODELS, build_model, family
-from rl.trainer.checkpoint import find_checkpoint
+silence_library_noise()  # before transformers and peft import torchao (its kernels' and enums' noise)
+
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+import yaml  # noqa: E402
+
+from model.lora import LoraSettings, is_adapter, peft_config  # noqa: E402
+from model.models import MODELS, build_model, family  # noqa: E402
+from rl.trainer.checkpoint import find_checkpoint  # noqa: E402
 
 POLICY = "actor.weights."  # checkpoint keys of the policy: "actor.weights." + Actor state-dict name
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
