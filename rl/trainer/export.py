@@ -17,12 +17,20 @@ rebuilt as the run built it (`model.pretrained_path`, or the seed's random init)
 are read into a PEFT model of it, and OUT gets two folders: `OUT/adapter/`, the PEFT adapter
 (`PeftModel.from_pretrained(base, "OUT/adapter")`), and OUT itself, the merged Hugging Face
 model (W + (alpha / r) B A, PEFT's `merge_and_unload`).
+
+A policy that never moved is exported with a warning (logger `export`), found exactly: LoRA
+adapters whose lora_B tensors are all zero (their start: the merged model is the base); full
+fine-tuning weights equal, tensor for tensor, to the run's start: model.pretrained_path's
+safetensors files read one tensor at a time (no second model in memory; no verdict when a
+weight is not found there), or a random-init model rebuilt from the seed. A run whose every
+step had no reward signal (or trainer.lr=0) writes its starting point.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 
 from model.library_noise import quiet_single_process, silence_library_noise
@@ -36,6 +44,8 @@ import yaml  # noqa: E402
 from model.lora import LoraSettings, is_adapter, peft_config  # noqa: E402
 from model.models import MODELS, build_model, family  # noqa: E402
 from rl.trainer.checkpoint import find_checkpoint  # noqa: E402
+
+log = logging.getLogger("export")
 
 POLICY = "actor.weights."  # checkpoint keys of the policy: "actor.weights." + Actor state-dict name
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -63,6 +73,10 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
                          f"missing {missing[:3]}, unexpected {extra[:3]}")
     with quiet_single_process():
         dcp.load(state, checkpoint_id=path, no_dist=True)  # in place into the model's tensors
+    if _unchanged(model, saved):
+        log.warning("export: the weights of %s equal the run's starting weights (%s), tensor for tensor: no update "
+                    "changed the policy, %s", path, saved["model"]["pretrained_path"] or "the random init of seed "
+                    f"{saved['seed']}", _WHY)
     model.save_pretrained(out)
     _copy_tokenizer(saved, out)
     return out
@@ -88,12 +102,41 @@ def _export_lora(path: Path, out: Path, saved: dict) -> Path:
                          f"missing {sorted(state.keys() - stored)[:3]}, unexpected {sorted(stored - state.keys())[:3]}")
     with quiet_single_process():
         dcp.load(state, checkpoint_id=path, no_dist=True)  # in place into the adapters
+    b = [v for k, v in own.items() if ".lora_B." in k]
+    if not any(bool(v.any()) for v in b):
+        log.warning("export: all %d lora_B tensors of %s are zero, as they start: the adapters change nothing and the "
+                    "merged model is the base; %s", len(b), path, _WHY)
     peft_model.peft_config["default"].base_model_name_or_path = (
         str(Path(m["pretrained_path"]).resolve()) if m["pretrained_path"] else None)
     peft_model.save_pretrained(out / "adapter")
     peft_model.merge_and_unload().save_pretrained(out)
     _copy_tokenizer(saved, out)
     return out
+
+
+_WHY = ("the usual causes: trainer.lr=0, or no step with reward signal (train.log warns 'no prompt group had "
+        "rewards that differ' and names what the task's reward reads)")
+
+
+def _unchanged(model: torch.nn.Module, saved: dict) -> bool:
+    """Whether `model`'s weights equal, exactly, those the run started from (the module docstring);
+    False when not every weight could be compared."""
+    m, state = saved["model"], model.state_dict()
+    if not m.get("pretrained_path"):
+        start = build_model(m["name"], seed=saved["seed"], dtype=getattr(torch, m["dtype"]),
+                            **m["overrides"]).state_dict()
+        return start.keys() == state.keys() and all(torch.equal(v, start[k]) for k, v in state.items())
+    from safetensors import safe_open
+
+    first = {v.data_ptr(): k for k, v in reversed(list(state.items()))}  # a tied weight: its first name only
+    wanted, compared = {k for k, v in state.items() if first[v.data_ptr()] == k}, set()
+    for file in sorted(Path(m["pretrained_path"]).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in wanted.intersection(f.keys()):
+                if not torch.equal(state[key], f.get_tensor(key).to(state[key].dtype)):
+                    return False
+                compared.add(key)
+    return compared == wanted
 
 
 def _copy_tokenizer(saved: dict, out: Path) -> None:
