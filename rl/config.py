@@ -267,10 +267,14 @@ def register() -> None:
 # A config group marks a key the user must set with `${required:}`, not `???`: Hydra merges
 # the group onto the schema, and OmegaConf keeps the schema's default (None) when merging
 # '???' onto it, so a `???` would silently become None (a random model, no prompts file).
+# `${required:${other.key}}` defaults to another key's value and is required when that is null
+# (conf/task/math.yaml: task.tokenizer_path is the model's folder, unless a random model has none).
 REQUIRED = "${required:}"
 
 
-def _required(*, _node_: Any) -> None:
+def _required(default: Any = None, *, _node_: Any) -> Any:
+    if default is not None:
+        return default
     raise ValueError(f"{_node_._get_full_key(None)}: required but not set (pass it on the command line)")
 
 
@@ -437,7 +441,7 @@ def _schema_type(key: str) -> Any:
 def load(dict_cfg: Any) -> Config:
     """The Hydra config as a typed `Config`; a key left unset (`${required:}` from the chosen
     config group, or '???' where the schema has no default) is an error naming every such key."""
-    missing = _unset_required(dict_cfg) or sorted(OmegaConf.missing_keys(dict_cfg))  # (the latter resolves)
+    missing = _unset_required(dict_cfg, dict_cfg) or sorted(OmegaConf.missing_keys(dict_cfg))  # (the latter resolves)
     if missing:
         raise ValueError(f"{', '.join(missing)}: required but not set (the chosen config group needs it); "
                          f"pass {missing[0]}=...")
@@ -447,14 +451,15 @@ def load(dict_cfg: Any) -> Config:
     return OmegaConf.to_object(dict_cfg)
 
 
-def _unset_required(node: Any, prefix: str = "") -> list[str]:
-    """Dotted keys still holding `REQUIRED`."""
+def _unset_required(node: Any, root: Any, prefix: str = "") -> list[str]:
+    """Dotted keys still holding `REQUIRED`, or a `${required:${other.key}}` whose other key is null."""
     raw = OmegaConf.to_container(node, resolve=False) if not isinstance(node, dict) else node
     out = []
     for key, value in raw.items():
         if isinstance(value, dict):
-            out += _unset_required(value, f"{prefix}{key}.")
-        elif value == REQUIRED:
+            out += _unset_required(value, root, f"{prefix}{key}.")
+        elif value == REQUIRED or (isinstance(value, str) and value.startswith(REQUIRED[:-1]) and OmegaConf.select(
+                root, f"{prefix}{key}", throw_on_resolution_failure=False) is None):
             out.append(f"{prefix}{key}")
     return out
 

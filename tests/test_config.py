@@ -236,6 +236,15 @@ def test_the_readme_math_command_composes_and_math_defaults_to_the_tokenizers_ch
     assert compose(*readme[:-2], check=False).task.options == options  # the default
 
 
+def test_math_takes_the_models_folder_as_its_tokenizer_as_arithmetic_does():
+    run = ["model=pretrained", "model.pretrained_path=DIR", "task=math", "task.prompts_path=gsm8k.jsonl"]
+    for task in ("math", "arithmetic"):
+        assert compose(*run[:2], f"task={task}", *run[3:], check=False).task.tokenizer_path == "DIR"
+    assert compose(*run, "task.tokenizer_path=TOK", check=False).task.tokenizer_path == "TOK"  # given: kept
+    # a random-init model has no folder: the key is named as unset, before any model or tokenizer
+    assert refused("task=math", "task.prompts_path=x").startswith("task.tokenizer_path: required but not set")
+
+
 def test_a_pretrained_checkpoint_trains_at_its_own_learning_rate_and_a_high_one_warns(tmp_path):
     """model=pretrained (and model=smollm2, which is it with a folder) set trainer.lr=1e-5; the tiny
     random models keep the schema's 3e-3; an experiment or the command line still set their own."""

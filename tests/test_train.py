@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_docs_commands import commands
+from test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow  # each test launches train.py (~5 s of imports per process)
 
@@ -263,3 +265,25 @@ def test_a_sweep_names_its_run_folders_without_commas_or_equals(tmp_path):
     bad = subprocess.run(cmd[:3] + ["seed=0,1", "trainer.max_step=1"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 1 and "did you mean trainer.max_steps" in bad.stderr  # a sweep is checked too
+
+
+def test_the_readmes_own_data_command_runs_as_written_on_a_cpu(tmp_path, tokenizer):
+    """README.md's `task=math` command, its DIR a (tiny) checkpoint folder holding its tokenizer and
+    its gsm8k.jsonl a two-line file, plus a run folder and one step: it runs with the model's folder as
+    its tokenizer (no task.tokenizer_path) at model=pretrained's learning rate, without the lr warning."""
+    import shlex
+
+    from model.models import build_model
+
+    folder = tmp_path / "DIR"
+    build_model("llama", seed=0, vocab_size=len(tokenizer), tie_word_embeddings=True).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text('{"prompt": "What is 3 plus 4?", "answer": "7"}\n{"prompt": "What is 5 plus 2?", "answer": 7}\n')
+    readme = (ROOT / "README.md").read_text()
+    command = next(c for c in commands(readme) if "task=math" in c)
+    args = [a.replace("=DIR", f"={folder}").replace("=gsm8k.jsonl", f"={data}") for a in shlex.split(command)[2:]]
+    assert "task.tokenizer_path" not in command and "task.prompts_per_step=4" in args, command  # sized for a CPU
+    metrics = train(tmp_path, "readme", *args, "trainer.max_steps=1", "trainer.plot=false", "checkpoint.final=false")
+    assert len(metrics) == 1 and metrics[0]["lr"] == 1e-5 and metrics[0]["tokens"] > 0
+    assert "trainer.lr=" not in (tmp_path / "readme" / "train.log").read_text()  # no lr warning
