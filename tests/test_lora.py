@@ -279,3 +279,17 @@ def test_trainer_builds_no_reference_and_steps_adapters_only():
     metrics = lora.step(0)
     assert metrics["kl"] >= 0 and set(map(id, lora.optimizer.state)) == adapters  # AdamW state: adapters only
     assert 0 < metrics["weight_sync_bytes"] < 0.5 * full.step(0)["weight_sync_bytes"]
+
+
+def test_the_memory_plan_counts_the_adapters_training_state_under_lora():
+    """The start-up memory plan (rl/rollout/replica.py) counts gradients and AdamW moments of what
+    trains: the adapters under LoRA (it counted the whole policy's, as for full fine-tuning)."""
+    from tests.inprocess import SMALL, trainer
+
+    args = (*SMALL, "model=dense_tiny", "trainer.max_steps=1")
+    full, lora = trainer(*args), trainer(*args, "model.lora.rank=4")
+    adapters = sum(p.numel() * p.element_size() for n, p in lora.actor.named_parameters() if ".lora_" in n)
+    everything = sum(p.numel() * p.element_size() for p in full.actor.parameters())
+    assert lora.engine.replica.state_bytes == 3 * adapters < 0.5 * 3 * everything
+    assert full.engine.replica.state_bytes == 3 * everything  # the control: full fine-tuning trains every weight
+    assert "(gradients and AdamW moments of the trainable parameters)" in lora.engine.replica.describe()

@@ -22,7 +22,8 @@ the rollout, and the step's peak is the training, where it is released.
 
 The plan counts, per rank: the copy (every full tensor of the policy, `full_tensor_bytes`),
 the training state still to come at start-up (gradients and the two AdamW moments: 3 x
-this rank's shard bytes of the policy, and of the critic when the algorithm has one), and
+this rank's shard bytes of the policy's trainable parameters, with LoRA its adapters only,
+and of a whole policy's for the critic when the algorithm has one), and
 the budget: `rollout.memory_budget_gb` when set, else the device's free memory now (cuda:
 `torch.cuda.mem_get_info`; cpu: psutil's available memory shared by the ranks of this host)
 less a reserve of `RESERVE` of it (activations, the KV cache, the allocator). The copy fits
@@ -83,6 +84,7 @@ class ReplicaChoice:
         verdict = "fits" if self.fits else "does not fit"
         return (f"rollout.replica={self.setting} -> {self.mode}: an unsharded copy needs "
                 f"{self.replica_bytes / GIB:.3f} GiB + training state to come {self.state_bytes / GIB:.3f} GiB "
+                f"(gradients and AdamW moments of the trainable parameters) "
                 f"per rank against a budget of {self.budget_bytes / GIB:.3f} GiB ({self.budget_source}): {verdict}")
 
 
@@ -131,9 +133,11 @@ def device_budget(device: torch.device, *, budget_gb: float | None, local_ranks:
             f"available host memory / {local_ranks} local ranks (psutil) less {RESERVE:.0%}")
 
 
-def local_shard_bytes(module: nn.Module) -> int:
-    """Bytes of this rank's share of `module`'s parameters (a DTensor's local shard)."""
-    return sum(local_tensor(p).numel() * p.element_size() for p in module.parameters())
+def local_shard_bytes(module: nn.Module, trainable: bool = False) -> int:
+    """Bytes of this rank's share of `module`'s parameters (a DTensor's local shard); `trainable`:
+    of those that train only (LoRA: the adapters)."""
+    return sum(local_tensor(p).numel() * p.element_size() for p in module.parameters()
+               if p.requires_grad or not trainable)
 
 
 def choose_replica(cfg, dims, actor: nn.Module) -> ReplicaChoice:
@@ -145,8 +149,8 @@ def choose_replica(cfg, dims, actor: nn.Module) -> ReplicaChoice:
     copy, master = (torch.finfo(getattr(torch, d.value)).bits for d in (cfg.model.param_dtype or cfg.model.dtype,
                                                                          cfg.model.dtype))
     replica = sum(full_tensor_bytes(actor.model).values()) * copy // master
-    shards = local_shard_bytes(actor)
-    state = 3 * shards * (2 if cfg.algo.uses_critic else 1)  # grads + AdamW moments; a critic about the policy's size
+    # grads + AdamW moments of what trains (LoRA: the adapters); a critic trains all of about the policy's size
+    state = 3 * (local_shard_bytes(actor, trainable=True) + (local_shard_bytes(actor) if cfg.algo.uses_critic else 0))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size if dims.device.type == "cpu" else 1))
     budget, source = device_budget(dims.device, budget_gb=r.memory_budget_gb, local_ranks=local_ranks)
     if dims.distributed:  # one plan for every rank (sharded generation is a collective): the tightest rank's figures
