@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from rl.trainer.metrics import MetricsWriter, plot_curves
 
 
@@ -58,6 +60,24 @@ def test_the_curves_draw_evaluations_only_where_they_were_made(tmp_path, monkeyp
     assert plot_curves(history, tmp_path / "curves.png").stat().st_size > 0
     assert drawn["eval_accuracy"] == ([0, 5, 10], [0.5, 0.5, 0.5])  # no gaps, no NaN
     assert drawn["reward_mean"][0] == list(range(11))
+
+
+def test_the_curves_of_a_short_run_tick_at_whole_steps(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    ticks = []
+    original = matplotlib.figure.Figure.savefig
+
+    def spy(self, *args, **kwargs):  # the step axes' ticks inside the drawn limits, as saved
+        for ax in self.axes:
+            if ax.get_visible():
+                lo, hi = ax.get_xlim()
+                ticks.append([t for t in ax.get_xticks() if lo <= t <= hi])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    plot_curves([{"step": s, "reward_mean": 0.1 * s, "loss": 1.0} for s in range(2)], tmp_path / "curves.png")
+    assert len(ticks) == 2 and all(t and all(float(x).is_integer() for x in t) for t in ticks), ticks
 
 
 def test_metrics_jsonl_is_never_left_empty(tmp_path):

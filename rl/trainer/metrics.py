@@ -273,6 +273,7 @@ def plot_curves(history: list[dict], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = {title: [k for k in keys if any(k in m for m in history)] for title, keys in CURVES.items()}
     panels = {title: keys for title, keys in panels.items() if keys}
@@ -286,6 +287,7 @@ def plot_curves(history: list[dict], path: Path) -> Path:
         if len(keys) > 1:
             ax.legend(fontsize=7)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: a short run ticks 0, 1, 2, not 0.25
         ax.set_title(title)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
