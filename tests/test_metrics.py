@@ -213,3 +213,32 @@ def test_the_code_commit_is_none_without_git_and_marks_a_changed_tree(monkeypatc
     monkeypatch.setenv("PATH", str(tmp_path))  # no git binary to be found
     monkeypatch.setattr(subprocess, "run", real_run)
     assert code_commit() is None
+
+
+@pytest.mark.slow
+def test_the_documented_command_opens_the_mlflow_file_store_and_needs_its_variable(tmp_path, monkeypatch):
+    """docs/configuration.md's way to read a run's MLflow file store: its command, run as written on a
+    store the trainer's sink wrote, lists the run; the control, without MLFLOW_ALLOW_FILE_STORE=true
+    (MLflow 3's opt-in), fails."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    writer = MetricsWriter(tmp_path / "run", loggers=["jsonl", "mlflow"], project="p", config={})
+    writer.log({"step": 0, "reward_mean": 0.5})
+    writer.close(plot=False)
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    code = re.search(r'`MLFLOW_ALLOW_FILE_STORE=true python -c "([^"]+)"`', doc).group(1)
+    code = code.replace("outputs/<run>", str(tmp_path / "run"))
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_ALLOW_FILE_STORE", "MLFLOW_TRACKING_URI")}
+
+    def read(**extra):
+        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                              timeout=300)
+
+    opened = read(MLFLOW_ALLOW_FILE_STORE="true")
+    assert opened.returncode == 0 and "run_name='run'" in opened.stdout, opened.stderr[-2000:]
+    refused = read()
+    assert refused.returncode != 0 and "MLFLOW_ALLOW_FILE_STORE=true" in refused.stderr
