@@ -10,7 +10,8 @@ entropy analytically,
 
     d log p_t / dz = onehot(t) - p          d H / dz = -p * (log p + H)
 
-in place on that buffer. Two regimes, picked by the budget:
+in place on that buffer. The logits are fp32 whatever the compute dtype (`logits_fp32`),
+with no `[V, H]` fp32 copy of the weight. Two regimes, picked by the budget:
 
 * the whole input fits one chunk (`N <= rows`): forward's log-softmax buffer is kept for
   backward and turned into the gradient in place: one `hidden @ W^T` matmul, no recompute;
@@ -55,8 +56,11 @@ def token_log_probs(
 
     hidden `[..., S, H]` (any dtype), lm_head_weight `[V, H]`, targets `[..., S]` int ids.
     Returns log-probs `[..., S]` fp32 and, with `return_entropy`, the entropy `[..., S]`
-    fp32 of the same tempered distribution. The lm-head matmul runs in the weight's dtype
-    and its output is upcast before the softmax. A chunk holds `chunk_rows(V, chunk_bytes)` rows.
+    fp32 of the same tempered distribution. The logits are fp32 whatever the operands' dtype
+    (`logits_fp32`: an fp32-output GEMM on CUDA, fp32 operands by vocabulary block elsewhere),
+    so bf16 compute does not round them to bf16 (a step of 0.125 for |z| in [16, 32)). Backward
+    casts the fp32 gradient of the logits to the weight's dtype for its two matmuls, as autograd
+    through a bf16 head does. A chunk holds `chunk_rows(V, chunk_bytes)` rows.
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(
@@ -95,17 +99,48 @@ def _chunks(m: int, chunk_size: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def fp32_out_gemm(device: torch.device) -> bool:
+    """Whether `torch.mm(a, b, out_dtype=torch.float32)` runs on `device` for bf16/fp16
+    operands (CUDA, torch >= 2.10; CPU has no such kernel in torch 2.13)."""
+    return device.type == "cuda"
+
+
+def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`hidden [c, H] @ weight[V, H]^T` as fp32 logits `[c, V]` (written into `out` if given),
+    never rounded to a 16-bit dtype: the product of bf16 operands is exact in fp32, so the
+    logits are those of the fp32 GEMM on the same values. Three paths, none holding a second
+    `[V, H]` or `[c, V]` tensor:
+
+    * fp32 operands: one `torch.mm(out=)`;
+    * 16-bit operands where `fp32_out_gemm` (CUDA): one GEMM with an fp32 output
+      (`torch.mm(..., out_dtype=torch.float32)`), the tensor-core bf16 kernel with its fp32
+      accumulator written out unrounded;
+    * otherwise (CPU, mixed dtypes): fp32 operands a block of vocabulary rows at a time,
+      `hidden.float() @ weight[block].float()^T` into `out[:, block]`: besides `out`, the
+      chunk's `[c, H]` fp32 hidden and one `[block, H]` fp32 weight block of <= 8 MiB.
+    """
+    c, v = hidden.shape[0], weight.shape[0]
+    if out is None:
+        out = torch.empty(c, v, dtype=torch.float32, device=hidden.device)
+    if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
+        return torch.mm(hidden, weight.T, out=out)
+    sixteen = hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16)
+    if sixteen and fp32_out_gemm(hidden.device):
+        return torch.mm(hidden, weight.T, out_dtype=torch.float32, out=out)
+    h = hidden.float()
+    step = max(1, _BLOCK_BYTES // (4 * weight.shape[1]))
+    for v0 in range(0, v, step):
+        torch.mm(h, weight[v0:v0 + step].float().T, out=out[:, v0:v0 + step])
+    return out
+
+
 def _log_softmax_into(buf: torch.Tensor | None, hidden, weight, temperature: float) -> torch.Tensor:
     """The chunk's tempered log-probs `[c, V]` fp32, written in place into `buf` (a reused
-    buffer of at least c rows; None allocates one)."""
+    buffer of at least c rows; None allocates one); the logits are fp32 (`logits_fp32`)."""
     c, v = hidden.shape[0], weight.shape[0]
     if buf is None or buf.shape[0] < c:
         buf = torch.empty(c, v, dtype=torch.float32, device=hidden.device)
-    out = buf[:c]
-    if weight.dtype == torch.float32 and hidden.dtype == torch.float32:
-        torch.mm(hidden, weight.T, out=out)
-    else:
-        out.copy_(hidden @ weight.T)
+    out = logits_fp32(hidden, weight, out=buf[:c])
     if temperature != 1.0:
         out.div_(temperature)
     return torch.log_softmax(out, dim=-1, out=out)  # row-wise: reads a row before writing it

@@ -37,6 +37,9 @@ def test_llm_kwargs_cpu_and_cuda_colocated():
     assert cpu["logprobs_mode"] == "processed_logprobs" and cpu["skip_tokenizer_init"]
     assert cpu["worker_extension_cls"] == "rl.rollout.vllm_engine.WorkerExtension" and cpu["max_model_len"] == 64
     assert "distributed_executor_backend" not in cpu and "enable_sleep_mode" not in cpu
+    assert "hf_overrides" not in cpu  # fp32 compute: the head is fp32 already
+    for dtype in ("bfloat16", "float16"):  # 16-bit compute: vLLM's lm head in fp32 (its head_dtype), as the trainer's
+        assert llm_kwargs("/m", device="cuda", dtype=dtype)["hf_overrides"] == {"head_dtype": "float32"}
     cuda = llm_kwargs("/m", device="cuda", tensor_parallel_size=2, world_size=8, gpu_memory_utilization=0.4,
                       enable_sleep_mode=True)
     assert cuda["distributed_executor_backend"] == "external_launcher"

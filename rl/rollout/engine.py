@@ -57,6 +57,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from model.logprobs import logits_fp32
 from model.lora import has_adapters, is_adapter
 from model.moe import is_moe, moe_blocks, record_routing, shard_experts
 from packing.experience import Experience
@@ -519,14 +520,19 @@ class HFRolloutEngine(RolloutEngine):
         return lambda step, mask: keys[..., : P + step + 1]
 
     def _forward(self, ids, mask, position, cache, device) -> torch.Tensor:
-        """Logits `[B, V]` of the last position: the causal LM's own `lm_head(hidden[:, -1:])`
+        """Logits `[B, V]` fp32 of the last position: the causal LM's own `lm_head(hidden[:, -1:])`
         (its `logits_to_keep=1`), with the head's weight detached: a weight that requires grad
-        (the training policy's) picks another CPU matmul path, ~5e-7 apart in fp32."""
+        (the training policy's) picks another CPU matmul path, ~5e-7 apart in fp32. In a 16-bit
+        compute dtype the logits are fp32 as the trainer's (model/logprobs.py `logits_fp32`), not
+        rounded to bf16 before the log-softmax."""
         hidden = self._run(
             input_ids=ids.to(device), attention_mask=None if mask is None else mask.to(device),
             position_ids=position.to(device), past_key_values=cache, use_cache=True,
         ).last_hidden_state
-        return F.linear(hidden[:, -1:, :], self.model.get_output_embeddings().weight.detach())[:, -1]
+        weight = self.model.get_output_embeddings().weight.detach()
+        if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
+            return F.linear(hidden[:, -1:, :], weight)[:, -1]
+        return logits_fp32(hidden[:, -1], weight)
 
 
 # ------------------------------------------------- generation from the policy itself

@@ -170,7 +170,9 @@ def llm_kwargs(model_dir: str, *, device: str, dtype: str = "float32", max_model
     (of softmax(logits / T)), the worker extension; on cuda the colocated layout of verl / TRL
     (`world_size` > 1: external_launcher, one engine per TP group of torchrun ranks, vLLM's
     data_parallel_size 1; one process: the uniprocess executor; sleep mode). `routed_experts`: no prefix caching across
-    generations is needed, but vLLM's V1 model runner is (`engine_env`). `lora_rank` > 0:
+    generations is needed, but vLLM's V1 model runner is (`engine_env`). A 16-bit `dtype` gets
+    an fp32 lm head (`hf_overrides={"head_dtype": "float32"}`: its logits, hence the rollout
+    log-probs, are not rounded to bf16; untested against vLLM here). `lora_rank` > 0:
     `enable_lora` with vLLM's smallest `max_lora_rank` that holds it, one adapter live."""
     kw: dict[str, Any] = dict(
         model=str(model_dir), dtype=dtype, seed=seed, skip_tokenizer_init=True,
@@ -180,6 +182,8 @@ def llm_kwargs(model_dir: str, *, device: str, dtype: str = "float32", max_model
     )
     if max_model_len is not None:
         kw["max_model_len"] = int(max_model_len)
+    if dtype != "float32":  # fp32 logits as the trainer's head (model/logprobs.py); vLLM #48390, LoRA #48525
+        kw["hf_overrides"] = {"head_dtype": "float32"}
     if lora_rank:
         fits = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
         if not fits:
