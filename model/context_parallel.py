@@ -448,13 +448,15 @@ def flash_segments(layout: CPLayout, device=None):
     sequence's prefix up to the chunk's end, picked from the gathered axis by `kv_index`.
     With shared-prompt segments a chunk is cut where its segment changes: a piece of segment g
     sees its sequence's shared prefix, then g's tokens up to the piece's end (its queries are
-    the last keys: bottom-right causal).
+    the last keys: bottom-right causal). Built on the layout's device (the trainer's layout
+    stays on the host), the result moved to `device`: every index tensor on the layout's device
+    (a CUDA `index_put_` refuses a CPU value tensor).
     """
     if not layout.packed:
         raise ValueError("flash_segments: a padded batch uses the masked sdpa path")
-    cp = layout.cp
+    cp, on = layout.cp, layout.seq_id.device
     gathered_at = torch.empty_like(layout.seq_id)
-    gathered_at[layout.order.flatten()] = torch.arange(layout.order.numel())
+    gathered_at[layout.order.flatten()] = torch.arange(layout.order.numel(), device=on)
     segment = None if layout.segment is None else layout.segment.tolist()
     shared = None if layout.shared is None else layout.shared.tolist()
     lens_q, lens_k, keys = [], [], []
@@ -478,7 +480,7 @@ def flash_segments(layout: CPLayout, device=None):
                 prefix = 0
                 while start + prefix < first and shared[start + prefix]:
                     prefix += 1
-                rows = torch.cat([torch.arange(start, start + prefix), torch.arange(first, b)])
+                rows = torch.cat([torch.arange(start, start + prefix, device=on), torch.arange(first, b, device=on)])
                 lens_q.append(b - a)
                 lens_k.append(rows.numel())
                 keys.append(gathered_at[rows])

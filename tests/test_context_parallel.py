@@ -402,3 +402,32 @@ def test_shared_prompt_flash_segments_select_the_keys_the_mask_allows(monkeypatc
             real = lay.local_real[0]
             assert_parity(f"shared cp={cp} rank {r} flash segments vs the mask path",
                           (got[real] - want[real]).abs().max(), want.abs().max())
+
+
+def test_flash_segments_are_built_on_the_layouts_device():
+    """The layout on another device than the host's index tensors (meta here, CUDA on a GPU): no op
+    mixes devices, so CUDA's `index_put_` gets its values on the layout's device (issue 52.5: a
+    CPU `arange` into a CUDA layout was refused). The segments equal the host layout's.
+    Control: the audit sees the old write, a host `arange` put into a meta tensor."""
+    import dataclasses
+
+    from mixed_devices import MixedDevices
+    from model.context_parallel import Segments, flash_segments
+
+    for pack, segments in ((make_experience_batch(records([1, 3, 11, 30]), packed=True), None),
+                           (_shared_pack(), Segments.of_units(SHARED_UNITS))):
+        for r in range(2):
+            lay = cp_layout(pack, 2, r, segments=segments)
+            on_meta = lay.to("meta")
+            if segments is not None:  # read to the host by .tolist(); meta holds no values
+                on_meta = dataclasses.replace(on_meta, segment=lay.segment, shared=lay.shared)
+            with MixedDevices() as seen:
+                got = flash_segments(on_meta, "meta")
+            assert seen.ops == [], seen.ops
+            want = flash_segments(lay)
+            assert [t.device.type for t in (got[0], got[1], got[4])] == ["meta"] * 3
+            assert got[2:4] == want[2:4] and got[4].shape == want[4].shape
+    gathered_at = torch.empty(6, dtype=torch.long, device="meta")
+    with MixedDevices() as seen:
+        gathered_at[torch.arange(6, device="meta")] = torch.arange(6)
+    assert len(seen.ops) == 1 and "index_put" in seen.ops[0] and "cpu" in seen.ops[0]
