@@ -73,3 +73,73 @@ def test_gathers_without_the_torch_2_13_collectives_equal_the_newer_ones():
         assert torch.equal(newer[rank]["gathered"], want_gathered)
         torch.testing.assert_close(newer[rank]["grad"], want_grads[rank], rtol=1e-6, atol=1e-6)
         assert all(torch.equal(a, b) for a, b in zip(newer[rank]["full"], want_full))
+
+
+def test_every_shim_is_still_needed_by_the_oldest_supported_torch():
+    """The deletion test: once the oldest supported torch has a name, its shim goes (this fails)."""
+    from model import compat
+
+    stale = [name for name, since in compat.SINCE.items() if compat.OLDEST_TORCH >= since]
+    assert stale == [], f"torch {compat.OLDEST_TORCH} has {stale}: delete their shims from model/compat.py"
+    assert set(compat.SINCE) == {*NEWER, "reset_iter_state"}
+
+
+def test_only_the_compat_layer_resets_fsdp_iteration_state():
+    offenders = [f"{path.relative_to(ROOT)}:{n}" for folder in ("model", "rl", "launch")
+                 for path in (ROOT / folder).rglob("*.py") if path.name != "compat.py"
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if ".reset_iter_state(" in line]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("newer", [True, False], ids=["torch-2.13", "without-reset_iter_state"])
+def test_an_aborted_sharded_generation_leaves_fsdp_idle_and_the_next_one_equal(monkeypatch, newer):
+    """A one-rank FSDP2 policy generating (rollout.replica=sharded) whose second decoder layer raises
+    mid-generation: the layer's error reaches the caller (on torch 2.11 it was an AttributeError,
+    `reset_iter_state` missing), FSDP's states are idle with no forward root, and the next generation
+    equals one never interrupted. Control: without the reset the aborted forward's root is still set."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    from model import compat
+    from model.actor import Actor
+    from model.models import build_model
+    from model.parallel_dims import init_distributed
+    from model.parallelize import parallelize
+    from rl.rollout.engine import PolicyRolloutEngine
+
+    if not newer:
+        monkeypatch.delattr(FSDPModule, "reset_iter_state")
+    try:
+        dims = init_distributed(device="cpu", one_rank_group=True)
+        actor = parallelize(Actor(build_model("qwen3", seed=0, vocab_size=64)), dims)
+        engine = PolicyRolloutEngine(actor)
+        prompts, kw = [torch.arange(4, 10), torch.arange(5, 9)], dict(prompt_indices=[0, 1], max_new_tokens=6,
+                                                                      temperature=0.7, seed=1)
+        want = engine.generate(prompts, **kw)
+        calls = []
+
+        def boom(module, args):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("layer 1 failed")
+
+        state = actor._get_fsdp_state()
+        for reset in (lambda root: None, compat.reset_iter_state):  # the control first
+            monkeypatch.setattr("rl.rollout.engine.reset_iter_state", reset)
+            calls.clear()
+            hook = actor.model.model.layers[1].register_forward_pre_hook(boom)
+            with pytest.raises(RuntimeError, match="layer 1 failed"):
+                engine.generate(prompts, **kw)
+            hook.remove()
+            if reset is not compat.reset_iter_state:
+                assert state._state_ctx.iter_forward_root is not None
+                compat.reset_iter_state(actor)
+        assert state._state_ctx.iter_forward_root is None
+        assert all(s._training_state == TrainingState.IDLE for s in state._state_ctx.all_states)
+        got = engine.generate(prompts, **kw)
+        assert all(torch.equal(a.sequences, b.sequences) and torch.equal(a.rollout_log_probs, b.rollout_log_probs)
+                   for a, b in zip(want, got))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -57,6 +57,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from model.compat import reset_iter_state
 from model.logprobs import logits_fp32
 from model.lora import has_adapters, is_adapter
 from model.moe import is_moe, moe_blocks, record_routing, shard_experts
@@ -592,7 +593,7 @@ class PolicyRolloutEngine(HFRolloutEngine):
             return super().generate(prompts, **kwargs)
         except BaseException:
             if self.fsdp:
-                self.policy.reset_iter_state()  # an aborted forward leaves FSDP's per-iteration state undefined
+                reset_iter_state(self.policy)  # an aborted forward leaves FSDP's per-iteration state undefined
             raise
         finally:
             if self.fsdp:
