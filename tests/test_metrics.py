@@ -242,3 +242,32 @@ def test_the_documented_command_opens_the_mlflow_file_store_and_needs_its_variab
     assert opened.returncode == 0 and "run_name='run'" in opened.stdout, opened.stderr[-2000:]
     refused = read()
     assert refused.returncode != 0 and "MLFLOW_ALLOW_FILE_STORE=true" in refused.stderr
+
+
+def test_cuda_peak_memory_per_stage_is_in_the_step_metrics(monkeypatch):
+    """On CUDA each stage's peak (torch.cuda.max_memory_allocated, reset when the stage starts) is a
+    step metric: here on CPU with the two CUDA calls mocked, each stage reading its own peak. Control:
+    on the CPU path (not CUDA) no such key."""
+    import torch
+
+    from inprocess import SMALL, trainer
+    from rl.trainer import trainer as trainer_module
+
+    tr = trainer("model=dense_tiny", "trainer.device=cpu", *SMALL)
+    assert not any(k.startswith("peak_memory_") for k in tr.step(0))  # the control: CPU records none
+    calls, peak = [], [0]
+
+    def reset(device):
+        calls.append(("reset", str(device)))
+        peak[0] += 1
+
+    monkeypatch.setattr(trainer_module.torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(trainer_module.torch.cuda, "max_memory_allocated",
+                        lambda device: calls.append(("read", str(device))) or peak[0] * 2**30)
+    tr.stage_peaks.on = True  # as on a CUDA device
+    metrics = tr.step(1)
+    got = {k: v for k, v in metrics.items() if k.startswith("peak_memory_")}
+    assert got == {"peak_memory_rollout_gib": 1.0, "peak_memory_score_gib": 2.0, "peak_memory_train_gib": 3.0,
+                   "peak_memory_sync_gib": 4.0}  # each stage its own, reset between them
+    assert [c for c, _ in calls] == ["reset", "read", "reset", "read", "reset", "read", "reset", "read", "reset"]
+    assert {d for _, d in calls} == {str(torch.device("cpu"))}  # the run's device, handed to the CUDA calls

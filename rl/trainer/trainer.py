@@ -187,6 +187,29 @@ class MiniBatch(MiniBatchPlan):
     batches: list[Experience]
 
 
+class StagePeaks:
+    """The device's peak memory per stage of a step, on CUDA: `mark(stage)` ends a stage, recording
+    `torch.cuda.max_memory_allocated` since the previous mark as `peak_memory_<stage>_gib`, and resets
+    the peak for the next (`mark(None)` resets only). On another device it records nothing: CPU
+    memory is the process's RSS, which the allocator's releases (model/allocator.py) make a
+    step-level figure (bench/rank_memory.py), not a stage's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.peaks = device, {}
+        self.on = device.type == "cuda"
+
+    def mark(self, stage: str | None) -> None:
+        if not self.on:
+            return
+        if stage is not None:
+            self.peaks[f"peak_memory_{stage}_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def take(self) -> dict[str, float]:
+        peaks, self.peaks = self.peaks, {}
+        return peaks
+
+
 class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims, *, actor: Actor, critic: Critic | None,
                  reference: Actor | None, engine, task, heldout: list | None = None) -> None:
@@ -223,6 +246,7 @@ class Trainer:
         self._policy_engine = None  # rollout.max_staleness >= 2: the held-out evaluation's (`_eval_engine`)
         self._sharded_on_host = sharded_on_host(actor)
         self.on_progress = None  # train.py's progress bar: on_progress(**what the step is doing now), or None
+        self.stage_peaks = StagePeaks(dims.device)  # CUDA: peak memory per stage in the step's metrics
         engine.on_progress = self._progress  # decode steps and turns of a generation
 
     def _release_memory(self) -> None:
@@ -263,23 +287,29 @@ class Trainer:
         every = self.cfg.eval.every
         evaluation = self.evaluate() if every and step % every == 0 else {}
         t0 = time.perf_counter()
+        self.stage_peaks.mark(None)
         rollouts = self.rollout(step)
+        self.stage_peaks.mark("rollout")
         if not self.rollout_scheduler.k:  # nothing generates until the sync
             self.engine.sleep()  # the rollout copy's memory is free for training; the sync refills it
         self._release_memory()
         minibatches = self.collate(rollouts, self.plan(rollouts.samples))
         self.score(minibatches)
+        self.stage_peaks.mark("score")
         self._release_memory()
         self.advantages(rollouts.samples, minibatches)
         self.guard.begin(rewards=[r.rewards for r in rollouts.samples],
                          advantages=[b.advantages for mb in minibatches for b in mb.batches])
         stats = self.train(minibatches)
+        self.stage_peaks.mark("train")
         self._release_memory()
         t_sync = time.perf_counter()
         # in buckets; vLLM: wakes, reloads in place, resets its cache; max_staleness >= 2: into the stage
         produced = self.rollout_scheduler.sync(self.actor.model)
         t_sync = time.perf_counter() - t_sync - produced.get("rollout_publish_wait_s", 0.0)
+        self.stage_peaks.mark("sync")
         self._release_memory()
+        stats.maxes.update(self.stage_peaks.take())  # the largest rank's, in the step's one MAX all-reduce
         metrics = self.metrics(step, rollouts, minibatches, stats, elapsed=time.perf_counter() - t0)
         metrics["weight_sync_s"] = t_sync  # trainer -> rollout engine, after the step's last update
         metrics["weight_sync_bytes"] = float(self.engine.loaded_bytes)  # what the engine received (LoRA: adapters)
