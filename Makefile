@@ -72,7 +72,9 @@ bench-peer-step: model $(TRL_STAMP)
 # The speed guard (bench/speed.py): the headline step (`make train`'s job, no evaluation) with the
 # defaults beside RL_ALLOCATOR=system, processes interleaved, medians of step / rollout / training seconds,
 # and the ratio to the last recorded runs (bench/results/speed.json, peer.json; each names its commit
-# and date). ~5 min idle; `make bench-speed ARGS=--quick`: the default arm only, ~1 min, nothing written.
+# and date), then the machine's roofline in the same run (bench/roofline.py: fp32/bf16 GEMM peak, memory
+# bandwidth) and each phase's fraction of it (training, prefill, decode at 8 and 32 rows; docs/benchmarks.md).
+# ~5 min idle; `make bench-speed ARGS=--quick`: the default arm only, ~1 min, nothing written.
 bench-speed: model
 	$(PY) bench/speed.py $(ARGS)
 

@@ -116,18 +116,13 @@ def shared_views():
 
 
 def flops(lm, prompt: int, response: int, samples: int) -> tuple[float, float]:
-    """(fwd+bwd FLOPs of the unshared pack, of the shared one): the body by packing/planner.py's
-    `FlopCost` (unshared) and `microbatch_cost` (shared), the LM head on the response tokens only
-    in both (the actor's `actions_only`; `flop_cost` counts the head on every token)."""
-    from packing.planner import FlopCost, flop_cost, microbatch_cost
+    """(fwd+bwd FLOPs of the unshared pack, of the shared one), bench/roofline.py's count: the
+    body by packing/planner.py's `FlopCost`, the LM head on the response tokens only in both (the
+    actor's `actions_only`; `flop_cost` counts the head on every token)."""
+    from roofline import training_flops
 
-    cost = flop_cost(lm.config)
-    head = 6.0 * lm.config.hidden_size * lm.config.vocab_size  # per token scored
-    body = FlopCost(linear=cost.linear - head, attention=cost.attention)
-    T = prompt + response
-    unshared = samples * body(T)
-    shared = microbatch_cost(range(samples), [T] * samples, body, [0] * samples, [prompt] * samples)
-    return unshared + head * samples * response, shared + head * samples * response
+    return (training_flops(lm.config, [(prompt, [response])] * samples),
+            training_flops(lm.config, [(prompt, [response] * samples)]))
 
 
 def case(name: str, lm, prompt: int, samples: int, repeats: int, warmup: int) -> dict:

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
 import atexit, pathlib, subprocess, sys
@@ -47,3 +49,26 @@ def test_control_without_json_stdout_the_workers_log_comes_last(tmp_path):
     lines = done.stdout.splitlines()
     assert "worker: shutting down" in lines and "bench: exit log" in lines
     assert json.loads(lines[0])["figure"] == 1.5 and not lines[-1].startswith("{"), done.stdout
+
+
+ROOFLINE_KEYS = ("gemm_fp32_gflops_per_s", "gemm_bf16_gflops_per_s", "bandwidth_gb_per_s", "train_gflops_per_s",
+                 "train_fraction_fp32_peak", "prefill_ms", "prefill_fraction_fp32_peak", "prefill_fraction_bandwidth",
+                 "decode8_ms", "decode8_fraction_bandwidth", "decode8_fraction_fp32_peak", "decode32_ms",
+                 "decode32_fraction_bandwidth", "decode32_fraction_fp32_peak", "decode_floor_ms")
+
+
+@pytest.mark.slow
+def test_bench_speed_reports_every_phase_against_the_roofline():
+    """`bench/speed.py --tiny`: the default arm on the tiny model, then the roofline measured in the
+    same run; its JSON line carries the machine's peaks and each phase's fraction of them."""
+    done = subprocess.run([sys.executable, "bench/speed.py", "--tiny"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    line = json.loads(done.stdout.splitlines()[-1])
+    missing = [k for k in ROOFLINE_KEYS if k not in line]
+    assert not missing, (missing, line)
+    assert all(line[k] > 0 for k in ROOFLINE_KEYS), line
+    # the peaks bound the phases they rate (a fraction is its phase's rate over the peak)
+    assert line["train_gflops_per_s"] == pytest.approx(line["train_fraction_fp32_peak"] * line["gemm_fp32_gflops_per_s"],
+                                                       rel=0.05, abs=0.01)
+    assert line["default_train_s"] > 0
