@@ -461,3 +461,21 @@ except (ValueError, OSError):
     caps, limit = r["output"].splitlines()
     assert caps == "0000000000000000 0000000000000000 0000000000000000 1", caps
     assert limit.startswith("kept"), limit
+
+
+def test_the_sandboxs_own_root_is_read_only(run):
+    # as a non-root user bwrap makes / (and /etc, the folders above the binds) on a tmpfs of its own,
+    # owned by the code's user and of no size: writable, it held memory past every bound of the call
+    code = DISARM + """
+import os
+for folder in ("/", "/etc", "/proc/.."):
+    try:
+        with open(os.path.join(folder, "x"), "wb") as f:
+            f.write(bytes(1 << 20))
+        print(folder, "written")
+    except OSError as e:
+        print(folder, type(e).__name__)
+"""
+    (r,) = run((code, "bwrap", 0))
+    assert r["status"] == "ok" and "written" not in r["output"], r["output"]
+

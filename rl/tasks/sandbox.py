@@ -23,7 +23,8 @@ enforces, against any code (C, programs, forks):
   /bin, /lib... links or folders), /etc/ld.so.cache, and the interpreter's prefix and base prefix
   (a venv and the Python it came from, e.g. pyenv's under /root), each bound read-only at its own
   path; the folders above them are empty ones (so of /root only the path down to the interpreter
-  exists). Not the checkout, not /home, not the rest of /root or /etc. A fresh private tmpfs of
+  exists), on a root that is read-only too (`--remount-ro /`: as a user it is bwrap's own tmpfs of
+  no size, owned by the code's user). Not the checkout, not /home, not the rest of /root or /etc. A fresh private tmpfs of
   `scratch_mb` is /tmp: the working directory, HOME and TMPDIR; another is /dev/shm; /dev holds only
   the standard devices (read-only); /proc is the call's own.
 * lifetime: `--die-with-parent`, `--new-session`; when the call returns the parent kills the PID
@@ -468,7 +469,7 @@ def _bwrap_command(limits: Limits, root: bool, info_fd: int) -> list[str]:
     size = str(limits.scratch_mb << 20)
     cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/tmp",
             "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-            "--chdir", "/tmp", "--info-fd", str(info_fd), "--"]
+            "--remount-ro", "/", "--chdir", "/tmp", "--info-fd", str(info_fd), "--"]
     return cmd
 
 
