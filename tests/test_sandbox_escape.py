@@ -479,3 +479,19 @@ for folder in ("/", "/etc", "/proc/.."):
     (r,) = run((code, "bwrap", 0))
     assert r["status"] == "ok" and "written" not in r["output"], r["output"]
 
+
+def test_the_sandboxs_init_cannot_be_used_to_get_around_the_limits(run):
+    # bwrap's init (PID 1 of the call) runs as the code's own user when the trainer is not root: the
+    # code may ptrace it (or write its /proc/1/mem) and make it start processes, so init has the call's
+    # limits too; as root init is another user's, out of the code's reach
+    code = DISARM + """
+import os
+names = ("Max cpu time", "Max file size", "Max processes", "Max open files", "Max address space")
+def limits(pid):
+    return [" ".join(line.split()) for line in open(f"/proc/{pid}/limits") if line.startswith(names)]
+print(os.stat("/proc/1").st_uid == os.getuid(), limits(1) == limits("self"), limits(1))
+"""
+    (r,) = run((code, "bwrap", 0))
+    same_user, same_limits, init = r["output"].split(" ", 2)
+    assert same_user == ("True" if run.who == "user" else "False"), r["output"]
+    assert run.who == "caller" or same_limits == "True", r["output"]

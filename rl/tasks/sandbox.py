@@ -37,7 +37,9 @@ enforces, against any code (C, programs, forks):
   `max_processes`: RLIMIT_NPROC set to the processes of the code's uid in the call's PID namespace
   plus `max_processes`, which is exactly what the kernel counts (as root: the call's own uid; as a
   user: its user namespace's processes of that uid), so the code can start exactly `max_processes`
-  more. The wall clock `wall_s`: the parent kills the namespace at the deadline -> `timeout`.
+  more. As a user, bwrap's init (PID 1) runs as the code's user and can be ptraced by it: the
+  bootstrap gives init the same limits (prlimit), so code that drives init gains none. The wall clock
+  `wall_s`: the parent kills the namespace at the deadline -> `timeout`.
 * memory in aggregate: at most (`max_processes` + 1) processes of `memory_mb` address space each,
   plus the two tmpfs of `scratch_mb` each. A cgroup bound (memory.max) is not used: it needs a
   cgroup v2 subtree delegated to the trainer with the memory controller enabled, which a trainer
@@ -235,12 +237,16 @@ def _mine():
 
 lim = cfg["limits"]
 MB = 1 << 20
-resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1))
-resource.setrlimit(resource.RLIMIT_AS, (lim["memory_mb"] * MB, lim["memory_mb"] * MB))
-resource.setrlimit(resource.RLIMIT_FSIZE, (lim["max_file_mb"] * MB, lim["max_file_mb"] * MB))
-resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 nproc = _mine() + lim["max_processes"]
-resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+for limit, value in ((resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1)),
+                     (resource.RLIMIT_AS, (lim["memory_mb"] * MB,) * 2),
+                     (resource.RLIMIT_FSIZE, (lim["max_file_mb"] * MB,) * 2),
+                     (resource.RLIMIT_NOFILE, (64, 64)), (resource.RLIMIT_NPROC, (nproc, nproc))):
+    resource.setrlimit(limit, value)
+    if cfg["backend"] == "bwrap" and cfg["uid"] is None:
+        # bwrap's init (PID 1) is then this user's too, so the code could ptrace it (or write its
+        # /proc/1/mem) and make it start processes: init gets the same limits, and gives nothing more
+        resource.prlimit(1, limit, value)
 os.chdir(scratch)
 for name in ("ctypes", "_ctypes"):
     sys.modules.pop(name, None)
