@@ -273,6 +273,17 @@ def test_a_wrongly_typed_tool_argument_is_a_bad_call_and_leaks_nothing(tokenizer
     assert good == ToolOutput("5", "ok") and _scratch_dirs() == before
 
 
+def test_a_tool_call_nested_past_the_recursion_limit_is_a_bad_call(tokenizer):
+    # the model writes the JSON: nested deeper than the recursion limit, decoding it raised RecursionError,
+    # an error of the sample (under on_error=raise, of the run) instead of the model's bad call
+    box = Toolbox([python_tool()], tokenizer, chat_template=TOOL_CHAT)
+    deep = "[" * 100_000
+    for text in ('<tool_call>{"name": "python", "arguments": {"code": %s}}</tool_call>' % deep,
+                 '<tool_call>{"name": "python", "arguments": "%s"}</tool_call>' % deep):
+        (bad,) = box.parse_text(text)
+        out = box.run(bad, UserCalls("raise", None))
+        assert out.status == "bad_call" and "nested too deeply" in out.text, out
+
 def test_a_tool_whose_schema_is_invalid_is_refused_at_start_up(tokenizer):
     with pytest.raises(ValueError, match=r"tool 'bad': its parameters are not a valid JSON schema"):
         Toolbox([Tool("bad", "x", {"type": "object", "properties": {"a": {"type": "strung"}}}, lambda a: a)],

@@ -238,16 +238,19 @@ class Toolbox:
         return self.parse_text(text)
 
     def parse_text(self, text: str) -> list[ToolCall]:
-        if self.format is ToolFormat.TOKENIZER:
-            message = self.tokenizer.parse_response(text, prefix="", tools=self.schemas)
-        else:
-            from transformers.utils.chat_parsing import parse_response
+        try:
+            if self.format is ToolFormat.TOKENIZER:
+                message = self.tokenizer.parse_response(text, prefix="", tools=self.schemas)
+            else:
+                from transformers.utils.chat_parsing import parse_response
 
-            message = parse_response(text, RESPONSE_TEMPLATES[self.format], prefix="", tools=self.schemas)
-        raw = message.get("tool_calls") or []
-        raw = raw if isinstance(raw, list) else [raw]
-        flat = [c for item in raw for c in (item if isinstance(item, list) else [item])]
-        return [self._call(c) for c in flat]
+                message = parse_response(text, RESPONSE_TEMPLATES[self.format], prefix="", tools=self.schemas)
+            raw = message.get("tool_calls") or []
+            raw = raw if isinstance(raw, list) else [raw]
+            flat = [c for item in raw for c in (item if isinstance(item, list) else [item])]
+            return [self._call(c) for c in flat]
+        except RecursionError:  # JSON nested past the interpreter's recursion limit (decoding or validating it)
+            return [ToolCall("?", {}, "a tool call's JSON is nested too deeply to be read")]
 
     def _call(self, raw: Any) -> ToolCall:
         if isinstance(raw, dict) and isinstance(raw.get("function"), dict):
