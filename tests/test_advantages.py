@@ -114,6 +114,21 @@ def test_rloo_subtracts_the_mean_of_the_other_samples():
         compute_advantages([record([True], 1.0, prompt=3)], "rloo")
 
 
+def test_group_baselines_of_rewards_near_the_fp32_limit_stay_finite():
+    """Rewards pass check_reward up to fp32's max (rl/tasks/base.py), but a group's sum (its mean,
+    RLOO's baseline) and squares (GRPO's std) of such rewards overflow fp32: NaN advantages, the step
+    skipped, on values a reward can take from the model's text (-abs(float(answer) - target))."""
+    rewards = (1e38, 1e38, 2e38, 3e38)
+    r = torch.tensor(rewards)
+    assert r.mean().isinf()  # the hazard: the group's mean of four in-range rewards, in fp32
+    for name, want in (("grpo", [-0.78335, -0.78335, 0.26112, 1.30558]), ("rloo", [-1e38, -1e38, 0.33333e38,
+                                                                              1.66667e38])):
+        recs = [record([False, True], x, prompt=0) for x in rewards]
+        compute_advantages(recs, name)
+        got = [float(response(rec)[0]) for rec in recs]
+        assert all(math.isfinite(g) for g in got), (name, got)
+        assert got == pytest.approx(want, rel=1e-4), (name, got)
+
 def test_sequence_level_estimators_refuse_a_kl_reward_they_would_ignore():
     """grpo and rloo read no per-token KL (their group baselines would need every sample's KL on
     every rank): a non-zero kl_coef is an error, not a silent no-op; kl_coef=0 is fine."""

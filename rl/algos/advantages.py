@@ -148,11 +148,11 @@ def grpo_advantages(x: AdvantageInputs, *, scale_by_std: bool = True,
     """
     adv = torch.zeros_like(x.rewards)
     for members in _groups(x.prompt_index, "GRPO").values():
-        r = x.rewards[members]
+        r = x.rewards[members].double()  # a group's sum and squares of fp32 rewards overflow fp32 (inf -> NaN)
         a = r - r.mean()
         if scale_by_std and len(members) > 1:
             a = a / (r.std() + eps)
-        adv[members] = a
+        adv[members] = a.to(adv.dtype)
     return _broadcast(x, adv)
 
 
@@ -166,8 +166,8 @@ def rloo_advantages(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
         if n < 2:
             raise ValueError(f"RLOO: prompt_index {prompt} has {n} sample; a leave-one-out baseline needs "
                              f">= 2 samples per prompt (task.samples_per_prompt)")
-        r = x.rewards[members]
-        adv[members] = r - (r.sum() - r) / (n - 1)
+        r = x.rewards[members].double()  # the group's sum overflows fp32 from |r| ~ FP32_MAX / n
+        adv[members] = (r - (r.sum() - r) / (n - 1)).to(adv.dtype)
     return _broadcast(x, adv)
 
 
