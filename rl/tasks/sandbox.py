@@ -45,7 +45,13 @@ enforces, against any code (C, programs, forks):
   cgroup v2 subtree delegated to the trainer with the memory controller enabled, which a trainer
   cannot count on (the project's CI machine mounts the memory controller on cgroup v1, its v2
   hierarchy offers only hugetlb, and bwrap makes no cgroups); kernel memory of the call (page
-  tables, pipe and socket buffers) is bounded only through those limits.
+  tables, pipe and socket buffers) is bounded only through those limits. Not bounded (found by an
+  adversarial probe with memory_mb=64, scratch_mb=8, max_processes=1, i.e. 144 MB: each held 576 to
+  900 MB): shared memory outside any address space and any tmpfs of the call's: memfds
+  (`max_file_mb` each, 64 open ones a process, more in flight over a Unix socket), SysV shared
+  memory (segments stay after shmdt), and as root a tmpfs of the code's own in a user namespace it
+  makes (bwrap's --disable-userns needs --unshare-user). The wall clock ends them with the call; a
+  seccomp filter (bwrap --seccomp) or a cgroup would bound them.
 
 backend=process (explicit only; logged at start-up as not a security boundary): today's runner, a
 plain `python -I` child in a new session with a fresh scratch directory (removed afterwards) as its
