@@ -246,9 +246,10 @@ class Actor(nn.Module):
         self.share_prompts = share_prompts
 
     def forward(
-        self, experience: Experience, return_entropy: bool = False
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`action_log_probs` fp32 `[B, T-1]` / `[1, N]` (plus `entropy`, same shape, if asked)."""
+        self, experience: Experience, return_entropy: bool = False, return_argmax: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """`action_log_probs` fp32 `[B, T-1]` / `[1, N]` (plus `entropy`, same shape, if asked; plus,
+        without grad, each slot's most likely id as fp32, `return_argmax`: model/logprobs.py)."""
         hidden, view = _forward_slots(self.model, experience, self.dims, self.replay,
                                       share_prompts=self.share_prompts)
         rows = self._scored_rows(experience, view)
@@ -259,14 +260,14 @@ class Actor(nn.Module):
         out = token_log_probs(
             hidden, self.model.get_output_embeddings().weight, targets,
             temperature=self.temperature, chunk_bytes=self.chunk_bytes,
-            return_entropy=return_entropy,
+            return_entropy=return_entropy, return_argmax=return_argmax,
         )
-        outs = out if return_entropy else (out,)
+        outs = out if isinstance(out, tuple) else (out,)
         if rows is not None:
             outs = tuple(o.new_zeros(view.targets.numel()).index_copy(0, rows, o).view(view.targets.shape)
                          for o in outs)
         outs = tuple(_action_axis(view.restore(o.masked_fill(~view.valid, 0.0)), experience) for o in outs)
-        return outs if return_entropy else outs[0]
+        return outs if len(outs) > 1 else outs[0]
 
     def _scored_rows(self, experience: Experience, view: ShardedView) -> torch.Tensor | None:
         """With `actions_only`: the flat indices of the slots `action_mask` selects on this

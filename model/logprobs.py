@@ -51,7 +51,8 @@ def token_log_probs(
     temperature: float = 1.0,
     chunk_bytes: int = LOGPROB_CHUNK_BYTES,
     return_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return_argmax: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """log softmax(hidden @ W^T / temperature)[target], fp32, for every token position.
 
     hidden `[..., S, H]` (any dtype), lm_head_weight `[V, H]`, targets `[..., S]` int ids.
@@ -61,6 +62,8 @@ def token_log_probs(
     so bf16 compute does not round them to bf16 (a step of 0.125 for |z| in [16, 32)). Backward
     casts the fp32 gradient of the logits to the weight's dtype for its two matmuls, as autograd
     through a bf16 head does. A chunk holds `chunk_rows(V, chunk_bytes)` rows.
+    `return_argmax` (without grad only: a metric of scoring) adds each position's most likely
+    id `[..., S]`, as fp32 (exact below 2^24), read from each chunk's buffer: no `[N, V]` tensor.
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(
@@ -77,16 +80,18 @@ def token_log_probs(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1).long()
     chunks = _chunks(flat_hidden.shape[0], rows)
+    argmax = None
     if torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad):
+        if return_argmax:
+            raise ValueError("token_log_probs: return_argmax is a scoring metric; call it without grad")
         log_probs, entropy = _LogProbHead.apply(flat_hidden, lm_head_weight, flat_targets, float(temperature),
                                                 return_entropy, chunks)
     else:  # scoring: nothing kept
-        log_probs, entropy, _ = _head_forward(flat_hidden, lm_head_weight, flat_targets, float(temperature),
-                                              return_entropy, chunks, keep=False)
-    log_probs = log_probs.view(targets.shape)
-    if not return_entropy:
-        return log_probs
-    return log_probs, entropy.view(targets.shape)
+        log_probs, entropy, _, argmax = _head_forward(flat_hidden, lm_head_weight, flat_targets, float(temperature),
+                                                      return_entropy, chunks, keep=False, argmax=return_argmax)
+    outs = (log_probs, *([entropy] if return_entropy else []), *([argmax] if return_argmax else []))
+    outs = tuple(o.view(targets.shape) for o in outs)
+    return outs if len(outs) > 1 else outs[0]
 
 
 def _chunks(m: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -160,12 +165,15 @@ def _entropy(logp: torch.Tensor) -> torch.Tensor:
     return out.neg_()
 
 
-def _head_forward(hidden, weight, targets, temperature: float, return_entropy: bool, chunks, *, keep: bool):
+def _head_forward(hidden, weight, targets, temperature: float, return_entropy: bool, chunks, *, keep: bool,
+                  argmax: bool = False):
     """Log-probs `[N]` (and entropy `[N]`) chunk by chunk through one reused buffer; with
-    `keep` (a single chunk) the chunk's log-softmax is returned for backward."""
+    `keep` (a single chunk) the chunk's log-softmax is returned for backward; with `argmax`
+    each row's most likely id `[N]` (fp32), else None."""
     n = hidden.shape[0]
     logps = torch.empty(n, dtype=torch.float32, device=hidden.device)
     ents = torch.empty(n, dtype=torch.float32, device=hidden.device) if return_entropy else None
+    top = torch.empty(n, dtype=torch.float32, device=hidden.device) if argmax else None
     buf = None
     for start, end in chunks:
         logp_all = _log_softmax_into(buf, hidden[start:end], weight, temperature)
@@ -173,7 +181,9 @@ def _head_forward(hidden, weight, targets, temperature: float, return_entropy: b
         torch.gather(logp_all, -1, targets[start:end].unsqueeze(-1), out=logps[start:end].unsqueeze(-1))
         if return_entropy:
             ents[start:end] = _entropy(logp_all)
-    return logps, ents, (buf if keep else None)
+        if argmax:
+            top[start:end] = logp_all.argmax(-1)
+    return logps, ents, (buf if keep else None), top
 
 
 class _LogProbHead(torch.autograd.Function):
@@ -182,7 +192,7 @@ class _LogProbHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, return_entropy: bool, chunks):
         keep = len(chunks) == 1
-        logps, ents, kept = _head_forward(hidden, weight, targets, temperature, return_entropy, chunks, keep=keep)
+        logps, ents, kept, _ = _head_forward(hidden, weight, targets, temperature, return_entropy, chunks, keep=keep)
         ctx.set_materialize_grads(False)  # an unused entropy (a logged metric) costs no backward work
         ctx.save_for_backward(hidden, weight, targets)
         ctx.kept = kept  # not a saved tensor: backward turns it into the gradient in place

@@ -54,6 +54,10 @@ class Experience:
     action_log_probs: torch.Tensor | None = _field(Kind.ACTION, "log-probs under the policy")
     base_action_log_probs: torch.Tensor | None = _field(Kind.ACTION, "log-probs under the reference")
     rollout_log_probs: torch.Tensor | None = _field(Kind.ACTION, "log-probs the rollout engine saw")
+    teacher_action_log_probs: torch.Tensor | None = _field(
+        Kind.ACTION, "log-probs under the distillation teacher (algo.teacher, rl/algos/distill.py)")
+    teacher_argmax_agrees: torch.Tensor | None = _field(
+        Kind.ACTION, "1.0 where the teacher's and the student's most likely token agree (a distillation metric)")
     advantages: torch.Tensor | None = _field(Kind.ACTION, "per-token advantages")
     returns: torch.Tensor | None = _field(Kind.ACTION, "per-token returns")
     values: torch.Tensor | None = _field(Kind.ACTION, "critic values")

@@ -24,6 +24,7 @@ from model.families import FAMILIES, MOE
 from model.kernels import KERNELS, resolve as resolve_kernel
 from model.lora import LoraSettings, check_settings as check_lora
 from model.parallel_dims import ParallelDims, resolve_device
+from rl.algos.distill import check_teacher
 from rl.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, get_advantage_estimator
 from rl.choice import Choice, did_you_mean
 from rl.rollout.scheduler import RolloutMode
@@ -52,6 +53,23 @@ class Device(Choice):
     AUTO = "auto"
     CPU = "cpu"
     CUDA = "cuda"
+
+
+@dataclass
+class TeacherConfig:
+    """`algo.teacher.*`: the frozen model whose log-probs of the student's samples are the
+    distillation signal (rl/algos/distill.py, docs/algorithms.md Distillation). It lives as its own
+    FSDP2 shards on the training device, without gradients or optimizer state, like the reference model."""
+
+    # a local checkpoint folder of a supported family (dense or MoE) with the student's vocabulary and
+    # tokenizer; null = no teacher
+    path: Optional[str] = None
+    dtype: Optional[DType] = None  # the teacher's weights as loaded; null = model.dtype
+    # at start-up, compare the teacher's log-probs on a few fixed sequences with a plain transformers forward
+    # and refuse a difference above self_test_tol
+    self_test: bool = True
+    # the self-test's bound on the largest |log-prob difference|; null = 1e-3 for float32 compute, 0.1 for bf16/fp16
+    self_test_tol: Optional[float] = None
 
 
 class OldLogProbs(Choice):
@@ -136,6 +154,13 @@ class AlgoConfig(PolicyLossConfig, KLConfig, AdvantageConfig):
     # up to overlong_penalty_factor of reward, linearly (None = off).
     overlong_buffer: Optional[int] = None
     overlong_penalty_factor: float = 1.0  # overlong shaping: the reward a reply reaching task.max_new_tokens loses
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  # on-policy distillation's teacher
+    # on-policy distillation added to the task estimator's advantages: + distill_coef x -(log p_student -
+    # log p_teacher) per token (algo.teacher.path needed); 0 = off. algo.advantage=distill is the signal alone
+    distill_coef: float = 0.0
+    # the distillation advantage of token t: sum_k>=t distill_discount^(k-t) x -(log p_s - log p_t)_k; 0 = each
+    # token its own term, 1 = the return-to-go (its expectation is the exact reverse-KL gradient)
+    distill_discount: float = 0.0
 
     @property
     def uses_critic(self) -> bool:
@@ -501,6 +526,7 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
         raise ValueError(f"algo.advantage={advantage.name} with algo.kl_coef={cfg.algo.kl_coef} and "
                          f"algo.kl_mode=loss: {advantage.name} puts the KL in the reward (-kl_coef * kl per "
                          f"token), not in the loss; set algo.kl_mode=reward")
+    check_teacher(cfg)  # rl/algos/distill.py: the keys, the checkpoint, its vocabulary and tokenizer
     if cfg.model.pretrained_path is not None:
         if not Path(cfg.model.pretrained_path).is_dir():
             raise ValueError(f"model.pretrained_path={cfg.model.pretrained_path!r}: folder not found (a local "
@@ -573,11 +599,11 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "rollout.kv_cache_gb", "rollout.memory_budget_gb", "rollout.max_model_len", "eval.num_prompts",
         "eval.max_new_tokens", "eval.batch_size", "checkpoint.keep", "task.timeout_s")},
     **{key: (_non_negative, ">= 0") for key in (
-        "algo.entropy_coef", "algo.vf_coef", "algo.critic_lr", "algo.router_aux_loss_coef", "algo.kl_coef",
+        "algo.entropy_coef", "algo.distill_coef", "algo.vf_coef", "algo.critic_lr", "algo.router_aux_loss_coef", "algo.kl_coef",
         "algo.overlong_penalty_factor", "trainer.lr", "trainer.warmup_steps", "trainer.weight_decay",
         "trainer.grad_clip", "trainer.min_entropy", "rollout.max_staleness", "eval.every", "checkpoint.every",
         "trainer.log_samples", "seed")},
-    **{key: (_fraction, "in [0, 1]") for key in ("algo.gamma", "algo.lam")},
+    **{key: (_fraction, "in [0, 1]") for key in ("algo.gamma", "algo.lam", "algo.distill_discount")},
 }
 
 

@@ -398,7 +398,7 @@ def test_dispatch_by_name_gives_that_estimators_numbers_and_no_others(estimator)
 
 def test_compute_advantages_errors():
     with pytest.raises(ValueError, match=r"advantage='ppo': not a registered advantage estimator; registered: "
-                                         r"\['gae', 'grpo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo'\]"):
+                                         r"\['distill', 'gae', 'grpo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo'\]"):
         compute_advantages(estimator_records(), "ppo")
     with pytest.raises(TypeError, match=r"unknown options \['gama'\]"):
         compute_advantages(estimator_records(), "gae", gama=0.9)

@@ -164,7 +164,7 @@ def test_train_py_refuses_an_unset_key_before_building_a_model(tmp_path):
 
 @pytest.mark.parametrize("override,key,registered", [
     ("algo.policy_loss=ppoo", "algo.policy_loss", "['cispo', 'gspo', 'ppo']"),
-    ("algo.advantage=gea", "algo.advantage", "['gae', 'grpo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo']"),
+    ("algo.advantage=gea", "algo.advantage", "['distill', 'gae', 'grpo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo']"),
 ])
 def test_a_name_outside_a_registry_names_the_key_and_the_registered_names(override, key, registered):
     message = refused(override)  # at start-up, before any model is built

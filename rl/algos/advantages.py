@@ -29,6 +29,12 @@ Estimators (`algo.advantage`):
              defined with the KL in the reward: with kl_coef > 0 the config requires
              kl_mode=reward (rl/config.py), so the KL is never also a loss.
 * `reinforce_pp_baseline` - the same after subtracting the group-mean reward.
+* `distill` - on-policy distillation: each action token's -(log p_student - log p_teacher)
+             (student: the old / rollout log-probs `action_log_probs`, teacher:
+             `teacher_action_log_probs`, rl/algos/distill.py), discounted by
+             `distill_discount` into a return-to-go (0: each token its own term); the task's
+             reward is not read. `compute_advantages(..., distill_coef=c)` adds c x the same
+             term to any other estimator's advantages instead.
 
 An estimator reads the per-token KL reward when it takes a `kl_coef` option; the sequence-level
 ones (grpo, rloo) do not (a rank holds only its own samples' KL, and their baselines need every
@@ -61,7 +67,9 @@ class AdvantageInputs:
     mask: torch.Tensor  # [S, L] bool: the action slots of each row
     values: torch.Tensor | None  # [S, L] fp32: the critic's (scoring pass), None without a critic
     kl: torch.Tensor | None  # [S, L] fp32: per-token KL to the reference, None if an item has none
-    lacking: dict[str, str]  # "values" / "kl" -> the first item without it ("batch 0", "record 3"): for errors
+    lacking: dict[str, str]  # "values" / "kl" / ... -> the first item without it ("batch 0", "record 3"): for errors
+    log_probs: torch.Tensor | None = None  # [S, L] fp32: the student's old log-probs (action_log_probs)
+    teacher_log_probs: torch.Tensor | None = None  # [S, L] fp32: the teacher's (teacher_action_log_probs)
 
     def per_row(self, scalars: torch.Tensor) -> torch.Tensor:
         """`[n]` per-sample values -> `[S]` per row, on the rows' device."""
@@ -204,6 +212,25 @@ def reinforce_pp_baseline_advantages(x: AdvantageInputs, *, gamma: float = 1.0,
     return returns, returns.clone()
 
 
+@register_advantage_estimator("distill")
+def distill_advantages(x: AdvantageInputs, *, distill_discount: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation: r_t = -(log p_student - log p_teacher) of each sampled token,
+    A_t = sum_{k >= t} distill_discount^(k - t) r_k (0: A_t = r_t). With discount 1 the expected
+    policy gradient is the exact gradient of the sequence's reverse KL(p_student || p_teacher)
+    (tests/test_distill.py, by enumeration). The task's reward is not read."""
+    advantages = discounted_returns(distill_rewards(x), x.mask, distill_discount)
+    return advantages, advantages.clone()
+
+
+def distill_rewards(x: AdvantageInputs) -> torch.Tensor:
+    """`[S, L]`: -(log p_student - log p_teacher) on every action slot, 0 elsewhere."""
+    for name, field_name in (("log_probs", "action_log_probs"), ("teacher_log_probs", "teacher_action_log_probs")):
+        if getattr(x, name) is None:
+            raise ValueError(f"on-policy distillation needs '{field_name}' on every item: {x.lacking[field_name]} "
+                             "has none (the score stage puts them there when algo.teacher.path is set)")
+    return -(x.log_probs - x.teacher_log_probs) * x.mask
+
+
 # ------------------------------------------------------------------------ GAE
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
         lam: float) -> torch.Tensor:
@@ -307,7 +334,7 @@ def _options(fn: Callable) -> set[str]:
 def compute_advantages(
     items: Sequence[Experience], estimator: str, *, samples: Sequence[Experience] | None = None,
     rows: Sequence[Sequence[int]] | None = None, weights: Sequence[float] | None = None,
-    group: dist.ProcessGroup | None = None, whiten: bool | None = None, **options,
+    group: dist.ProcessGroup | None = None, whiten: bool | None = None, distill_coef: float = 0.0, **options,
 ) -> None:
     """Set `advantages` and `returns` on `items` (collated batches or records) with the
     registered `estimator` (see the module docstring).
@@ -320,7 +347,8 @@ def compute_advantages(
     `options`: any estimator's (gamma, lam, kl_coef, scale_by_std, eps); each takes its own,
     one no estimator knows is an error, and so is a non-zero `kl_coef` (a KL reward read from
     the items' `kl`) for an estimator that reads no KL. `whiten`: None = the estimator's
-    default (`whiten_by_default`).
+    default (`whiten_by_default`). `distill_coef`: adds that times the distillation advantage
+    (`distill_advantages`, with the `distill_discount` option) to the estimator's, before whitening.
     """
     est = get_advantage_estimator(estimator, "advantage")
     known = set().union(*(e.options for e in ADVANTAGE_ESTIMATORS.values()))
@@ -354,12 +382,16 @@ def compute_advantages(
 
         rewards, prompt_index = _sample_scalars(samples)
         lacking = {name: next((_what(it, i) for i, it in enumerate(items) if getattr(it, name) is None), "")
-                   for name in ("values", "kl")}
+                   for name in ("values", "kl", "action_log_probs", "teacher_action_log_probs")}
         inputs = AdvantageInputs(
             rewards=rewards, prompt_index=prompt_index, rows=torch.tensor([j for r in rows for j in r], dtype=torch.long),
             mask=torch.cat([pad(m) for m in masks]), values=per_token("values"), kl=per_token("kl"),
-            lacking=lacking)
+            lacking=lacking, log_probs=per_token("action_log_probs"),
+            teacher_log_probs=per_token("teacher_action_log_probs"))
         advantages, returns = est.fn(inputs, **{k: v for k, v in options.items() if k in est.options})
+        if distill_coef:
+            advantages = advantages + distill_coef * distill_advantages(
+                inputs, distill_discount=options.get("distill_discount", 0.0))[0]
         first = 0
         for it, m, (_, from_rows) in zip(items, masks, views):
             n, length = m.shape

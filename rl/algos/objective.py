@@ -73,6 +73,12 @@ class Objective:
         terms["approx_kl"] = (info["approx_kl"] * m).sum() / tokens  # k3 of old -> new
         if batch.base_action_log_probs is not None:
             terms["kl"] = (self.kl(log_probs.detach(), batch.base_action_log_probs, "k3") * m).sum() / tokens
+        if batch.teacher_action_log_probs is not None:  # on-policy distillation (rl/algos/distill.py)
+            teacher = batch.teacher_action_log_probs
+            terms["distill_reverse_kl"] = ((log_probs.detach() - teacher) * m).sum() / tokens  # log p_s - log p_t
+            terms["teacher_log_prob"] = (teacher * m).sum() / tokens
+        if batch.teacher_argmax_agrees is not None:  # the share of tokens where both argmaxes agree
+            terms["distill_argmax_agreement"] = (batch.teacher_argmax_agrees * m).sum() / tokens
         if batch.rollout_log_probs is not None:  # rollout engine vs training forward (fix: algo.tis_cap)
             gap = (log_probs.detach() - batch.rollout_log_probs) * m  # log(pi_train / pi_rollout)
             terms["rollout_logprob_abs_diff"] = gap.abs().sum() / tokens

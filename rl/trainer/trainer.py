@@ -9,7 +9,8 @@
     collate    Rollouts, StepPlan -> [MiniBatch]: each sample sent once, from the rank that
                generated it to the ranks that run it; this rank's microbatches collated once
     score      no grad, in place on the collated batches: old-policy log-probs (when the
-               policy changes within the step), reference log-probs, values, KL
+               policy changes within the step, or distilling), reference log-probs, the
+               teacher's log-probs (algo.teacher, rl/algos/distill.py), values, KL
     advantages in place on the collated batches, by the estimator (rl/algos/advantages.py),
                whitened over the step's tokens
     train      [MiniBatch] -> Stats: for each epoch, for each mini-batch, per microbatch forward ->
@@ -63,6 +64,7 @@ from packing import Experience, make_experience_batch, plan_microbatches
 from packing.planner import flop_cost
 from packing.exchange import StandIn, exchange, gather_metadata
 from rl.algos.advantages import compute_advantages
+from rl.algos.distill import build_teacher
 from rl.trainer.checkpoint import load_sharded_state, sharded_state
 from rl.config import Balance, Config, check_task_fits, max_staleness, model_config_value
 from rl.trainer.guard import DivergenceGuard, poison
@@ -128,10 +130,12 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
         reference = build(lambda lm: Actor(lm.requires_grad_(False), temperature=m.temperature,
                                            chunk_bytes=m.logprob_chunk_bytes, dims=dims, actions_only=True,
                                            share_prompts=m.share_prompts))
+    # on-policy distillation's teacher (rl/algos/distill.py): its own shards, before the engine's memory plan
+    teacher = build_teacher(cfg, dims, param_dtype=param_dtype) if cfg.algo.teacher.path else None
     engine = build_engine(cfg, dims, task, actor, policy_model)  # rollout.engine: hf | vllm (rl/rollout/build.py)
     release_memory()  # what loading and sharding freed, back to the OS (model/allocator.py)
     return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine, task=task,
-                   heldout=heldout)
+                   heldout=heldout, teacher=teacher)
 
 
 def adamw_options(device: torch.device) -> dict:
@@ -212,9 +216,11 @@ class StagePeaks:
 
 class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims, *, actor: Actor, critic: Critic | None,
-                 reference: Actor | None, engine, task, heldout: list | None = None) -> None:
+                 reference: Actor | None, engine, task, heldout: list | None = None,
+                 teacher: Actor | None = None) -> None:
         self.cfg, self.dims = cfg, dims
         self.actor, self.critic, self.reference = actor, critic, reference
+        self.teacher = teacher  # on-policy distillation (algo.teacher.path): frozen, scored in `score`
         self.engine, self.task = engine, task
         self.heldout = heldout or []  # the held-out problems of `evaluate` (eval.every > 0)
         fused = adamw_options(dims.device)
@@ -411,8 +417,12 @@ class Trainer:
         updates = algo.mini_batches * algo.epochs > 1
         for mb in minibatches:
             for batch in mb.batches:
+                student_argmax = None  # distillation: the student's most likely tokens, for the agreement metric
                 if algo.old_log_probs == "rollout":
                     batch.action_log_probs = batch.rollout_log_probs
+                elif self.teacher is not None:  # distillation: the student's log-probs, always
+                    self.actor.eval()
+                    batch.action_log_probs, student_argmax = self.actor(batch, return_argmax=True)
                 elif updates or algo.kl_in_reward:
                     self.actor.eval()
                     batch.action_log_probs = self.actor(batch)
@@ -422,6 +432,10 @@ class Trainer:
                     self.actor.eval()
                     with adapters_disabled(self.actor.model):
                         batch.base_action_log_probs = self.actor(batch)
+                if self.teacher is not None:  # its own routing, never the student's replay records
+                    batch.teacher_action_log_probs, teacher_argmax = self.teacher(batch, return_argmax=True)
+                    if student_argmax is not None:
+                        batch.teacher_argmax_agrees = (student_argmax == teacher_argmax).float()
                 if self.critic is not None:
                     batch.values = self.critic(batch)
                 if algo.kl_in_reward:
@@ -440,7 +454,8 @@ class Trainer:
                            weights=[w for mb in minibatches for w in mb.weights], group=self.dims.dp_group,
                            whiten=algo.whiten_advantages, gamma=algo.gamma, lam=algo.lam,
                            kl_coef=self.kl_ctl.value if algo.kl_in_reward else 0.0,
-                           scale_by_std=algo.grpo_scale_by_std)
+                           scale_by_std=algo.grpo_scale_by_std, distill_coef=algo.distill_coef,
+                           distill_discount=algo.distill_discount)
 
     # ------------------------------------------------------------------- train
     def train(self, minibatches: list[MiniBatch]) -> "Stats":

@@ -1,0 +1,206 @@
+"""On-policy distillation's teacher: the start-up checks, the frozen model and its self-test.
+
+The student samples, the teacher scores each sampled token: in the score stage
+(rl/trainer/trainer.py) one no-grad forward of the teacher over the step's collated pack
+(the same `Actor` forward as the policy's: shared prompts, CP, EP; its own MoE routing,
+never the student's replay records) puts `teacher_action_log_probs` on the batch, and the
+estimator `algo.advantage=distill` (or `algo.distill_coef` added to another estimator's,
+rl/algos/advantages.py) turns -(log p_student - log p_teacher) per token into advantages.
+
+Start-up, before any model is built (`check_teacher`, from rl/config.py `validate`): the keys
+agree with each other, `algo.teacher.path` is a checkpoint of a supported family, and the
+teacher shares the student's vocabulary (config.json `vocab_size`) and tokenizer (each
+tokenizer file, the special tokens and the chat template compared by sha256). After the
+teacher is built (`build_teacher`), `self_test` compares its log-probs on a few fixed
+sequences with a plain transformers forward of the checkpoint and refuses a difference
+above `algo.teacher.self_test_tol`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# the tokenizer files compared whole (a file one side has and the other lacks differs too)
+TOKENIZER_FILES = ("tokenizer.json", "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
+# tokenizer_config.json entries compared (not the whole file: it names its own path and class)
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "added_tokens_decoder",
+                      "additional_special_tokens")
+# the self-test's bound on max |log p_teacher - log p_plain| when algo.teacher.self_test_tol is null
+SELF_TEST_TOL = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
+SELF_TEST_LENGTHS = (9, 6, 12)  # the fixed sequences' lengths (token ids from a fixed seed)
+
+
+# ------------------------------------------------------------------ start-up
+def distilling(algo: Any) -> bool:
+    """The step reads the teacher: `algo.advantage=distill` or `algo.distill_coef > 0`."""
+    return algo.advantage == "distill" or bool(algo.distill_coef)
+
+
+def check_teacher(cfg: Any) -> None:
+    """`algo.teacher.*`, `algo.distill_coef` and `algo.advantage=distill` agree, and the teacher
+    checkpoint can serve the student (family, vocabulary, tokenizer), before any model loads."""
+    algo, t = cfg.algo, cfg.algo.teacher
+    if t.path is None:
+        if distilling(algo):
+            what = "algo.advantage=distill" if algo.advantage == "distill" else f"algo.distill_coef={algo.distill_coef}"
+            raise ValueError(f"{what} needs a teacher: set algo.teacher.path (a local checkpoint folder)")
+        return
+    if not distilling(algo):
+        raise ValueError(f"algo.teacher.path={t.path!r} but nothing reads the teacher: set algo.advantage=distill "
+                         "(the distillation signal alone) or algo.distill_coef > 0 (added to the task's advantages)")
+    if algo.advantage == "distill" and algo.distill_coef:
+        raise ValueError(f"algo.advantage=distill with algo.distill_coef={algo.distill_coef}: distill is the signal "
+                         "alone; algo.distill_coef adds it to another estimator's advantages (set one of the two)")
+    if t.self_test_tol is not None and not t.self_test_tol > 0:
+        raise ValueError(f"algo.teacher.self_test_tol={t.self_test_tol!r}: expected a positive number or null")
+    if not Path(t.path).is_dir():
+        raise ValueError(f"algo.teacher.path={t.path!r}: folder not found (a local checkpoint folder is expected; "
+                         "nothing is downloaded)")
+    from model.models import checkpoint_family
+
+    try:
+        checkpoint_family(t.path)
+    except ValueError as e:
+        raise ValueError(str(e).replace(f"model.pretrained_path={t.path!r}", f"algo.teacher.path={t.path!r}")) from None
+    check_vocabulary(cfg)
+
+
+def check_vocabulary(cfg: Any) -> None:
+    """The teacher's `vocab_size` is the student's and their tokenizers are the same files;
+    else a ValueError naming both sizes, or each tokenizer item that differs."""
+    from rl.config import model_config_value
+
+    path = cfg.algo.teacher.path
+    student, where = model_config_value(cfg, "vocab_size")
+    teacher = json.loads((Path(path) / "config.json").read_text()).get("vocab_size")
+    if teacher != student:
+        raise ValueError(f"algo.teacher.path={path!r} has vocab_size={teacher} (its config.json), the student "
+                         f"{student} ({where}): a teacher must share the student's vocabulary and tokenizer")
+    folder = student_tokenizer_folder(cfg)
+    if folder is None:  # a random-init student with no tokenizer: the vocabulary is all there is to compare
+        return
+    differ = tokenizer_differences(folder, path)
+    if differ:
+        raise ValueError(f"algo.teacher.path={path!r}: its tokenizer differs from the student's ({folder}): "
+                         f"{'; '.join(differ)}; a teacher must share the student's tokenizer")
+
+
+def student_tokenizer_folder(cfg: Any) -> str | None:
+    """The folder of the tokenizer the student's task uses: task.tokenizer_path, else the
+    student's checkpoint when it holds a tokenizer; None when neither does."""
+    for folder in (cfg.task.tokenizer_path, cfg.model.pretrained_path):
+        if folder is not None and tokenizer_fingerprint(folder):
+            return folder
+    return None
+
+
+def tokenizer_fingerprint(folder: str | Path) -> dict[str, str]:
+    """sha256 of each tokenizer item of `folder` it holds: the files of `TOKENIZER_FILES`, the
+    special tokens of tokenizer_config.json, and the chat template (tokenizer_config.json's
+    `chat_template` or chat_template.jinja)."""
+    folder, out = Path(folder), {}
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            out[name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    config = json.loads((folder / "tokenizer_config.json").read_text()) if (folder / "tokenizer_config.json").is_file() else {}
+    special = {k: config[k] for k in SPECIAL_TOKEN_KEYS if k in config}
+    if special:
+        out["special tokens"] = _digest(special)
+    template = config.get("chat_template")
+    if template is None and (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    if template is not None:
+        out["chat template"] = _digest(template)
+    return out
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def tokenizer_differences(student: str | Path, teacher: str | Path) -> list[str]:
+    """Each tokenizer item whose hash differs between the two folders, as 'item (student
+    sha256 ... vs teacher ...)' or 'item (only in the student)'."""
+    s, t = tokenizer_fingerprint(student), tokenizer_fingerprint(teacher)
+    out = []
+    for item in sorted(set(s) | set(t)):
+        if item not in t:
+            out.append(f"{item} (only in the student)")
+        elif item not in s:
+            out.append(f"{item} (only in the teacher)")
+        elif s[item] != t[item]:
+            out.append(f"{item} (sha256 {s[item][:12]} in the student, {t[item][:12]} in the teacher)")
+    return out
+
+
+# ------------------------------------------------------------------ the teacher
+def build_teacher(cfg: Any, dims, *, param_dtype: torch.dtype | None):
+    """The teacher as an `Actor` (no grad, its own routing: `replay=False`), parallelized like
+    the reference model (EP, FSDP2 shards without gradients or optimizer state) and read shard
+    by shard from `algo.teacher.path`; self-tested when `algo.teacher.self_test`. Scored at
+    temperature 1: the teacher's own distribution."""
+    from model.actor import Actor
+    from model.loading import load_sharded
+    from model.models import build_model
+    from model.parallelize import parallelize
+
+    t, m = cfg.algo.teacher, cfg.model
+    dtype = getattr(torch, (t.dtype or m.dtype).value)
+    lm = build_model(None, pretrained_path=t.path, dtype=dtype, device="meta").requires_grad_(False)
+    teacher = Actor(lm, temperature=1.0, chunk_bytes=m.logprob_chunk_bytes, dims=dims, replay=False,
+                    actions_only=True, share_prompts=m.share_prompts)
+    teacher = load_sharded(parallelize(teacher, dims, param_dtype=param_dtype), t.path, dims).eval()
+    if t.self_test:
+        compute = param_dtype or dtype
+        tol = t.self_test_tol if t.self_test_tol is not None else SELF_TEST_TOL[compute]
+        self_test(teacher, t.path, dims, dtype=compute, tol=tol)
+    return teacher
+
+
+def fixed_sequences(vocab_size: int, lengths=SELF_TEST_LENGTHS) -> list[torch.Tensor]:
+    """The self-test's sequences: token ids in [0, vocab_size) from a fixed seed."""
+    gen = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
+
+
+@torch.no_grad()
+def self_test(teacher, path: str, dims, *, dtype: torch.dtype, tol: float) -> float:
+    """The teacher's log-probs (its run forward: a pack on `dims.device`) of `fixed_sequences`
+    against a plain transformers forward of the checkpoint (eager attention, one sequence at a
+    time, on the host, rank 0; the verdict broadcast), max |difference| <= `tol`, else a
+    ValueError naming both figures. Returns the difference."""
+    from transformers import AutoModelForCausalLM
+
+    from packing import Experience, make_experience_batch
+
+    vocab = teacher.model.get_input_embeddings().num_embeddings
+    seqs = fixed_sequences(vocab)
+    records = [Experience(sequences=s, action_mask=torch.ones(s.numel() - 1, dtype=torch.bool)) for s in seqs]
+    pack = make_experience_batch(records, packed=True).to(dims.device)
+    got = teacher(pack)[0].float().cpu()
+    diff = torch.zeros((), dtype=torch.float64, device=dims.device)
+    if dims.rank == 0:
+        plain = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager",
+                                                     local_files_only=True).eval()
+        want, start = [], 0
+        for s in seqs:
+            logits = plain(input_ids=s.unsqueeze(0)).logits[0, :-1].float()
+            want.append(torch.log_softmax(logits, -1).gather(-1, s[1:].unsqueeze(-1)).squeeze(-1))
+        del plain
+        ends = torch.tensor(SELF_TEST_LENGTHS).cumsum(0)
+        keep = torch.ones(got.numel(), dtype=torch.bool)
+        keep[ends - 1] = False  # each sequence's trailing slot scores nothing
+        diff.fill_(float((got[keep] - torch.cat(want)).abs().max()))
+    if dims.distributed:
+        dist.broadcast(diff, src=0)
+    if not float(diff) <= tol:
+        raise ValueError(f"algo.teacher.path={path!r}: the teacher's self-test failed: its log-probs differ from a "
+                         f"plain transformers forward by up to {float(diff):.3g} on {len(seqs)} fixed sequences, "
+                         f"above the bound algo.teacher.self_test_tol={tol:g}")
+    return float(diff)

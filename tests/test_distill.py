@@ -1,0 +1,283 @@
+"""On-policy distillation (rl/algos/distill.py, `algo.advantage=distill`, `algo.distill_coef`).
+
+The estimator's values, and its expected gradient against the exact reverse-KL gradient by
+enumerating every response of a tiny tabular model; the start-up refusals (keys, vocabulary,
+tokenizer files) before any model is built; the teacher's self-test; and one-process trainer
+steps: teacher == student gives zero advantages and no update (a different teacher: both
+non-zero), packed == padded, a LoRA student (no reference copy), an MoE student with a dense
+teacher and the other way round.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from model.models import build_model
+from packing import Experience
+from rl.algos.advantages import compute_advantages
+from rl.algos.losses import policy_loss
+from rl.config import AlgoConfig
+from tests.inprocess import SMALL, compose, trainer, weights
+
+VOCAB = 64  # conf/model/{moe,dense}_tiny.yaml's vocab_size
+
+
+def checkpoint(folder, family: str, seed: int, **overrides) -> str:
+    """A tiny random `family` checkpoint as the run's tiny model of that seed (save_pretrained)."""
+    build_model(family, seed=seed, vocab_size=VOCAB, max_position_embeddings=512, **overrides).save_pretrained(folder)
+    return str(folder)
+
+
+# ------------------------------------------------------------------ the estimator
+def _record(student: list[float], teacher: list[float], reward: float = 0.0, prompt: int = 0) -> Experience:
+    n = len(student)
+    return Experience(sequences=torch.arange(n + 2), action_mask=torch.tensor([False] + [True] * n),
+                      action_log_probs=torch.tensor([0.0] + student), rewards=torch.tensor(reward),
+                      teacher_action_log_probs=torch.tensor([0.0] + teacher), prompt_index=torch.tensor(prompt))
+
+
+def test_distill_advantages_are_the_negative_log_ratio_discounted_into_a_return_to_go():
+    rec = _record([-1.0, -2.0, -0.5], [-1.5, -1.0, -0.5])
+    compute_advantages([rec], "distill")
+    r = [-(s - t) for s, t in zip([-1.0, -2.0, -0.5], [-1.5, -1.0, -0.5])]
+    assert rec.advantages.tolist() == [0.0, *r]  # the prompt slot 0; unwhitened (distill's default)
+    compute_advantages([rec], "distill", distill_discount=0.5)
+    want = [r[0] + 0.5 * r[1] + 0.25 * r[2], r[1] + 0.5 * r[2], r[2]]
+    assert torch.allclose(rec.advantages, torch.tensor([0.0, *want]))
+    same = _record([-1.0, -2.0], [-1.0, -2.0])  # teacher == student: zero, exactly
+    compute_advantages([same], "distill", distill_discount=1.0)
+    assert same.advantages.abs().max() == 0.0
+
+
+def test_distill_coef_adds_the_signal_to_the_task_estimator_and_a_record_without_teacher_is_named():
+    recs = [_record([-1.0, -2.0], [-1.5, -1.0], reward=float(i), prompt=0) for i in range(2)]
+    compute_advantages(recs, "grpo")
+    grpo = [r.advantages.clone() for r in recs]
+    compute_advantages(recs, "grpo", distill_coef=0.5)
+    for r, g in zip(recs, grpo):
+        assert torch.allclose(r.advantages, g + 0.5 * torch.tensor([0.0, -0.5, 1.0]))
+    bare = _record([-1.0], [-1.0])
+    bare.teacher_action_log_probs = None
+    with pytest.raises(ValueError, match="needs 'teacher_action_log_probs' on every item: record 1"):
+        compute_advantages([recs[0], bare], "distill")
+
+
+def test_expected_gradient_equals_the_analytic_reverse_kl_gradient_by_enumeration():
+    """A tabular student p_s(y1) p_s(y2 | y1) over a vocabulary of 8, responses of 2 tokens:
+    sum over all 64 responses of p_s(y) x the gradient of the PPO loss on the distill
+    advantages (discount 1) equals the gradient of KL(p_s || p_t) exactly; the per-token
+    signal (discount 0) is a different (biased) direction: the control."""
+    v = 8
+    gen = torch.Generator().manual_seed(0)
+    theta1 = torch.randn(v, generator=gen, dtype=torch.float64).requires_grad_()
+    theta2 = torch.randn(v, v, generator=gen, dtype=torch.float64).requires_grad_()
+    t1, t2 = torch.randn(v, generator=gen).double().log_softmax(-1), torch.randn(v, v, generator=gen).double().log_softmax(-1)
+
+    def student(y):  # [2] per-token log-probs of response y
+        return torch.stack([theta1.log_softmax(-1)[y[0]], theta2[y[0]].log_softmax(-1)[y[1]]])
+
+    responses = list(itertools.product(range(v), repeat=2))
+    kl = sum(student(y).sum().exp() * (student(y).sum() - (t1[y[0]] + t2[y[0], y[1]])) for y in responses)
+    exact = torch.autograd.grad(kl, (theta1, theta2))
+
+    def expected(discount: float):
+        records = []
+        for y in responses:
+            s = student(y).detach().float().tolist()
+            records.append(_record(s, [float(t1[y[0]]), float(t2[y[0], y[1]])]))
+        compute_advantages(records, "distill", distill_discount=discount)
+        algo = AlgoConfig()
+        total = 0.0
+        for y, rec in zip(responses, records):
+            lp = torch.cat([torch.zeros(1, dtype=torch.float64), student(y)])
+            rec.action_log_probs = rec.action_log_probs.double()
+            loss, _ = policy_loss(lp, rec, algo)  # the PPO clipped surrogate at ratio 1: -A grad log p
+            total = total + lp[1:].detach().sum().exp() * loss.sum()
+        return torch.autograd.grad(total, (theta1, theta2))
+
+    got = expected(1.0)
+    for g, e in zip(got, exact):
+        assert torch.allclose(g, e, atol=1e-6, rtol=1e-5), (g - e).abs().max()
+    biased = expected(0.0)
+    assert max(float((b - e).abs().max()) for b, e in zip(biased, exact)) > 1e-2
+
+
+def test_the_chunked_head_returns_each_rows_argmax_without_a_full_logits_tensor():
+    from model.logprobs import token_log_probs
+
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 7, 16, generator=gen), torch.randn(50, 16, generator=gen)
+    targets = torch.randint(0, 50, (2, 7), generator=gen)
+    full = hidden @ weight.T
+    budget = 3 * 4 * 50  # 3 rows a chunk: 5 chunks, the argmax read per chunk
+    lp, ent, top = token_log_probs(hidden, weight, targets, chunk_bytes=budget, return_entropy=True, return_argmax=True)
+    assert torch.equal(top, full.argmax(-1).float()) and top.shape == targets.shape
+    assert torch.allclose(lp, full.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1), atol=1e-5)
+    assert torch.equal(token_log_probs(hidden, weight, targets, chunk_bytes=budget), lp)  # one output: as before
+    with pytest.raises(ValueError, match="return_argmax is a scoring metric; call it without grad"):
+        token_log_probs(hidden.requires_grad_(), weight, targets, return_argmax=True)
+
+
+# ------------------------------------------------------------------ start-up refusals
+def test_the_keys_must_agree(tmp_path):
+    teacher = checkpoint(tmp_path / "t", "qwen3_moe", seed=0)
+    with pytest.raises(ValueError, match=r"algo.advantage=distill needs a teacher: set algo.teacher.path"):
+        compose("algo.advantage=distill")
+    with pytest.raises(ValueError, match=r"algo.distill_coef=0.5 needs a teacher"):
+        compose("algo.distill_coef=0.5")
+    with pytest.raises(ValueError, match=r"nothing reads the teacher"):
+        compose(f"algo.teacher.path={teacher}")
+    with pytest.raises(ValueError, match=r"distill is the signal alone"):
+        compose("algo.advantage=distill", "algo.distill_coef=0.5", f"algo.teacher.path={teacher}")
+    with pytest.raises(ValueError, match=r"algo.distill_discount=2.0: expected in \[0, 1\]"):
+        compose("algo.advantage=distill", "algo.distill_discount=2.0", f"algo.teacher.path={teacher}")
+    with pytest.raises(ValueError, match=r"algo.teacher.path='/nonexistent': folder not found"):
+        compose("algo.advantage=distill", "algo.teacher.path=/nonexistent")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"algo.teacher.path='.*empty': no config.json"):
+        compose("algo.advantage=distill", f"algo.teacher.path={tmp_path / 'empty'}")
+    compose("algo.advantage=distill", f"algo.teacher.path={teacher}")  # the control: accepted
+
+
+def test_a_different_vocabulary_is_refused_naming_both_sizes(tmp_path):
+    build_model("qwen3", seed=0, vocab_size=96).save_pretrained(tmp_path / "t")
+    with pytest.raises(ValueError, match=r"algo.teacher.path='.*' has vocab_size=96 \(its config.json\), the "
+                                         r"student 64 \(model.overrides.vocab_size\)"):
+        compose("algo.advantage=distill", f"algo.teacher.path={tmp_path / 't'}")
+
+
+def _tokenizer(folder, tokens: str, template: str | None, eos: str = "</s>") -> None:
+    (folder / "tokenizer.json").write_text(f'{{"model": {{"vocab": "{tokens}"}}}}')
+    config = {"eos_token": eos, **({"chat_template": template} if template is not None else {})}
+    import json
+
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def test_a_different_tokenizer_is_refused_naming_each_file_that_differs(tmp_path, monkeypatch):
+    student = checkpoint(tmp_path / "s", "qwen3", seed=0)
+    teacher = checkpoint(tmp_path / "t", "qwen3", seed=1)
+    _tokenizer(tmp_path / "s", "abc", "{{ messages }}")
+    _tokenizer(tmp_path / "t", "abc", "{{ messages }}")
+    run = ("model=pretrained", f"model.pretrained_path={student}", "model.name=null", "algo.advantage=distill",
+           f"algo.teacher.path={teacher}")
+    import model.models as models
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was built before the refusal")
+
+    monkeypatch.setattr(models, "build_model", no_model)
+    compose(*run)  # the control: the same tokenizer files
+    _tokenizer(tmp_path / "t", "abd", "{{ messages }}!", eos="<|end|>")
+    with pytest.raises(ValueError) as e:
+        compose(*run)
+    message = str(e.value)
+    assert "its tokenizer differs from the student's" in message and str(student) in message
+    for item in ("chat template (sha256", "special tokens (sha256", "tokenizer.json (sha256"):
+        assert item in message, message
+    (tmp_path / "t" / "tokenizer.json").unlink()
+    _tokenizer(tmp_path / "t", "abc", "{{ messages }}")
+    (tmp_path / "t" / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=r"tokenizer.json \(only in the student\)"):
+        compose(*run)
+
+
+# ------------------------------------------------------------------ the self-test
+def test_self_test_passes_the_teacher_and_refuses_a_forward_that_differs(tmp_path):
+    from model.actor import Actor
+    from model.parallel_dims import ParallelDims
+    from rl.algos.distill import self_test
+
+    path = checkpoint(tmp_path / "t", "qwen3_moe", seed=2)
+    good = Actor(build_model(None, pretrained_path=path), dims=ParallelDims(), replay=False, actions_only=True)
+    assert self_test(good, path, ParallelDims(), dtype=torch.float32, tol=1e-3) <= 1e-4
+    hot = Actor(build_model(None, pretrained_path=path), temperature=1.5, dims=ParallelDims(), replay=False,
+                actions_only=True)  # the control: another distribution
+    with pytest.raises(ValueError, match=r"self-test failed: its log-probs differ from a plain transformers forward "
+                                         r"by up to .* above the bound algo.teacher.self_test_tol=0.001"):
+        self_test(hot, path, ParallelDims(), dtype=torch.float32, tol=1e-3)
+
+
+# ------------------------------------------------------------------ trainer steps
+def _stages(tr, step: int = 0):
+    """The step's stages up to the update: (minibatches, advantages of every batch)."""
+    rollouts = tr.rollout(step)
+    mbs = tr.collate(rollouts, tr.plan(rollouts.samples))
+    tr.score(mbs)
+    tr.advantages(rollouts.samples, mbs)
+    return rollouts, mbs
+
+
+def _changed(before: dict, after: dict) -> float:
+    return max(float((before[k] - after[k]).abs().max()) for k in before)
+
+
+@pytest.mark.parametrize("model", ["dense_tiny", "moe_tiny"])
+def test_teacher_equal_to_the_student_gives_zero_advantages_and_no_update(tmp_path, model):
+    family = "qwen3" if model == "dense_tiny" else "qwen3_moe"
+    same, other = checkpoint(tmp_path / "same", family, seed=0), checkpoint(tmp_path / "other", family, seed=1)
+    run = (*SMALL, f"model={model}", "algo.advantage=distill", "eval.every=0", "trainer.log_samples=0")
+    tr = trainer(*run, f"algo.teacher.path={same}")
+    assert tr.reference is None and tr.teacher is not None
+    before = weights(tr)
+    rollouts, mbs = _stages(tr)
+    batches = [b for mb in mbs for b in mb.batches]
+    assert all(b.teacher_action_log_probs is not None for b in batches)
+    assert max(float(b.advantages.abs().max()) for b in batches) == 0.0
+    stats = tr.train(mbs)
+    assert _changed(before, weights(tr)) == 0.0
+    assert float(stats.sums["distill_reverse_kl"]) == 0.0
+    assert float(stats.sums["distill_argmax_agreement"]) == pytest.approx(1.0, abs=1e-12)  # a token share: 1
+
+    tr = trainer(*run, f"algo.teacher.path={other}")  # the control: another teacher
+    before = weights(tr)
+    metrics = tr.step(0)
+    assert _changed(before, weights(tr)) > 0.0
+    assert metrics["distill_reverse_kl"] > 0.0 and metrics["teacher_log_prob"] < 0.0, metrics
+    assert 0.0 <= metrics["distill_argmax_agreement"] < 1.0
+
+
+def test_packed_and_padded_agree(tmp_path):
+    teacher = checkpoint(tmp_path / "t", "qwen3_moe", seed=1)
+    run = (*SMALL, "algo.advantage=distill", f"algo.teacher.path={teacher}", "algo.distill_discount=1.0",
+           "eval.every=0", "trainer.log_samples=0")
+    packed, padded = trainer(*run).step(0), trainer(*run, "batch=padded").step(0)
+    assert packed["reward_mean"] == padded["reward_mean"] and packed["action_tokens"] == padded["action_tokens"]
+    for key in ("distill_reverse_kl", "teacher_log_prob", "distill_argmax_agreement", "loss", "grad_norm"):
+        assert abs(packed[key] - padded[key]) <= 1e-4 * max(1.0, abs(packed[key])), (key, packed[key], padded[key])
+
+
+def test_a_lora_student_distills_with_no_reference_copy_and_only_its_adapters_move(tmp_path):
+    same = checkpoint(tmp_path / "same", "qwen3", seed=0)
+    other = checkpoint(tmp_path / "other", "qwen3", seed=1)
+    run = (*SMALL, "model=dense_tiny", "model.lora.rank=4", "algo.advantage=distill", "eval.every=0",
+           "trainer.log_samples=0", "trainer.lr=1e-2")
+    tr = trainer(*run, f"algo.teacher.path={same}")  # the adapters start at B = 0: the student is the teacher
+    assert tr.reference is None
+    _, mbs = _stages(tr)
+    assert max(float(b.advantages.abs().max()) for mb in mbs for b in mb.batches) == 0.0
+    tr = trainer(*run, f"algo.teacher.path={other}", "algo.kl_coef=0.01")  # with a KL: the base, adapters off
+    assert tr.reference is None and tr.teacher is not None
+    before = weights(tr)
+    metrics = tr.step(0)
+    moved = {k for k in before if not torch.equal(before[k], weights(tr)[k])}
+    assert moved and all("lora" in k for k in moved), sorted(moved)[:4]
+    assert metrics["distill_reverse_kl"] > 0 and math.isfinite(metrics["kl"])
+
+
+@pytest.mark.parametrize("student, teacher_family", [("moe_tiny", "qwen3"), ("dense_tiny", "qwen3_moe")])
+def test_a_dense_teacher_for_an_moe_student_and_the_other_way_round(tmp_path, student, teacher_family):
+    from model.moe import moe_blocks
+
+    teacher = checkpoint(tmp_path / "t", teacher_family, seed=1)
+    tr = trainer(*SMALL, f"model={student}", "algo.advantage=grpo", "algo.distill_coef=0.5",
+                 f"algo.teacher.path={teacher}", "eval.every=0", "trainer.log_samples=0")
+    assert bool(moe_blocks(tr.teacher.model, strict=False)) == (teacher_family == "qwen3_moe")
+    assert tr.teacher.replay is False  # its own routing, never the student's replay records
+    metrics = tr.step(0)
+    assert math.isfinite(metrics["loss"]) and metrics["distill_reverse_kl"] != 0.0
+    assert -math.log(VOCAB) - 2 < metrics["teacher_log_prob"] < 0
