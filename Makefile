@@ -7,8 +7,9 @@ PARALLEL ?= cp2_ep2
 ARGS    ?=
 
 MODEL_DIR := .cache/models/SmolLM2-135M-Instruct
+TEACHER_DIR := .cache/models/SmolLM2-arithmetic-teacher
 
-.PHONY: install sandbox-deps test test-quick test-model model train demo bench bench-peer bench-peer-step bench-speed bench-rank-memory bench-prefix bench-async clean install-vllm test-vllm gpu-wheels
+.PHONY: install sandbox-deps test test-quick test-model model train distill-teacher distill demo bench bench-peer bench-peer-step bench-speed bench-rank-memory bench-prefix bench-async clean install-vllm test-vllm gpu-wheels
 
 install: $(STAMP)
 
@@ -111,6 +112,18 @@ $(MODEL_DIR)/config.json: | $(STAMP)
 # ARGS may name another experiment (ARGS="+experiment=smollm2_arithmetic_retry"): then it replaces this one.
 train: model
 	$(PY) train.py $(if $(findstring +experiment=,$(ARGS)),,+experiment=smollm2_arithmetic) $(ARGS)
+
+# On-policy distillation (docs/algorithms.md Distillation): the teacher is the headline run's RL-trained
+# policy (+experiment=smollm2_arithmetic, run once, its final checkpoint exported with the model's tokenizer
+# into TEACHER_DIR; idempotent), the student the base model (+experiment=smollm2_arithmetic_distill).
+distill-teacher: $(TEACHER_DIR)/config.json
+
+$(TEACHER_DIR)/config.json: | $(MODEL_DIR)/config.json
+	$(PY) train.py +experiment=smollm2_arithmetic checkpoint.dir=.cache/distill-teacher/checkpoints trainer.progress=false
+	$(PY) -m rl.trainer.export .cache/distill-teacher/checkpoints $(TEACHER_DIR)
+
+distill: distill-teacher
+	$(PY) train.py +experiment=smollm2_arithmetic_distill $(ARGS)
 
 # The layout demo: a tiny random MoE over dp=4 x cp=2 ranks, EP groups of 2, FSDP2.
 demo: $(STAMP)

@@ -52,14 +52,16 @@ from model.parallel_dims import ParallelDims, local_tensor
 
 
 def parallelize(wrapper: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype | None = None,
-                activation_checkpointing: bool = False) -> nn.Module:
+                activation_checkpointing: bool = False, dense_ok: bool = False) -> nn.Module:
     """Apply CP attention, EP, activation checkpointing and FSDP2 to `wrapper` (an Actor or
-    Critic holding a Hugging Face causal LM in `.model`) in place; returns it."""
+    Critic holding a Hugging Face causal LM in `.model`) in place; returns it. `dense_ok`: a
+    dense model under ep > 1 is whole on every EP rank (a distillation teacher beside an MoE
+    policy) instead of an error."""
     model = wrapper.model
     if not on_meta(wrapper):  # a meta skeleton gets its storage on the device from load_sharded
         model.to(dims.device)
     apply_context_parallel(model, dims)
-    apply_expert_parallel(model, dims)
+    apply_expert_parallel(model, dims, dense_ok=dense_ok)
     if not on_meta(wrapper):
         wrapper.to(dims.device)
     if activation_checkpointing:
@@ -86,12 +88,12 @@ def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
 
 
 # ------------------------------------------------------------- expert parallelism
-def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> None:
+def apply_expert_parallel(model: nn.Module, dims: ParallelDims, *, dense_ok: bool = False) -> None:
     """Every MoE model's sparse blocks become `MoEBlock`s holding this EP rank's experts
     (`model.moe.shard_experts` over `dims.ep_group`; all experts when ep == 1), once;
-    ep > 1 on a dense model is an error naming parallel.ep."""
+    ep > 1 on a dense model is an error naming parallel.ep (unless `dense_ok`)."""
     if not is_moe(model):
-        if dims.ep > 1:
+        if dims.ep > 1 and not dense_ok:
             raise ValueError(f"parallel.ep={dims.ep} but {type(model).__name__} has no experts; use ep=1 for dense "
                              f"models")
         return

@@ -141,6 +141,9 @@ def test_the_keys_must_agree(tmp_path):
     with pytest.raises(ValueError, match=r"algo.teacher.path='.*empty': no config.json"):
         compose("algo.advantage=distill", f"algo.teacher.path={tmp_path / 'empty'}")
     compose("algo.advantage=distill", f"algo.teacher.path={teacher}")  # the control: accepted
+    six = checkpoint(tmp_path / "six", "qwen3_moe", seed=0, num_experts=6)
+    with pytest.raises(ValueError, match=r"parallel.ep=4 does not divide the teacher's num_experts=6"):
+        compose("algo.advantage=distill", f"algo.teacher.path={six}", "parallel.ep=4", world_size=4)
 
 
 def test_a_different_vocabulary_is_refused_naming_both_sizes(tmp_path):
@@ -186,6 +189,32 @@ def test_a_different_tokenizer_is_refused_naming_each_file_that_differs(tmp_path
         compose(*run)
 
 
+def test_a_tokenizer_saved_again_is_the_same_and_one_more_token_is_not(tmp_path):
+    """The export's round trip (AutoTokenizer.from_pretrained(...).save_pretrained, with a
+    padding setting on) keeps every hash; one added token changes tokenizer.json's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from rl.algos.distill import tokenizer_differences, tokenizer_fingerprint
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([f"{a} plus {a + 1} is {2 * a + 1}" for a in range(50)],
+                            trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "<eos>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    fast.save_pretrained(tmp_path / "a")
+    again = AutoTokenizer.from_pretrained(tmp_path / "a", local_files_only=True)
+    again._tokenizer.enable_padding(length=12)  # a runtime setting tokenizer.json records
+    again.save_pretrained(tmp_path / "b")
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() != (tmp_path / "b" / "tokenizer.json").read_bytes()
+    assert {"tokenizer.json", "special tokens", "chat template"} <= set(tokenizer_fingerprint(tmp_path / "a"))
+    assert tokenizer_differences(tmp_path / "a", tmp_path / "b") == []
+    again.add_tokens(["<extra>"])
+    again.save_pretrained(tmp_path / "c")
+    assert any(d.startswith("tokenizer.json (sha256") for d in tokenizer_differences(tmp_path / "a", tmp_path / "c"))
+
+
 # ------------------------------------------------------------------ the self-test
 def test_self_test_passes_the_teacher_and_refuses_a_forward_that_differs(tmp_path):
     from model.actor import Actor
@@ -200,6 +229,16 @@ def test_self_test_passes_the_teacher_and_refuses_a_forward_that_differs(tmp_pat
     with pytest.raises(ValueError, match=r"self-test failed: its log-probs differ from a plain transformers forward "
                                          r"by up to .* above the bound algo.teacher.self_test_tol=0.001"):
         self_test(hot, path, ParallelDims(), dtype=torch.float32, tol=1e-3)
+
+
+def test_the_smollm2_distill_experiment_reads_the_teacher_the_make_target_builds():
+    from pathlib import Path
+
+    cfg = compose("+experiment=smollm2_arithmetic_distill", check=False)
+    assert cfg.algo.advantage == "distill" and cfg.model.pretrained_path.endswith("SmolLM2-135M-Instruct")
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    assert f"TEACHER_DIR := {cfg.algo.teacher.path}\n" in makefile
+    assert "-m rl.trainer.export .cache/distill-teacher/checkpoints $(TEACHER_DIR)" in makefile
 
 
 # ------------------------------------------------------------------ trainer steps
@@ -281,3 +320,38 @@ def test_a_dense_teacher_for_an_moe_student_and_the_other_way_round(tmp_path, st
     metrics = tr.step(0)
     assert math.isfinite(metrics["loss"]) and metrics["distill_reverse_kl"] != 0.0
     assert -math.log(VOCAB) - 2 < metrics["teacher_log_prob"] < 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3"])
+def test_train_py_distills_and_one_process_equals_cp2_ep2(tmp_path, family):
+    """train.py end to end with an MoE teacher (its own EP shards and routing) or a dense one for
+    the MoE student: one process and torchrun 4 ranks (dp2 x cp2, ep2) give the same samples and
+    figures."""
+    from tests.test_train import layout_gaps, train
+
+    teacher = checkpoint(tmp_path / "t", family, seed=1)
+    run = ("trainer.max_steps=2", "algo.advantage=distill", f"algo.teacher.path={teacher}", "trainer.plot=false",
+           "checkpoint.final=false", "trainer.log_samples=0")
+    one = train(tmp_path, "one", *run)
+    four = train(tmp_path, "cp2_ep2", *run, "parallel=cp2_ep2", nproc=4)
+    figures = ("reward_mean", "tokens", "loss", "grad_norm", "distill_reverse_kl", "teacher_log_prob",
+               "distill_argmax_agreement")
+    assert layout_gaps(one, four, keys=figures, rel=1e-4) == []
+    assert one[0]["distill_reverse_kl"] > 0 and one[0]["teacher_log_prob"] < 0
+
+
+def test_distillation_composes_with_tis_max_staleness_and_rollout_log_probs(tmp_path):
+    teacher = checkpoint(tmp_path / "t", "qwen3_moe", seed=1)
+    run = (*SMALL, "algo.advantage=distill", f"algo.teacher.path={teacher}", "eval.every=0", "trainer.log_samples=0")
+    off = trainer(*run, "rollout.mode=one_step_off", "algo.tis_cap=2.0")
+    got = [off.step(s) for s in range(2)]
+    assert got[-1]["rollout_staleness_max"] == 1.0
+    assert all(math.isfinite(m["loss"]) and m["distill_reverse_kl"] != 0 for m in got)
+    assert all("distill_argmax_agreement" in m for m in got)
+    engine = trainer(*run, "algo.old_log_probs=rollout")  # the student's log-probs: the engine's
+    rollouts, mbs = _stages(engine)
+    for b in (b for mb in mbs for b in mb.batches):
+        want = -(b.rollout_log_probs - b.teacher_action_log_probs) * b.action_mask
+        assert torch.equal(b.advantages, want) and b.teacher_argmax_agrees is None
+    assert "distill_argmax_agreement" not in engine.step(1)

@@ -68,6 +68,11 @@ def check_teacher(cfg: Any) -> None:
         checkpoint_family(t.path)
     except ValueError as e:
         raise ValueError(str(e).replace(f"model.pretrained_path={t.path!r}", f"algo.teacher.path={t.path!r}")) from None
+    fields = json.loads((Path(t.path) / "config.json").read_text())
+    experts = fields.get("num_experts") or fields.get("num_local_experts")  # transformers writes either
+    if experts and cfg.parallel.ep > 1 and experts % cfg.parallel.ep:
+        raise ValueError(f"parallel.ep={cfg.parallel.ep} does not divide the teacher's num_experts={experts} "
+                         f"(algo.teacher.path={t.path!r}): each EP rank holds num_experts / ep of its experts")
     check_vocabulary(cfg)
 
 
@@ -101,13 +106,13 @@ def student_tokenizer_folder(cfg: Any) -> str | None:
 
 
 def tokenizer_fingerprint(folder: str | Path) -> dict[str, str]:
-    """sha256 of each tokenizer item of `folder` it holds: the files of `TOKENIZER_FILES`, the
+    """sha256 of each tokenizer item of `folder` it holds: the files of `TOKENIZER_FILES` (`_file_digest`), the
     special tokens of tokenizer_config.json, and the chat template (tokenizer_config.json's
     `chat_template` or chat_template.jinja)."""
     folder, out = Path(folder), {}
     for name in TOKENIZER_FILES:
         if (folder / name).is_file():
-            out[name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+            out[name] = _file_digest(folder / name)
     config = json.loads((folder / "tokenizer_config.json").read_text()) if (folder / "tokenizer_config.json").is_file() else {}
     special = {k: config[k] for k in SPECIAL_TOKEN_KEYS if k in config}
     if special:
@@ -120,8 +125,21 @@ def tokenizer_fingerprint(folder: str | Path) -> dict[str, str]:
     return out
 
 
+def _file_digest(path: Path) -> str:
+    """sha256 of a tokenizer file: a JSON file's content canonically (sorted keys, no
+    whitespace), tokenizer.json without its runtime `truncation` / `padding` settings (a
+    save_pretrained round trip, as rl/trainer/export.py writes the teacher's, keeps the hash);
+    any other file's bytes."""
+    if path.suffix != ".json":
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    value = json.loads(path.read_text())
+    if path.name == "tokenizer.json" and isinstance(value, dict):
+        value = {k: v for k, v in value.items() if k not in ("truncation", "padding")}
+    return _digest(value)
+
+
 def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def tokenizer_differences(student: str | Path, teacher: str | Path) -> list[str]:
@@ -155,7 +173,8 @@ def build_teacher(cfg: Any, dims, *, param_dtype: torch.dtype | None):
     lm = build_model(None, pretrained_path=t.path, dtype=dtype, device="meta").requires_grad_(False)
     teacher = Actor(lm, temperature=1.0, chunk_bytes=m.logprob_chunk_bytes, dims=dims, replay=False,
                     actions_only=True, share_prompts=m.share_prompts)
-    teacher = load_sharded(parallelize(teacher, dims, param_dtype=param_dtype), t.path, dims).eval()
+    # a dense teacher of an MoE run (ep > 1) is whole on each EP rank, FSDP2-sharded like the policy's dense layers
+    teacher = load_sharded(parallelize(teacher, dims, param_dtype=param_dtype, dense_ok=True), t.path, dims).eval()
     if t.self_test:
         compute = param_dtype or dtype
         tol = t.self_test_tol if t.self_test_tol is not None else SELF_TEST_TOL[compute]
