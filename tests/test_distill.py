@@ -355,3 +355,23 @@ def test_distillation_composes_with_tis_max_staleness_and_rollout_log_probs(tmp_
         want = -(b.rollout_log_probs - b.teacher_action_log_probs) * b.action_mask
         assert torch.equal(b.advantages, want) and b.teacher_argmax_agrees is None
     assert "distill_argmax_agreement" not in engine.step(1)
+
+
+@pytest.mark.slow
+def test_a_killed_distillation_run_resumes_with_the_uninterrupted_metrics(tmp_path):
+    """SIGKILL after 3 of 4 steps, checkpoint every 2, resume=auto: the teacher is rebuilt from its
+    path (not part of the checkpoint) and the run's metrics are the uninterrupted run's, bit for bit."""
+    import signal
+
+    from tests.test_checkpoint import launch, metrics, ok
+
+    teacher = checkpoint(tmp_path / "t", "qwen3", seed=1)
+    run = ("trainer.max_steps=4", "trainer.plot=false", "trainer.progress=false", "model=dense_tiny",
+           "algo.advantage=distill", f"algo.teacher.path={teacher}", *SMALL[:2])
+    ok(launch(tmp_path / "whole", *run))
+    out = tmp_path / "run"
+    killed = launch(out, *run, "checkpoint.every=2", kill="after_step:3")
+    assert killed.returncode == -signal.SIGKILL and len(metrics(out)) == 3
+    ok(launch(out, *run, "checkpoint.every=2", "resume=auto"))
+    whole = metrics(tmp_path / "whole")
+    assert metrics(out) == whole and all(m["distill_reverse_kl"] != 0 for m in whole)
