@@ -245,6 +245,15 @@ def test_math_takes_the_models_folder_as_its_tokenizer_as_arithmetic_does():
     assert refused("task=math", "task.prompts_path=x").startswith("task.tokenizer_path: required but not set")
 
 
+def test_an_environment_takes_the_models_folder_as_its_tokenizer_as_math_does():
+    env = ["task=environment", "task.prompts_path=train.jsonl", "task.options.environment=my_envs:Guess"]
+    run = ["model=pretrained", "model.pretrained_path=DIR", *env]
+    assert compose(*run, check=False).task.tokenizer_path == "DIR"
+    assert compose(*run, "task.tokenizer_path=TOK", check=False).task.tokenizer_path == "TOK"  # given: kept
+    # a random-init model has no folder: the key is named as unset, before any model or tokenizer
+    assert refused(*env).startswith("task.tokenizer_path: required but not set")
+
+
 def test_a_pretrained_checkpoint_trains_at_its_own_learning_rate_and_a_high_one_warns(tmp_path):
     """model=pretrained (and model=smollm2, which is it with a folder) set trainer.lr=1e-5; the tiny
     random models keep the schema's 3e-3; an experiment or the command line still set their own."""
