@@ -115,3 +115,13 @@ def test_defaults_are_written_as_users_type_them():
     assert keys["`task.options.answer_tag`"][1] == "`answer`" and keys["`model.pretrained_path`"][1] == "`null`"
     for python_repr in ("LoraSettings(", "<Logger", "'jsonl'", "None`", "True`", "False`"):
         assert python_repr not in page, python_repr
+
+
+def test_the_configuration_pages_group_list_names_every_option_under_conf():
+    """docs/configuration.md's `Groups:` paragraph lists each conf/<group>/ option by name (the reference's
+    generated `Config groups` section describes them); an option added under conf/ and left out fails here."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    groups = text[text.index("Groups: "):].split("\n\n")[0]
+    missing = [f"{d.name}/{f.stem}" for d in sorted((ROOT / "conf").iterdir()) if d.is_dir()
+               for f in sorted(d.glob("*.yaml")) if not re.search(rf"\b{f.stem}\b", groups)]
+    assert not missing, f"docs/configuration.md's Groups paragraph does not name {missing}"
