@@ -49,7 +49,7 @@ class Choice(str, Enum, metaclass=_ChoiceMeta):
             for member in cls:
                 if member.value == value.lower():
                     return member
-        raise ValueError(f"{value!r} is not a {cls.__name__}; expected one of {cls.values()}")
+        raise ValueError(f"{value!r} is not a {cls.__name__}; expected one of {', '.join(cls.values())}")
 
     @classmethod
     def parse(cls: type[C], value: Any, key: str) -> C:
@@ -57,7 +57,8 @@ class Choice(str, Enum, metaclass=_ChoiceMeta):
         try:
             return cls(value)
         except ValueError:
-            raise ValueError(f"{key}={value!r} is not one of {cls.values()}") from None
+            raise ValueError(f"{key}={value!r}: expected one of {', '.join(cls.values())}"
+                             f"{did_you_mean(value, cls.values())}") from None
 
 
 def did_you_mean(name: str, names: Iterable[str], n: int = 1, cutoff: float = 0.6) -> str:

@@ -185,7 +185,7 @@ def test_kl_estimators():
     assert torch.allclose(kl_penalty(lp, ref, "k1"), torch.tensor([1.0]))
     assert torch.allclose(kl_penalty(lp, ref, "k2"), torch.tensor([0.5]))
     assert torch.allclose(kl_penalty(lp, ref, "k3"), torch.tensor([torch.e**-1 - 1 + 1]))
-    with pytest.raises(ValueError, match=r"kl_estimator='k4' is not one of \['k1', 'k2', 'k3'\]"):
+    with pytest.raises(ValueError, match=r"kl_estimator='k4': expected one of k1, k2, k3$"):
         kl_penalty(lp, ref, "k4")
 
 
@@ -228,12 +228,12 @@ def test_choices_accept_the_enum_or_its_string_and_name_the_key_on_a_typo():
     with pytest.raises(ValueError, match=r"policy_loss='nope': not a registered policy loss; registered: "
                                          r"\['cispo', 'gspo', 'ppo'\]"):
         policy_loss(lp, b, PolicyLossConfig(policy_loss="nope"))
-    with pytest.raises(ValueError, match=r"tis_level='seq' is not one of \['token', 'sequence'\]"):
+    with pytest.raises(ValueError, match=r"tis_level='seq': expected one of token, sequence$"):
         policy_loss(lp, b, PolicyLossConfig(tis_cap=2.0, tis_level="seq"))
-    with pytest.raises(ValueError, match=r"loss_agg='mean' is not one of \['token-mean', 'seq-mean-token-mean', "
-                                         r"'seq-mean-token-sum', 'seq-mean-token-sum-norm'\]"):
+    with pytest.raises(ValueError, match=r"loss_agg='mean': expected one of token-mean, seq-mean-token-mean, "
+                                         r"seq-mean-token-sum, seq-mean-token-sum-norm$"):
         aggregate(lp, b, "mean")
-    with pytest.raises(ValueError, match=r"'k4' is not a KLEstimator; expected one of \['k1', 'k2', 'k3'\]"):
+    with pytest.raises(ValueError, match=r"'k4' is not a KLEstimator; expected one of k1, k2, k3$"):
         KLEstimator("k4")
 
 
@@ -408,7 +408,7 @@ def test_lr_schedule_warmup_then_constant_or_cosine():
         opt.step()
         sched.step()
     assert lrs == pytest.approx([1.0, 2.0, 2.0, 1.0])  # warmup 1/2, 2/2; cosine at p = 0, 1/2
-    with pytest.raises(ValueError, match=r"lr_schedule='linear' is not one of \['constant', 'cosine'\]"):
+    with pytest.raises(ValueError, match=r"lr_schedule='linear': expected one of constant, cosine$"):
         lr_lambda(0, 0, 10, "linear")
     with pytest.raises(ValueError, match="cosine needs total_steps=4 > warmup_steps=4"):
         make_lr_scheduler(opt, warmup_steps=4, total_steps=4, kind="cosine")
