@@ -415,7 +415,7 @@ def _unknown_key(key: str, base: Any) -> str:
     keys = [k for k in _dotted_keys(base) if not _within(key, k) and not _within(k, key)]
     parent, _, name = key.rpartition(".")
     node = OmegaConf.select(base, parent) if parent else base
-    message = f"{key}: no such key" + did_you_mean(key, keys, n=3, cutoff=0.75)
+    message = f"{key}: no such key" + (did_you_mean(key, keys, n=3, cutoff=0.75) or ".")
     if node is not None and OmegaConf.is_dict(node):
         siblings = sorted(str(k) for k in node.keys() if str(k) != name)
         message += f" The keys of {parent or 'the config'}: {', '.join(siblings) or '(none yet)'}."

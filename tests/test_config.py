@@ -206,6 +206,9 @@ def test_a_key_missing_from_a_free_form_dict_says_how_to_add_one():
     message = refused("model.overrides.num_expert=4")
     assert message.startswith("model.overrides.num_expert: no such key") and "+model.overrides.num_expert=" in message
     assert compose("+model.overrides.num_experts=4").model.overrides["num_experts"] == 4  # the control
+    # no close key: the sentence still ends before the section's keys
+    message = refused("task=math", "task.prompts_path=x", "task.tokenizer_path=x", "task.options.answer_tagg=x")
+    assert message.startswith("task.options.answer_tagg: no such key. The keys of task.options: "), message
 
 
 # ---------------------------------------------------------- numeric ranges
