@@ -196,3 +196,25 @@ def test_a_tool_task_without_a_working_bwrap_refuses_to_start_naming_the_fix(mon
     with pytest.raises(ValueError, match="task.options.sandbox.backend='docker': expected one of bwrap, process"):
         check_command_line(["task=python_tool", "task.options.sandbox.backend=docker"])
     assert check_command_line(["task=python_tool"]) is not None  # bwrap works here
+
+
+def test_an_interpreter_below_tmp_runs_in_the_bwrap_sandbox():
+    """A venv under /tmp (CI's clone may live there): its folder is bound on top of the sandbox's
+    private /tmp, not hidden by it, and the scratch /tmp stays writable (mode 1777). Before the fix
+    bwrap failed with 'execvp /tmp/.../bin/python: No such file or directory'."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as where:
+        venv = Path(where) / "clone" / ".venv"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+                       check=True)
+        code = "import os, sys; print(sys.prefix); open('/tmp/x', 'w').write('1'); print(oct(os.stat('/tmp').st_mode))"
+        probe = (f"import sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r}); "
+                 "from rl.tasks.sandbox import Limits, run_python; "
+                 f"r = run_python({code!r}, Limits()); print(r.status.value); print(r.output, end='')")
+        out = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.splitlines() == ["ok", str(venv), "0o41777"], out.stdout

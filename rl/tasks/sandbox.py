@@ -457,7 +457,10 @@ def _bwrap_command(limits: Limits, root: bool, info_fd: int) -> list[str]:
         cmd += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         cmd += ["--unshare-user"] + (["--disable-userns"] if _bwrap_has("--disable-userns") else [])
-    cmd += ["--ro-bind", "/usr", "/usr"]
+    size = str(limits.scratch_mb << 20)
+    # the private mounts first: an interpreter folder below /tmp (a venv in a checkout under /tmp) is bound on top
+    cmd += ["--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", size,
+            "--tmpfs", "/tmp", "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):  # merged /usr: links; else the folders
         if os.path.islink(top):
             cmd += ["--symlink", os.readlink(top), top]
@@ -473,15 +476,13 @@ def _bwrap_command(limits: Limits, root: bool, info_fd: int) -> list[str]:
     made = set()  # the folders bwrap makes above a bound one are mode 0700: opened to the call's uid
     for folder in bound[1:]:
         parent = os.path.dirname(folder)
-        while parent != "/" and not any(parent == b or parent.startswith(b + "/") for b in bound):
+        while parent not in ("/", "/tmp", "/dev/shm") and not any(parent == b or parent.startswith(b + "/")
+                                                                    for b in bound):  # the scratch mounts keep 1777
             made.add(parent)
             parent = os.path.dirname(parent)
     for parent in sorted(made):
         cmd += ["--chmod", "0755", parent]
-    size = str(limits.scratch_mb << 20)
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/tmp",
-            "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-            "--remount-ro", "/", "--chdir", "/tmp", "--info-fd", str(info_fd), "--"]
+    cmd += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--info-fd", str(info_fd), "--"]
     return cmd
 
 
