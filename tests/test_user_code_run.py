@@ -327,10 +327,23 @@ def _busy_with_a_child():
         pass
 
 
-def _children() -> list:
+_EARLIER: set[int] = set()  # this process's children from before the test (another test's, e.g. a resource tracker)
+
+
+@pytest.fixture(autouse=True)
+def _earlier_children():
     import psutil
 
-    return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    _EARLIER.clear()
+    _EARLIER.update(p.pid for p in psutil.Process().children(recursive=True))
+
+
+def _children() -> list:
+    """The children this test started that are alive (not zombies)."""
+    import psutil
+
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in _EARLIER and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def _double(x):
