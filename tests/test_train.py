@@ -229,13 +229,16 @@ def test_checking_a_pretrained_checkpoint_prints_no_library_noise(tmp_path):
     assert "Failed to load" not in proc.stderr and "Enum subclass" not in proc.stderr, proc.stderr[-3000:]
 
 
-def test_a_run_that_fails_writes_its_error_to_train_log_and_marks_its_folder(tmp_path):
-    """A reward that raises during the first rollout, with task.on_error=raise (the default, skip,
-    counts it and goes on: tests/test_user_code.py): the message and traceback reach train.log (not
-    only the terminal), the folder holds FAILED, and no empty metrics.jsonl."""
+@pytest.mark.parametrize("fails, says", [
+    ("raise RuntimeError('the grader is down')", "RuntimeError: the grader is down"),
+    ("import sys\n        sys.exit(0)", "UserExit: reward function flaky:reward raised SystemExit(0)")])
+def test_a_run_that_fails_writes_its_error_to_train_log_and_marks_its_folder(tmp_path, fails, says):
+    """A reward that raises (or calls `sys.exit()`: before, the run ended with neither log line nor
+    FAILED) during the first rollout, with task.on_error=raise (the default, skip, counts it and goes
+    on: tests/test_user_code.py): the message, naming the function, and traceback reach train.log
+    (not only the terminal), the folder holds FAILED, and no empty metrics.jsonl."""
     (tmp_path / "flaky.py").write_text("calls = []\n\ndef reward(prompt_ids, response_ids):\n    calls.append(1)\n"
-                                       "    if len(calls) > 1:\n        raise RuntimeError('the grader is down')\n"
-                                       "    return 0.0\n")
+                                       f"    if len(calls) > 1:\n        {fails}\n    return 0.0\n")
     (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [5, 6, 7]}\n')
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={out}", "task=file",
@@ -243,10 +246,10 @@ def test_a_run_that_fails_writes_its_error_to_train_log_and_marks_its_folder(tmp
                            "trainer.progress=false"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)})
-    assert proc.returncode == 1 and "the grader is down" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 1 and says in proc.stderr, proc.stderr[-2000:]
     log = (out / "train.log").read_text()
-    assert "the run failed" in log and "Traceback" in log and "RuntimeError: the grader is down" in log, log
-    assert "RuntimeError: the grader is down" in (out / "FAILED").read_text()
+    assert "the run failed" in log and "Traceback" in log and says in log, log
+    assert says in (out / "FAILED").read_text()
     assert not (out / "metrics.jsonl").exists()
 
 
