@@ -194,9 +194,8 @@ def _check_dataset(name: str, config: dict, keys: tuple[str, str]) -> None:
     fields = [f.name for f in dataclasses.fields(config_cls)]
     for field in config:
         if field not in fields:
-            close = did_you_mean(field, fields)
-            raise ValueError(f"{keys[1]}.{field}: {name}'s config ({config_cls.__name__}) has no such field{close}"
-                             f"{' ' if close else '. '}Its fields: {', '.join(fields)}")
+            raise ValueError(f"{keys[1]}.{field}: {name}'s config ({config_cls.__name__}) has no such field"
+                             f"{did_you_mean(field, fields) or '.'} Its fields: {', '.join(fields)}")
     try:
         made = config_cls(**config)
         if hasattr(made, "validate"):

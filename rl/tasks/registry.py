@@ -83,8 +83,7 @@ def check_options(name: TaskName | str, options: dict) -> None:
         if key in NOT_OPTIONS:
             raise ValueError(f"task.options.{key}: not a task option; set {NOT_OPTIONS[key]}")
         if key not in known:
-            close = did_you_mean(key, known)
-            raise ValueError(f"task.options.{key}: task={name.value} has no such option{close}{' ' if close else '. '}"
-                             f"Its options: {', '.join(known) or '(none)'}")
+            raise ValueError(f"task.options.{key}: task={name.value} has no such option"
+                             f"{did_you_mean(key, known) or '.'} Its options: {', '.join(known) or '(none)'}")
     given = {k: v for k, v in options.items() if v is not None}
     cls.check_options({k: p.default for k, p in known.items() if p.default is not p.empty} | given)

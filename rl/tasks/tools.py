@@ -327,8 +327,7 @@ def sandbox_limits(sandbox: dict | None) -> Limits:
     fields = [f.name for f in dataclasses.fields(Limits)]
     for key in sandbox or {}:
         if key not in fields:
-            close = did_you_mean(key, fields)
-            raise ValueError(f"task.options.sandbox.{key}: no such limit{close}{' ' if close else '. '}The limits "
+            raise ValueError(f"task.options.sandbox.{key}: no such limit{did_you_mean(key, fields) or '.'} The limits "
                              f"(rl/tasks/sandbox.py Limits): {', '.join(fields)}")
     limits = Limits(**(sandbox or {}))
     try:
