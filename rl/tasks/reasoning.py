@@ -57,7 +57,7 @@ class ReasoningGymTask(TextTask, FileTask):
         def composite(seed: int, n: int) -> Any:
             try:
                 return CompositeDataset(CompositeConfig(size=n, seed=seed, datasets=[
-                    DatasetSpec(name, weight, dict(config)) for name, weight, config in specs]))
+                    DatasetSpec(name, weight, dict(config)) for name, weight, config, _ in specs]))
             except (ValueError, AssertionError, TypeError, KeyError) as e:  # an unknown name, a bad config field
                 raise ValueError(f"task.options.dataset(s) {[s[0] for s in specs]}: reasoning-gym refused the "
                                  f"datasets ({type(e).__name__}: {e})") from None
@@ -82,7 +82,7 @@ class ReasoningGymTask(TextTask, FileTask):
         """dataset or datasets (not both), each a reasoning-gym dataset with its config's fields
         (did-you-mean for a misspelt name or field), size, template and answer_pattern."""
         for name, _, config, key in _specs(options.get("dataset"), options.get("dataset_config"),
-                                           options.get("datasets"), keys=True):
+                                           options.get("datasets")):
             _check_dataset(name, config, key)
         if options["size"] < 1:
             raise ValueError(f"task.options.size={options['size']}: expected >= 1 training problems")
@@ -147,10 +147,9 @@ class ReasoningGymTask(TextTask, FileTask):
                 "scores at most len(answer) / len(reply); set task.options.answer_pattern to pick the answer out")
 
 
-def _specs(dataset: str | None, dataset_config: dict | None, datasets: dict | None,
-           keys: bool = False) -> list[tuple]:
-    """[(name, weight, config)] from `task.options.dataset` (+ `dataset_config`) or `task.options.datasets`;
-    with `keys`, each with the config key that names it: [(name, weight, config, (name's key, config's key))]."""
+def _specs(dataset: str | None, dataset_config: dict | None, datasets: dict | None) -> list[tuple]:
+    """[(name, weight, config, (name's key, config's key))] from `task.options.dataset` (+ `dataset_config`)
+    or `task.options.datasets`: each dataset with the config keys that name it."""
     if dataset is None and datasets is None:
         raise ValueError("task=reasoning_gym needs task.options.dataset=NAME (e.g. basic_arithmetic) or "
                          "task.options.datasets={NAME: {weight: W, config: {...}}, ...}; neither is set")
@@ -158,8 +157,7 @@ def _specs(dataset: str | None, dataset_config: dict | None, datasets: dict | No
         raise ValueError(f"task.options.dataset={dataset!r} and task.options.datasets={dict(datasets)!r}: give one "
                          "of the two, not both (datasets mixes several: {NAME: {weight: W, config: {...}}})")
     if dataset is not None:
-        out = [(str(dataset), 1.0, dict(dataset_config or {}), ("task.options.dataset", "task.options.dataset_config"))]
-        return out if keys else [o[:3] for o in out]
+        return [(str(dataset), 1.0, dict(dataset_config or {}), ("task.options.dataset", "task.options.dataset_config"))]
     if dataset_config:
         raise ValueError("task.options.dataset_config goes with task.options.dataset; with task.options.datasets "
                          "give each its own config: {NAME: {weight: W, config: {...}}}")
@@ -176,7 +174,7 @@ def _specs(dataset: str | None, dataset_config: dict | None, datasets: dict | No
         out.append((str(name), weight, dict(spec.get("config") or {}), (key, f"{key}.config")))
     if not out:
         raise ValueError("task.options.datasets is empty")
-    return out if keys else [o[:3] for o in out]
+    return out
 
 
 def _check_dataset(name: str, config: dict, keys: tuple[str, str]) -> None:
