@@ -167,10 +167,9 @@ class UserCalls:
         if self.isolation is Isolation.PROCESS:
             from rl.tasks.processes import RemoteMethod
 
-            name = what or getattr(fn, "__qualname__", repr(fn))
             if isinstance(fn, RemoteMethod):  # an environment's method: in its episode's worker
-                return fn.call(args, kwargs, self.timeout_s, name)
-            return self.pool().call(fn, args, kwargs, self.timeout_s, name)
+                return fn.call(args, kwargs, self.timeout_s, _name(fn, what))
+            return self.pool().call(fn, args, kwargs, self.timeout_s, _name(fn, what))
         return self.run_on_thread(fn, *args, what=what, **kwargs)
 
     def run_on_thread(self, fn: Callable, *args: Any, what: str = "", **kwargs: Any) -> Any:
@@ -200,7 +199,7 @@ class UserCalls:
                 raise TooManyHung(f"{self.hung} calls past task.timeout_s={self.timeout_s} are still running "
                                    f"({', '.join(names)}): Python cannot stop a thread, so the run stops before "
                                    f"it holds more; fix the hang, or raise task.timeout_s")
-            raise CallTimeout(f"{what or getattr(fn, '__qualname__', fn)} ran past task.timeout_s={self.timeout_s} s "
+            raise CallTimeout(f"{_name(fn, what)} ran past task.timeout_s={self.timeout_s} s "
                               f"(abandoned on its thread)")
         if job.error is not None:
             if not isinstance(job.error, Exception):  # SystemExit, KeyboardInterrupt on the worker: the code's own
@@ -240,8 +239,7 @@ class UserCalls:
             return self.run(factory, what=what)
         from rl.tasks.processes import RemoteEnvironment
 
-        return RemoteEnvironment(self.pool(), factory, self.timeout_s,
-                                 what or getattr(factory, "__qualname__", repr(factory)))
+        return RemoteEnvironment(self.pool(), factory, self.timeout_s, _name(factory, what))
 
     @staticmethod
     def release(env: Any) -> None:
@@ -272,10 +270,14 @@ class UserCalls:
         return status
 
 
+def _name(fn: Callable, what: str) -> str:
+    """How errors name a call: `what`, else the function's qualified name."""
+    return what or getattr(fn, "__qualname__", repr(fn))
+
+
 def _exit(fn: Callable, what: str, error: BaseException) -> UserExit:
-    name = what or getattr(fn, "__qualname__", repr(fn))
-    return UserExit(f"{name} raised {type(error).__name__}({', '.join(map(repr, error.args))}): user code cannot "
-                    f"end the run; it is an error of this call")
+    return UserExit(f"{_name(fn, what)} raised {type(error).__name__}({', '.join(map(repr, error.args))}): user "
+                    f"code cannot end the run; it is an error of this call")
 
 
 class Guard:
