@@ -104,7 +104,9 @@ log = logging.getLogger(__name__)
 
 
 class Backend(str, enum.Enum):
-    """`task.options.sandbox.backend`: what isolates a call (see the module docstring)."""
+    """`task.options.sandbox.backend`: what isolates a call (see the module docstring). A plain
+    Enum, not rl.choice.Choice: this module imports the standard library only (a copy of it runs
+    alone as another user in tests/test_sandbox_escape.py)."""
 
     BWRAP = "bwrap"  # bubblewrap: kernel namespaces, a read-only view of the interpreter, a private tmpfs
     PROCESS = "process"  # a plain child process with rlimits and Python guards: not a security boundary
