@@ -23,7 +23,8 @@ from tqdm import tqdm  # noqa: E402
 from model.library_noise import silence_library_noise  # noqa: E402
 from model.parallel_dims import init_distributed  # noqa: E402
 from rl.trainer.checkpoint import Checkpointer, save_checkpoint  # noqa: E402
-from rl.config import Config, check_command_line, learning_rate_warning, load, register, validate  # noqa: E402
+from rl.config import (Config, check_command_line, learning_rate_warning, load, plot_warning, register,  # noqa: E402
+                       validate)
 from rl.trainer.metrics import MetricsWriter, code_commit, run_failed  # noqa: E402
 from rl.trainer.run_folder import RunFolderInUse, claim, start_folder  # noqa: E402
 from rl.trainer.stop import StopSignal  # noqa: E402
@@ -60,8 +61,9 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
 
     # the run folder (and checkpoint.dir) locked for the run's life and seen by every rank, else a refusal on every rank
     held = claim([out_dir, cfg.checkpoint.dir], dims)
-    if dims.rank == 0 and (warning := learning_rate_warning(cfg)) is not None:
-        log.warning(warning)  # in the run's own train.log: after the claim
+    if dims.rank == 0:  # the rank that logs and plots: each warning once, in the run's own train.log (after the claim)
+        for warning in filter(None, (learning_rate_warning(cfg), plot_warning(cfg))):  # no matplotlib: plot off
+            log.warning(warning)
     ckpt = Checkpointer(cfg, dims, out_dir)  # checkpoint.* and resume checked before any model is built
 
     trainer = build_trainer(cfg, dims)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import logging
 import os
 import re
 import typing
@@ -547,7 +546,6 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
             raise ValueError(f"task.max_new_tokens={cfg.task.max_new_tokens} leaves no room for a prompt within "
                              f"model.overrides.max_position_embeddings={limit}")
     _check_task(cfg)
-    _check_optional_packages(cfg)
     _check_experts(cfg, dims.ep)
     family = model_family(cfg) if cfg.model.pretrained_path is not None else cfg.model.name.value
     check_lora(cfg.model.lora, moe=family in MOE, engine=RolloutEngineName(cfg.rollout.engine).value)
@@ -573,6 +571,18 @@ def learning_rate_warning(cfg: Config) -> str | None:
             f"checkpoint model.pretrained_path={cfg.model.pretrained_path}: such rates wreck a pretrained model in a "
             f"few steps; full fine-tuning usually takes 1e-6..1e-5 (model=pretrained's default: 1e-5), LoRA "
             f"(model.lora.rank > 0) about 2e-4")
+
+
+def plot_warning(cfg: Config) -> str | None:
+    """The start-up warning for `trainer.plot` without matplotlib, which draws curves.png after the
+    last step: the plot is turned off (`trainer.plot` set false) rather than the run failing once
+    training is over. None when there is nothing to say. train.py asks once, on rank 0 (the rank
+    that plots), beside `learning_rate_warning`."""
+    if not cfg.trainer.plot or importlib.util.find_spec("matplotlib") is not None:
+        return None
+    cfg.trainer.plot = False
+    return ("trainer.plot=true but matplotlib is not installed: no curves.png will be drawn (the metrics are in "
+            "metrics.jsonl; pip install matplotlib, or set trainer.plot=false to silence this)")
 
 
 def _positive(x: Any) -> bool:
@@ -638,17 +648,6 @@ def _check_task(cfg: Config) -> None:
         except (ImportError, AttributeError, TypeError) as e:
             raise ValueError(str(e)) from e
     check_options(cfg.task.name, cfg.task.options)
-
-
-def _check_optional_packages(cfg: Config) -> None:
-    """An optional package a setting needs, looked up at start-up: `trainer.plot` draws curves.png
-    with matplotlib after the last step; without matplotlib the run says so now and skips the
-    plot (`trainer.plot` set false), rather than failing once training is over."""
-    if cfg.trainer.plot and importlib.util.find_spec("matplotlib") is None:
-        logging.getLogger(__name__).warning(
-            "trainer.plot=true but matplotlib is not installed: no curves.png will be drawn (the metrics are in "
-            "metrics.jsonl; pip install matplotlib, or set trainer.plot=false to silence this)")
-        cfg.trainer.plot = False
 
 
 def _check_experts(cfg: Config, ep: int) -> None:

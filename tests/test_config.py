@@ -295,20 +295,23 @@ def test_reinforce_pp_takes_its_kl_as_a_reward_never_as_a_loss():
     compose("algo.advantage=reinforce_pp_baseline", "algo.kl_coef=0.01")  # a baseline with a KL loss: accepted
 
 
-def test_a_missing_matplotlib_is_found_at_start_up_and_the_plot_skipped(monkeypatch, caplog):
-    """trainer.plot needs matplotlib after the last step: without it validate warns and turns the plot
-    off before any model is built (issue 52.5: a run trained to the end, then failed on the import)."""
+def test_a_missing_matplotlib_is_found_at_start_up_and_the_plot_skipped(monkeypatch):
+    """trainer.plot needs matplotlib after the last step: without it start-up warns and turns the plot
+    off before any model is built (issue 52.5: a run trained to the end, then failed on the import).
+    train.py asks once, on rank 0 (plot_warning), not in validate, which every rank runs twice."""
     import importlib.util
-    import logging
+
+    from rl.config import plot_warning
 
     find_spec = importlib.util.find_spec
-    assert compose("model=dense_tiny", "trainer.device=cpu").trainer.plot is True  # the control: installed here
+    cfg = compose("model=dense_tiny", "trainer.device=cpu")
+    assert plot_warning(cfg) is None and cfg.trainer.plot is True  # the control: installed here
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else
                         find_spec(name, *a))
-    with caplog.at_level(logging.WARNING, logger="rl.config"):
-        cfg = compose("model=dense_tiny", "trainer.device=cpu")
+    cfg = compose("model=dense_tiny", "trainer.device=cpu")
+    assert cfg.trainer.plot is True  # validate does not look it up
+    message = plot_warning(cfg)
     assert cfg.trainer.plot is False
-    assert "matplotlib is not installed" in caplog.text and "trainer.plot=false" in caplog.text
-    caplog.clear()
-    assert compose("model=dense_tiny", "trainer.device=cpu", "trainer.plot=false").trainer.plot is False
-    assert caplog.text == ""  # asked for no plot: nothing to say
+    assert "matplotlib is not installed" in message and "trainer.plot=false" in message
+    cfg = compose("model=dense_tiny", "trainer.device=cpu", "trainer.plot=false")
+    assert plot_warning(cfg) is None and cfg.trainer.plot is False  # asked for no plot: nothing to say
