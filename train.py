@@ -22,7 +22,7 @@ from tqdm import tqdm  # noqa: E402
 
 from model.library_noise import silence_library_noise  # noqa: E402
 from model.parallel_dims import init_distributed  # noqa: E402
-from rl.trainer.checkpoint import Checkpointer, save_checkpoint  # noqa: E402
+from rl.trainer.checkpoint import Checkpointer  # noqa: E402
 from rl.config import (Config, check_command_line, learning_rate_warning, load, plot_warning, register,  # noqa: E402
                        validate)
 from rl.trainer.metrics import MetricsWriter, code_commit, run_failed  # noqa: E402
@@ -99,7 +99,7 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
             saved = ckpt.after_step(trainer, step + 1)  # every checkpoint.every steps, and after the last
             if step + 1 < cfg.trainer.max_steps and stop.requested():
                 stopped = step + 1
-                saved = saved or save_checkpoint(trainer, ckpt.root, stopped, cfg, dims)
+                saved = saved or ckpt.save(trainer, stopped)
                 log.info("%s: stopped after %d of %d steps with the checkpoint %s; continue the run with resume=auto "
                          "(or resume=%s)", stop.received or "a stop signal on another rank", stopped,
                          cfg.trainer.max_steps, saved, saved)

@@ -563,11 +563,16 @@ class Checkpointer:
 
     def after_step(self, trainer: Checkpointable, step: int) -> Path | None:
         """`step` steps are complete: save when one is due (every `checkpoint.every`, and the last)."""
-        c, path = self.cfg.checkpoint, None
+        c = self.cfg.checkpoint
         if (c.every and step % c.every == 0) or (c.final and step == self.cfg.trainer.max_steps):
-            t0 = time.perf_counter()
-            path = save_checkpoint(trainer, self.root, step, self.cfg, self.dims)
-            log.info("saved %s in %.2f s", path, time.perf_counter() - t0)
+            return self.save(trainer, step)
+        return None
+
+    def save(self, trainer: Checkpointable, step: int) -> Path:
+        """Save `step` steps now (a collective; train.py's stop signal too): the checkpoint's path."""
+        t0 = time.perf_counter()
+        path = save_checkpoint(trainer, self.root, step, self.cfg, self.dims)
+        log.info("saved %s in %.2f s", path, time.perf_counter() - t0)
         return path
 
 
