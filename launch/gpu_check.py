@@ -37,8 +37,9 @@ section still runs; the exit code is 1 when one failed:
            mean reward of the last 5 steps exceeds the first 5's by LEARN_RISE.
   speed    a training step (packed forward, backward, clip, fused AdamW) at SmolLM2-135M's size (random
            init from its config: nothing downloaded), FSDP2 one rank, bf16 compute, activation
-           checkpointing: tokens/s, estimated MFU (6 N + attention FLOPs per token over the device's
-           bf16 dense peak, PEAK_TFLOPS, recompute not counted), peak memory, host syncs per step
+           checkpointing: tokens/s, estimated MFU (6 N + attention FLOPs per token, packing/planner.py
+           `flop_cost` as bench/roofline.py counts, over the device's bf16 dense peak, PEAK_TFLOPS,
+           recompute not counted), peak memory, host syncs per step
            (CUDA's own sync debug mode; on CPU, tests/host_syncs.py's count). Then the rollout side at
            that size: one weight sync into a bf16 copy (seconds, bytes, peak memory) and one generation
            of 64 prompts x 128 new tokens with the transformers engine (tokens/s, peak memory).
@@ -477,6 +478,7 @@ def worker_speed(args) -> dict:
     from model.parallel_dims import init_distributed
     from model.parallelize import clip_grad_norm_, parallelize
     from packing.collate import make_experience_batch
+    from packing.planner import flop_cost
     from rl.trainer.trainer import adamw_options
 
     cuda, full = args.device == "cuda", args.size == "full"
@@ -489,7 +491,6 @@ def worker_speed(args) -> dict:
     warmup, timed = (3, 5) if full else (1, 2)
     model = build_model("llama", seed=0, dtype=torch.float32, initializer_range=0.02, **overrides)
     config = model.config
-    matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     actor = parallelize(Actor(model, dims=dims), dims, param_dtype=torch.bfloat16 if cuda else None,
                         activation_checkpointing=True)
     optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-5, **adamw_options(device))
@@ -516,8 +517,8 @@ def worker_speed(args) -> dict:
     seconds = (time.perf_counter() - start) / timed
     syncs, where = _host_syncs(step, cuda)
     tokens = sum(lengths)
-    heads_dim = config.num_attention_heads * config.head_dim
-    flops = 6 * matmul_params * tokens + 6 * config.num_hidden_layers * heads_dim * sum(n * n for n in lengths)
+    cost = flop_cost(config)  # every token scored (no actions_only): the head on each
+    flops = sum(cost(n) for n in lengths)
     out = {"model": "SmolLM2-135M config, random init" if full else "llama, tiny (CPU sizes)",
            "params": sum(p.numel() for p in model.parameters()), "tokens_per_step": tokens, "sequences": len(lengths),
            "step_s": seconds, "tokens_per_s": tokens / seconds, "flops_per_step": flops,
