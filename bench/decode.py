@@ -29,13 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, provenance  # noqa: E402
+from prefix import MODELS  # noqa: E402
 from roofline import bandwidth, engine_phases, job_prompts, matmul_weights  # noqa: E402
 
 import torch  # noqa: E402
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / ".cache/models/SmolLM2-135M-Instruct"
-SMOLLM2 = dict(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-               intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0)
 PROMPT, NEW = 47, 16
 SHARES = {"gemm": ("aten::mm", "aten::addmm"), "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
           "sampling": ("aten::_log_softmax", "aten::exp", "aten::cumsum_", "aten::searchsorted")}
@@ -62,7 +61,8 @@ def main(argv=None) -> dict:
     from rl.rollout.engine import HFRolloutEngine
 
     pretrained = (MODEL_DIR / "config.json").exists()
-    model = build_model(None, pretrained_path=str(MODEL_DIR)) if pretrained else build_model("llama", seed=0, **SMOLLM2)
+    family, shape = MODELS["smollm2-135m"]  # bench/prefix.py's SmolLM2-135M shape
+    model = build_model(None, pretrained_path=str(MODEL_DIR)) if pretrained else build_model(family, seed=0, **shape)
     engine = HFRolloutEngine(model)
     load = [os.getloadavg()[0]]
     bw = bandwidth()
