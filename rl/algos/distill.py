@@ -87,21 +87,24 @@ def check_vocabulary(cfg: Any) -> None:
     if teacher != student:
         raise ValueError(f"algo.teacher.path={path!r} has vocab_size={teacher} (its config.json), the student "
                          f"{student} ({where}): a teacher must share the student's vocabulary and tokenizer")
-    folder = student_tokenizer_folder(cfg)
-    if folder is None:  # a random-init student with no tokenizer: the vocabulary is all there is to compare
+    found = student_tokenizer(cfg)
+    if found is None:  # a random-init student with no tokenizer: the vocabulary is all there is to compare
         return
-    differ = tokenizer_differences(folder, path)
+    folder, fingerprint = found
+    differ = tokenizer_differences(fingerprint, tokenizer_fingerprint(path))
     if differ:
         raise ValueError(f"algo.teacher.path={path!r}: its tokenizer differs from the student's ({folder}): "
                          f"{'; '.join(differ)}; a teacher must share the student's tokenizer")
 
 
-def student_tokenizer_folder(cfg: Any) -> str | None:
-    """The folder of the tokenizer the student's task uses: task.tokenizer_path, else the
-    student's checkpoint when it holds a tokenizer; None when neither does."""
+def student_tokenizer(cfg: Any) -> tuple[str, dict[str, str]] | None:
+    """The folder of the tokenizer the student's task uses and its `tokenizer_fingerprint`:
+    task.tokenizer_path, else the student's checkpoint when it holds a tokenizer; None when
+    neither does."""
     for folder in (cfg.task.tokenizer_path, cfg.model.pretrained_path):
-        if folder is not None and tokenizer_fingerprint(folder):
-            return folder
+        fingerprint = tokenizer_fingerprint(folder) if folder is not None else {}
+        if fingerprint:
+            return folder, fingerprint
     return None
 
 
@@ -142,10 +145,10 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def tokenizer_differences(student: str | Path, teacher: str | Path) -> list[str]:
-    """Each tokenizer item whose hash differs between the two folders, as 'item (student
-    sha256 ... vs teacher ...)' or 'item (only in the student)'."""
-    s, t = tokenizer_fingerprint(student), tokenizer_fingerprint(teacher)
+def tokenizer_differences(s: dict[str, str], t: dict[str, str]) -> list[str]:
+    """Each tokenizer item whose hash differs between two `tokenizer_fingerprint`s (the
+    student's `s`, the teacher's `t`), as 'item (student sha256 ... vs teacher ...)' or
+    'item (only in the student)'."""
     out = []
     for item in sorted(set(s) | set(t)):
         if item not in t:
