@@ -84,9 +84,12 @@ def decode_cost(config, rows: int, context: float, dtype_bytes: int = 4) -> tupl
     """(FLOPs, bytes) of one decode step: `rows` rows, each attending over `context` keys (its
     prompt and the tokens so far); every matmul weight, head included, once per row; the
     weights read once, each row's cached keys and values read."""
+    from packing.planner import flop_cost
+
     d = _dims(config)
     body_w, head_w = matmul_weights(config)
-    flops = rows * (2.0 * (body_w + head_w) + 4.0 * d["layers"] * d["heads"] * d["head_dim"] * context)
+    att = flop_cost(config).attention / 3  # forward FLOPs per t**2, i.e. t**2 / 2 pairs: 2 * att a pair
+    flops = rows * (2.0 * (body_w + head_w) + 2.0 * att * context)
     kv = rows * 2 * d["layers"] * d["kv_heads"] * d["head_dim"] * (context + 1)
     return flops, float(dtype_bytes * (body_w + head_w + kv))
 
