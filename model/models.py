@@ -77,20 +77,20 @@ def family(name: str, *, key: str = "model.name", config: dict | None = None) ->
     return name
 
 
-def checkpoint_family(path: str | Path) -> str:
+def checkpoint_family(path: str | Path, *, key: str = "model.pretrained_path") -> str:
     """The family of the checkpoint folder `path`, read from its `config.json` (no weights
-    are read); errors name the folder and what is missing or unsupported."""
+    are read); errors name the folder (as config `key`) and what is missing or unsupported."""
     folder = Path(path)
     config = folder / "config.json"
     if not config.is_file():
-        raise ValueError(f"model.pretrained_path={str(path)!r}: no config.json in the folder (a Hugging Face "
+        raise ValueError(f"{key}={str(path)!r}: no config.json in the folder (a Hugging Face "
                          f"checkpoint folder, as written by save_pretrained, is expected)")
     fields = json.loads(config.read_text())
     if fields.get("model_type") is None:
-        raise ValueError(f"model.pretrained_path={str(path)!r}: config.json has no model_type")
+        raise ValueError(f"{key}={str(path)!r}: config.json has no model_type")
     name = family(fields["model_type"], key=f"model_type in {config}", config=fields)  # unsupported: said first
     if not any((folder / w).is_file() for w in _WEIGHTS):
-        raise ValueError(f"model.pretrained_path={str(path)!r}: no weights in the folder (expected one of "
+        raise ValueError(f"{key}={str(path)!r}: no weights in the folder (expected one of "
                          f"{list(_WEIGHTS)})")
     return name
 

@@ -64,10 +64,7 @@ def check_teacher(cfg: Any) -> None:
                          "nothing is downloaded)")
     from model.models import checkpoint_family
 
-    try:
-        checkpoint_family(t.path)
-    except ValueError as e:
-        raise ValueError(str(e).replace(f"model.pretrained_path={t.path!r}", f"algo.teacher.path={t.path!r}")) from None
+    checkpoint_family(t.path, key="algo.teacher.path")
     fields = json.loads((Path(t.path) / "config.json").read_text())
     experts = fields.get("num_experts") or fields.get("num_local_experts")  # transformers writes either
     if experts and cfg.parallel.ep > 1 and experts % cfg.parallel.ep:
