@@ -1,5 +1,5 @@
 """The supported model families, by Hugging Face `model_type`: the one list the config's
-`model.name` choice (rl/config.py), the model registry (model/models.py) and the tests read.
+`model.name` choice (rl/config/schema.py), the model registry (model/models.py) and the tests read.
 Imports nothing, so the config schema can name them without loading transformers."""
 
 DENSE = ("llama", "mistral", "phi3", "qwen2", "qwen3")  # one forward path (model/actor.py)

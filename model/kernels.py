@@ -8,7 +8,7 @@
     auto   on CUDA with an fp16/bf16 compute dtype: torch if this torch has it, else flash if
            installed, else sdpa; on CPU (or in fp32): sdpa, the only kernel CPUs have
 
-`resolve` is the start-up check (rl/config.py `validate`): a named kernel this machine lacks
+`resolve` is the start-up check (`rl.config.validate`): a named kernel this machine lacks
 (torch or flash on CPU, in fp32, flash not installed, a torch before 2.10) is an error naming
 `model.attention`, never a silent fallback. `select` fixes the choice for the process and
 logs it; `packed_kernel(query)` is the one dispatch the "varlen" and "cp_varlen" attentions

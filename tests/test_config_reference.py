@@ -1,4 +1,4 @@
-"""docs/config-reference.md is the schema's: regenerating it from rl/config.py and conf/
+"""docs/config-reference.md is the schema's: regenerating it from rl/config/schema.py and conf/
 (scripts/config_reference.py) gives the committed page byte for byte, so a field added,
 renamed, re-typed, re-defaulted or re-commented without regenerating the page fails here."""
 
@@ -60,7 +60,7 @@ def empty_meanings(page: str) -> list[str]:
 
 
 def test_every_row_of_the_reference_has_a_meaning():
-    """A key added without a comment (rl/config.py) or a task option without a meaning
+    """A key added without a comment (rl/config/schema.py) or a task option without a meaning
     (rl/tasks/options.py MEANINGS) fails here."""
     assert empty_meanings(render()) == []
 

@@ -206,7 +206,7 @@ def test_the_code_commit_is_none_without_git_and_marks_a_changed_tree(monkeypatc
         return real_run(cmd, **kw)
 
     monkeypatch.setattr(subprocess, "run", changed)
-    changed.path = "rl/config.py"
+    changed.path = "rl/config/schema.py"
     assert code_commit() == head + "+"
     changed.path = "bench/results/peer.json"
     assert code_commit() == head

@@ -27,7 +27,7 @@ Estimators (`algo.advantage`):
 * `reinforce_pp` - REINFORCE++ (Hu 2025): the same token rewards discounted by gamma into
              token-level returns (GAE with values 0 and lam 1), whitened over the batch. It is
              defined with the KL in the reward: with kl_coef > 0 the config requires
-             kl_mode=reward (rl/config.py), so the KL is never also a loss.
+             kl_mode=reward (`rl.config.validate`), so the KL is never also a loss.
 * `reinforce_pp_baseline` - the same after subtracting the group-mean reward.
 * `distill` - on-policy distillation: each action token's -(log p_student - log p_teacher)
              (student: the old / rollout log-probs `action_log_probs`, teacher:

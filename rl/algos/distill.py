@@ -7,7 +7,7 @@ never the student's replay records) puts `teacher_action_log_probs` on the batch
 estimator `algo.advantage=distill` (or `algo.distill_coef` added to another estimator's,
 rl/algos/advantages.py) turns -(log p_student - log p_teacher) per token into advantages.
 
-Start-up, before any model is built (`check_teacher`, from rl/config.py `validate`): the keys
+Start-up, before any model is built (`check_teacher`, from `rl.config.validate`): the keys
 agree with each other, `algo.teacher.path` is a checkpoint of a supported family, and the
 teacher shares the student's vocabulary (config.json `vocab_size`) and tokenizer (each
 tokenizer file, the special tokens and the chat template compared by sha256). After the

@@ -272,7 +272,7 @@ def policy_loss(
     `clip_ratio` (1 where the ratio or IS weight was clipped), `ratio` (the ratio each
     token's loss used: GSPO's is its sequence's), `approx_kl` (k3 estimate of
     KL(pi_old || pi) per token: r - 1 - log r, r = pi / pi_old). The config is checked once,
-    at start-up (`check_policy_loss_config`, from rl/config.py `validate`).
+    at start-up (`check_policy_loss_config`, from `rl.config.validate`).
     """
     old = experience.action_log_probs
     if old is None or experience.advantages is None:

@@ -72,7 +72,7 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
 
 def engine_max_len(cfg, task) -> int | None:
     """vLLM's `max_model_len`: `rollout.max_model_len`, else the longest sample the task can
-    make (rl/config.py `longest_sample`: the longest prompt plus every turn's reply and the
+    make (`rl.config.longest_sample`: the longest prompt plus every turn's reply and the
     environment's answers between turns) with the longer of the training and the evaluation
     reply budgets; None (the model's own limit) when the task does not say how long its prompts are."""
     if cfg.rollout.max_model_len is not None:

@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 
 
 class RolloutMode(Choice):
-    """`rollout.mode`, an alias of `rollout.max_staleness` (rl/config.py `max_staleness`)."""
+    """`rollout.mode`, an alias of `rollout.max_staleness` (`rl.config.max_staleness`)."""
 
     SYNC = "sync"  # max_staleness=0
     ONE_STEP_OFF = "one_step_off"  # max_staleness=1

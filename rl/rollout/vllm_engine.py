@@ -116,7 +116,7 @@ def check_family(model_type: str, architectures: Sequence[str]) -> None:
 
 
 def check_vllm_config(cfg, world_size: int, family: str) -> None:
-    """`validate`'s checks for `rollout.engine=vllm` (rl/config.py `_check_rollout`); `family`:
+    """`validate`'s checks for `rollout.engine=vllm` (`rl.config.validate`); `family`:
     the run's model family (`rl.config.model_family`)."""
     require_vllm()
     if cfg.model.pretrained_path is not None:

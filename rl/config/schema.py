@@ -318,7 +318,7 @@ def run_id() -> str:
 
 
 # ------------------------------------------------------------- the command line
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def compose(overrides: list[str] | tuple[str, ...] = (), *, hydra_node: bool = False) -> Any:
