@@ -52,6 +52,7 @@ bench: $(STAMP)
 # ~40-50 min idle: ~1 min a step here, ~2 min in TRL),
 # bench/results/peer-long.json.
 # `make bench-peer JOB=lora`: the short job with rank-16 LoRA on both sides (TRL: peft_config), bench/results/peer-lora.json.
+# `make bench-peer SEEDS=5`: every arm at seeds 0-4, mean +- standard error over them (peer-seeds.json in the results folder).
 TRL_PY    := .venv-trl/bin/python
 TRL_STAMP := .venv-trl/.installed-$(shell cat requirements-trl.txt constraints-trl.txt | sha1sum | cut -c1-12)
 
@@ -63,7 +64,7 @@ $(TRL_STAMP): requirements-trl.txt constraints-trl.txt
 	@rm -f .venv-trl/.installed-* && touch $@
 
 bench-peer: model $(TRL_STAMP)
-	$(PY) bench/peer.py $(if $(JOB),--job $(JOB)) $(if $(STEPS),--steps $(STEPS)) $(ARGS)
+	$(PY) bench/peer.py $(if $(JOB),--job $(JOB)) $(if $(STEPS),--steps $(STEPS)) $(if $(SEEDS),--seeds $(SEEDS)) $(ARGS)
 
 # One LoRA step on identical samples, the adapters' gradients here and in TRL+PEFT (bench/peer_step.py,
 # ~5 min): bench/results/peer-step.json.

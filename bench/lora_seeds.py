@@ -34,11 +34,17 @@ def trl(path: Path) -> dict:
     return {"file": path.name, "evals": evals, "reward": [s["reward_mean"] for s in d["per_step"]]}
 
 
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """The mean of `values` and its standard error (sample standard deviation / sqrt(n); NaN for one value)."""
+    se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+    return statistics.fmean(values), se
+
+
 def paired(a: list[float], b: list[float]) -> dict:
-    diff = [x - y for x, y in zip(a, b)]
-    se = statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else float("nan")
-    return {"ours": statistics.fmean(a), "trl": statistics.fmean(b), "diff": statistics.fmean(diff), "se": se,
-            "pairs": len(diff)}
+    """Each side's mean and their difference pair by pair, with its standard error over the pairs."""
+    diffs = [x - y for x, y in zip(a, b)]
+    diff, se = mean_se(diffs)
+    return {"ours": statistics.fmean(a), "trl": statistics.fmean(b), "diff": diff, "se": se, "pairs": len(diffs)}
 
 
 def main(argv=None) -> dict:

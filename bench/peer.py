@@ -36,6 +36,7 @@ Figures of each arm (medians over the steps; evaluation is never inside a step):
     generated_tokens_per_s   response tokens / rollout_s
     train_tokens_per_s       prompt + response tokens / (step_s - rollout_s)
     prompt_tokens, answer_tokens   mean tokens per sample (the job's shape as run)
+    train_reward             the mean training reward over the steps
     accuracy_before/after    held-out greedy accuracy
     loadavg_start/end        os.getloadavg() (1, 5, 15 min) when the arm starts and ends
 and, last line, one JSON object (also bench/results/peer.json, or peer-long.json):
@@ -49,6 +50,14 @@ and, last line, one JSON object (also bench/results/peer.json, or peer-long.json
     .venv/bin/python bench/peer.py --job long              # the long job (`make bench-peer JOB=long`)
     .venv/bin/python bench/peer.py --job lora              # LoRA on both sides (`make bench-peer JOB=lora`)
     .venv/bin/python bench/peer.py --steps 2 --eval-prompts 16   # a check of the plumbing
+    .venv/bin/python bench/peer.py --seeds 5               # every arm at seeds 0-4 (`--seed` the first)
+
+Over seeds (`--seeds N`): each seed runs every arm as above, one after the other (cfg.seed = the seed;
+TRL trains on that seed's step prompts; the held-out problems are the same for every seed), its runs
+in <runs>/seed<s>/; the last line (also bench/results/<job's results>-seeds.json, e.g. peer-seeds.json)
+is the mean +- standard error over the seeds of `accuracy_after`, `train_reward` (the mean training
+reward over the steps) and `step_s`, for the project's default engine and for TRL (`trl_` keys), and
+their difference seed by seed (`*_diff`, `*_diff_se`: project - TRL, as bench/lora_seeds.py pairs them).
 
 Run it on an idle machine: on 2 shared cores a busy neighbour slows each 2-thread arm by a
 different factor.
@@ -144,7 +153,14 @@ def parse_args(argv=None):
     p.add_argument("--skip-trl", action="store_true", help="run only the project's arms (a plumbing check)")
     p.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"), help="the TRL venv's interpreter")
     p.add_argument("--out", default=None, help="folder for the arms' runs and logs (default outputs/bench-peer/<time>)")
+    p.add_argument("--seed", type=int, default=0, help="cfg.seed of every arm (TRL trains on the project's step prompts "
+                                                       "of this seed); with --seeds, the first seed")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="run every arm over this many seeds (--seed, --seed + 1, ...), one after the other, and report "
+                        "mean +- standard error over them (bench/results/<job's results>-seeds.json)")
     args = p.parse_args(argv)
+    if args.seeds < 1:
+        p.error(f"--seeds={args.seeds} must be >= 1")
     job = JOBS[args.job]
     args.steps = job.steps if args.steps is None else args.steps
     args.eval_prompts = job.eval_prompts if args.eval_prompts is None else args.eval_prompts
@@ -186,9 +202,15 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None and x == x]
+    return statistics.fmean(xs) if xs else None
+
+
 def summarize(per_step: list[dict], before: float | None, after: float | None, wall_s: float,
               samples_per_step: int) -> dict:
-    """The figures of one arm from its per-step rows (step_s, rollout_s, generated_tokens, tokens)."""
+    """The figures of one arm from its per-step rows (step_s, rollout_s, generated_tokens, tokens,
+    reward_mean: train_reward is its mean over the steps)."""
     def rate(num: str, den) -> float | None:
         return _median([r[num] / den(r) for r in per_step if r.get(num) is not None and den(r) and den(r) > 0])
 
@@ -206,18 +228,19 @@ def summarize(per_step: list[dict], before: float | None, after: float | None, w
                                   if r.get("tokens") is not None and r.get("generated_tokens") is not None]),
         "answer_tokens": _median([r["generated_tokens"] / samples_per_step for r in per_step
                                   if r.get("generated_tokens") is not None]),
+        "train_reward": _mean([r.get("reward_mean") for r in per_step]),
         "accuracy_before": before,
         "accuracy_after": after,
         "wall_s": wall_s,
     }
 
 
-def run_project(engine: str, args, out: Path, env: dict, shape: Shape) -> dict:
+def run_project(engine: str, args, out: Path, env: dict, shape: Shape, seed: int) -> dict:
     run_dir = out / f"project_{engine}"
     cmd = [str(ROOT / ".venv/bin/python"), "train.py", f"+experiment={JOBS[args.job].experiment}",
            f"trainer.max_steps={args.steps}", f"eval.every={args.eval_every or max(args.steps, 1)}",  # evaluate before and after only
            f"eval.num_prompts={args.eval_prompts}", "checkpoint.final=false", "trainer.plot=false",
-           "trainer.progress=false", f"hydra.run.dir={run_dir}", f"rollout.engine={engine}"]
+           "trainer.progress=false", f"hydra.run.dir={run_dir}", f"rollout.engine={engine}", f"seed={seed}"]
     run_dir.mkdir(parents=True, exist_ok=True)
     rc, wall, load = run_logged(cmd, out / f"project_{engine}.log", env)
     if rc != 0:
@@ -234,7 +257,7 @@ def run_project(engine: str, args, out: Path, env: dict, shape: Shape) -> dict:
         "engine": engine, "run_dir": str(run_dir), "per_step": per_step}
 
 
-def run_trl(args, out: Path, env: dict, shape: Shape) -> dict:
+def run_trl(args, out: Path, env: dict, shape: Shape, seed: int) -> dict:
     if not os.access(args.trl_python, os.X_OK):
         raise SystemExit(f"peer: {args.trl_python} not found: build .venv-trl first (make bench-peer does)")
     result_path = out / "trl.json"
@@ -242,7 +265,7 @@ def run_trl(args, out: Path, env: dict, shape: Shape) -> dict:
            "--eval-prompts", str(args.eval_prompts), "--threads", str(args.threads), "--out", str(result_path),
            "--prompts-per-step", str(shape.prompts_per_step), "--samples-per-prompt", str(shape.samples_per_prompt),
            "--max-new-tokens", str(shape.max_new_tokens), "--task-options", json.dumps(shape.options),
-           "--lr", str(shape.lr)]
+           "--lr", str(shape.lr), "--seed", str(seed)]
     if shape.lora["rank"]:  # the same adapters through TRL's peft_config
         cmd += ["--lora-rank", str(shape.lora["rank"]), "--lora-alpha", str(shape.lora["alpha"]),
                 "--lora-dropout", str(shape.lora["dropout"]), "--lora-targets", ",".join(shape.lora["target_modules"])]
@@ -282,13 +305,37 @@ def main(argv=None) -> dict:
           f"{shape.prompts_per_step} prompts x {shape.samples_per_prompt} samples), {args.steps} steps, "
           f"{args.eval_prompts} held-out problems, {args.threads} threads; project engines {engines} ({why}); "
           f"runs in {out}", flush=True)
+    if args.seeds == 1:
+        summary, arms = compare(args, job, shape, engines, why, out, env, args.seed)
+        if args.skip_trl:  # a partial run never replaces the comparison in bench/results
+            print(json.dumps(summary), flush=True)
+            return summary
+        return emit(job.results, summary, {"arms": arms})
+    per_seed = {}
+    for seed in range(args.seed, args.seed + args.seeds):
+        per_seed[seed], _ = compare(args, job, shape, engines, why, out / f"seed{seed}", env, seed)
+    result = {"job": args.job, "experiment": job.experiment, "steps": args.steps, "eval_prompts": args.eval_prompts,
+              "seeds": list(per_seed), **over_seeds(list(per_seed.values())), "runs": str(out)}
+    (out / "peer-seeds.json").write_text(json.dumps({"summary": result, "details": {"per_seed": per_seed}},
+                                                    indent=1) + "\n")
+    if args.skip_trl:
+        print(json.dumps(result), flush=True)
+        return result
+    return emit(f"{job.results}-seeds", result, {"per_seed": per_seed})
+
+
+def compare(args, job: Job, shape: Shape, engines: list[str], why: str, out: Path, env: dict,
+            seed: int) -> tuple[dict, dict]:
+    """Every arm of the job at `seed`, one after the other, in `out`: (the summary, each arm's figures);
+    the summary also goes to `out`/peer.json."""
+    out.mkdir(parents=True, exist_ok=True)
     arms: dict[str, dict] = {}
     for engine in engines:
-        arms[f"project_{engine}"] = run_project(engine, args, out, env, shape)
+        arms[f"project_{engine}"] = run_project(engine, args, out, env, shape, seed)
         if engine == "hf" and "error" in arms["project_hf"]:
             raise SystemExit(f"peer: {arms['project_hf']['error']}")
     if not args.skip_trl:
-        arms["trl"] = run_trl(args, out, env, shape)
+        arms["trl"] = run_trl(args, out, env, shape, seed)
 
     trl = arms.get("trl", {})
     ok = {k: v for k, v in arms.items() if k.startswith("project_") and v.get("step_s")}
@@ -303,6 +350,7 @@ def main(argv=None) -> dict:
         "trl_answer_tokens": trl.get("answer_tokens"),
         "steps": args.steps,
         "eval_prompts": args.eval_prompts,
+        "seed": seed,
         "speedup_vs_trl": ratio(trl.get("step_s"), ok[fastest]["step_s"]) if fastest else None,
         "fastest_engine": fastest.removeprefix("project_") if fastest else None,
         "speedup_vs_trl_hf_engine": ratio(trl.get("step_s"), hf.get("step_s")),
@@ -331,6 +379,9 @@ def main(argv=None) -> dict:
         "vllm_accuracy_after": vllm.get("accuracy_after"),
         "trl_accuracy_before": trl.get("accuracy_before"),
         "trl_accuracy_after": trl.get("accuracy_after"),
+        "train_reward": hf.get("train_reward"),
+        "vllm_train_reward": vllm.get("train_reward"),
+        "trl_train_reward": trl.get("train_reward"),
         "loadavg": {k: [v.get("loadavg_start"), v.get("loadavg_end")] for k, v in arms.items()},
         "wall_s": sum(a.get("wall_s", 0.0) for a in arms.values()),
         "engines": engines,
@@ -345,10 +396,38 @@ def main(argv=None) -> dict:
         summary["vllm_error"] = vllm["error"]
     summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}
     (out / "peer.json").write_text(json.dumps({"summary": summary, "details": {"arms": arms}}, indent=1) + "\n")
-    if args.skip_trl:  # a partial run never replaces the comparison in bench/results
-        print(json.dumps(summary), flush=True)
-        return summary
-    return emit(job.results, summary, {"arms": arms})
+    return summary, arms
+
+
+SEED_FIGURES = ("accuracy_after", "train_reward", "step_s")  # what --seeds reports over the seeds
+
+
+def over_seeds(per_seed: list[dict]) -> dict:
+    """Mean +- standard error over the seeds' summaries (`compare`) of each of SEED_FIGURES, for the
+    project's default engine (`<figure>`) and TRL (`trl_<figure>`), and their difference seed by seed
+    (project - TRL; `<figure>_diff`, `<figure>_diff_se`). A seed without a figure leaves it out of
+    that figure's mean; `<figure>_n` counts the seeds in it. Standard errors of one seed are None.
+    `accuracy_below_trl_beyond_2se`: the accuracy difference is below -2 standard errors (then find why
+    before calling the arms equal: issue 57)."""
+    from lora_seeds import mean_se, paired
+
+    def clean(x: float) -> float | None:
+        return None if x != x else round(x, 4)
+
+    out: dict = {"seeds_n": len(per_seed)}
+    for fig in SEED_FIGURES:
+        for key in (fig, f"trl_{fig}"):
+            values = [s[key] for s in per_seed if s.get(key) is not None]
+            mean, se = mean_se(values) if values else (None, float("nan"))
+            out |= {f"{key}_mean": None if mean is None else round(mean, 4), f"{key}_se": clean(se),
+                    f"{key}_n": len(values)}
+        both = [(s[fig], s[f"trl_{fig}"]) for s in per_seed if s.get(fig) is not None and s.get(f"trl_{fig}") is not None]
+        if both:
+            d = paired([a for a, _ in both], [b for _, b in both])
+            out |= {f"{fig}_diff": round(d["diff"], 4), f"{fig}_diff_se": clean(d["se"]), f"{fig}_diff_n": d["pairs"]}
+    if out.get("accuracy_after_diff_se") is not None:  # the issue's test of "equal": not below TRL beyond 2 SE
+        out["accuracy_below_trl_beyond_2se"] = out["accuracy_after_diff"] < -2 * out["accuracy_after_diff_se"]
+    return out
 
 
 if __name__ == "__main__":
