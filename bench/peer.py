@@ -45,6 +45,11 @@ and, last line, one JSON object (also bench/results/peer.json, or peer-long.json
     speedup_vs_trl_vllm_engine  the same for the vLLM engine (when it ran)
     accuracy_before/after     the project (default engine); vllm_accuracy_* likewise
     trl_accuracy_before/after
+    gemm_fp32/bf16_gflops_per_s, bandwidth_gb_per_s   the roofline, measured in this process after the
+                              arms (bench/roofline.py `machine`, at the model's shapes, --threads threads)
+    train_fraction_fp32_peak, rollout_fraction_fp32_peak   the job's training FLOPs over train_s and its
+                              generation FLOPs over rollout_s, over the fp32 peak (medians over the steps;
+                              `trl_`/`vllm_` keys for those arms: the same work counted, `roofline`)
 
     .venv/bin/python bench/peer.py --steps 40              # the comparison (`make bench-peer`)
     .venv/bin/python bench/peer.py --job long              # the long job (`make bench-peer JOB=long`)
@@ -337,6 +342,7 @@ def compare(args, job: Job, shape: Shape, engines: list[str], why: str, out: Pat
     if not args.skip_trl:
         arms["trl"] = run_trl(args, out, env, shape, seed)
 
+    fractions = roofline(arms, shape)
     trl = arms.get("trl", {})
     ok = {k: v for k, v in arms.items() if k.startswith("project_") and v.get("step_s")}
     fastest = min(ok, key=lambda k: ok[k]["step_s"]) if ok else None
@@ -379,6 +385,7 @@ def compare(args, job: Job, shape: Shape, engines: list[str], why: str, out: Pat
         "vllm_accuracy_after": vllm.get("accuracy_after"),
         "trl_accuracy_before": trl.get("accuracy_before"),
         "trl_accuracy_after": trl.get("accuracy_after"),
+        **fractions,
         "train_reward": hf.get("train_reward"),
         "vllm_train_reward": vllm.get("train_reward"),
         "trl_train_reward": trl.get("train_reward"),
@@ -397,6 +404,45 @@ def compare(args, job: Job, shape: Shape, engines: list[str], why: str, out: Pat
     summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}
     (out / "peer.json").write_text(json.dumps({"summary": summary, "details": {"arms": arms}}, indent=1) + "\n")
     return summary, arms
+
+
+def roofline(arms: dict[str, dict], shape: Shape) -> dict:
+    """This process's roofline (bench/roofline.py `machine`: fp32 and bf16 GEMM peaks at the model's
+    shapes, copy bandwidth; measured after the arms, with their threads) and each arm's fraction of the
+    fp32 peak: the job's training FLOPs (roofline.py `step_flops`: the body on the shared-prompt pack, the
+    head on response tokens) over its train_s, and the job's generation FLOPs (`rollout_flops`: the
+    distinct prompts' prefill, a decode forward per token) over its rollout_s, medians over the steps.
+    The same count for every arm: the work the job needs, not what an arm chose to do (TRL prefills
+    every sample's prompt and trains on unshared prompts: its fraction is of the work it had to do)."""
+    from roofline import machine, rollout_flops, step_flops
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(MODEL_DIR)
+    n = shape.samples_per_step
+
+    def rows(arm):  # roofline.py's metrics of each step
+        return [{"samples": n, "group": shape.samples_per_prompt, "tokens": r["tokens"],
+                 "response_length": r["generated_tokens"] / n, "action_tokens": r["generated_tokens"],
+                 "train_s": r["step_s"] - r["rollout_s"], "rollout_s": r["rollout_s"]}
+                for r in arm.get("per_step", []) if r.get("generated_tokens") is not None and r.get("tokens")
+                and r.get("rollout_s") is not None and r["rollout_s"] == r["rollout_s"]]
+
+    steps = [r for arm in arms.values() for r in rows(arm)]
+    if not steps:
+        return {}
+    prompt = round(statistics.median(r["tokens"] / n - r["response_length"] for r in steps))
+    peak = machine(config, [n, shape.prompts_per_step * prompt, round(statistics.median(r["tokens"] for r in steps))])
+    f32 = peak["gemm_fp32_flops_per_s"]
+    out = {"gemm_fp32_gflops_per_s": f32 / 1e9, "gemm_bf16_gflops_per_s": peak["gemm_bf16_flops_per_s"] / 1e9,
+           "bandwidth_gb_per_s": peak["bandwidth_bytes_per_s"] / 1e9, "roofline_threads": peak["threads"]}
+    for name, arm in arms.items():
+        got = rows(arm)
+        prefix = "" if name == "project_hf" else name.removeprefix("project_") + "_"
+        out[f"{prefix}train_fraction_fp32_peak"] = _median([step_flops(config, r) / r["train_s"] / f32 for r in got
+                                                            if r["train_s"] > 0])
+        out[f"{prefix}rollout_fraction_fp32_peak"] = _median([rollout_flops(config, r) / r["rollout_s"] / f32
+                                                              for r in got if r["rollout_s"] > 0])
+    return out
 
 
 SEED_FIGURES = ("accuracy_after", "train_reward", "step_s")  # what --seeds reports over the seeds

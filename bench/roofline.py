@@ -13,6 +13,8 @@ and bench/prefix.py use:
 
     training_flops   forward + backward of the body on the shared-prompt pack (each group's
                      prompt once, every response over it) and the LM head on action tokens only
+    step_flops       the same from a step's metrics (samples, group, tokens, response_length, action_tokens)
+    rollout_flops    a step's generation from the same metrics: the prefill and a decode step per token
     prefill_cost     the engine's prefill: forward of the body over the distinct prompts, the head
                      on each prompt's last token; bytes: the weights once and the KV written
     decode_cost      one decode step of `rows` rows at context `context`: forward of every matmul
@@ -64,6 +66,26 @@ def training_flops(config, groups: Sequence[tuple[int, Sequence[int]]], action_t
         total += microbatch_cost(range(n), [prompt + r for r in responses], body, [0] * n, [prompt] * n)
         scored += sum(responses)
     return total + 6.0 * head_w * (scored if action_tokens is None else action_tokens)
+
+
+def step_flops(config, row: dict) -> float:
+    """Training FLOPs of a step from its metrics: `samples` samples in groups of `group` sharing a
+    prompt, of the step's mean prompt and response lengths (`tokens / samples - response_length`,
+    `response_length`: exact for the linear terms, the attention's square from the means), the head
+    on `action_tokens`."""
+    n, group, r = row["samples"], row["group"], row["response_length"]
+    prompt = row["tokens"] / n - r
+    return training_flops(config, [(prompt, [r] * group)] * (n // group), row["action_tokens"])
+
+
+def rollout_flops(config, row: dict) -> float:
+    """Generation FLOPs of a step from the same metrics as `step_flops`: the prefill of its distinct
+    prompts (`samples / group`, the mean prompt length) and a decode forward per response token but
+    each sample's last, at the mean context (prompt + half the response: linear in it)."""
+    n, group, r = row["samples"], row["group"], row["response_length"]
+    prompt = row["tokens"] / n - r
+    return (prefill_cost(config, [prompt] * (n // group))[0]
+            + decode_cost(config, max(r - 1, 0) * n, prompt + r / 2)[0])
 
 
 def prefill_cost(config, prompts: Sequence[int], dtype_bytes: int = 4) -> tuple[float, float]:

@@ -58,7 +58,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, ROOT, emit, provenance  # noqa: E402
-from roofline import decode_cost, engine_phases, machine, matmul_weights, prefill_cost, training_flops  # noqa: E402
+from roofline import decode_cost, engine_phases, machine, matmul_weights, prefill_cost, step_flops  # noqa: E402
 
 ARMS = {"default": {}, "system": {"RL_ALLOCATOR": "system"},  # arm -> environment (and experiment, EXPERIMENTS)
         "fixed128k": {"RL_ALLOCATOR": "system", "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"},
@@ -99,15 +99,6 @@ def run_arm(arm: str, steps: int, work: Path, tiny: bool = False) -> list[dict]:
              "tokens": r["tokens"], "response_length": r["response_length"], "action_tokens": r["action_tokens"],
              "samples": task.prompts_per_step * task.samples_per_prompt, "group": task.samples_per_prompt}
             for r in rows if "step_s" in r][1:]
-
-
-def step_flops(config, row: dict) -> float:
-    """Training FLOPs of a step from its metrics: `samples` samples in groups of `group` sharing a
-    prompt, of the step's mean prompt and response lengths (exact for the linear terms, the
-    attention's square from the means), the head on `action_tokens`."""
-    n, group, r = row["samples"], row["group"], row["response_length"]
-    prompt = row["tokens"] / n - r
-    return training_flops(config, [(prompt, [r] * group)] * (n // group), row["action_tokens"])
 
 
 def sig(x: float) -> float:

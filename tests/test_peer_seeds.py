@@ -1,5 +1,6 @@
 """bench/peer.py --seeds N: every arm at N seeds (the seed reaching train.py and TRL's script), reduced
-to mean +- standard error per arm and the project - TRL difference seed by seed."""
+to mean +- standard error per arm and the project - TRL difference seed by seed; and each arm's
+fractions of the machine's roofline."""
 
 from __future__ import annotations
 
@@ -91,6 +92,7 @@ def test_seeds_run_every_arm_at_each_seed(tmp_path, monkeypatch):
         return 0, 1.0, {"loadavg_start": [0, 0, 0], "loadavg_end": [0, 0, 0]}
 
     emitted = {}
+    monkeypatch.setattr(peer, "roofline", lambda arms, shape: {})  # tested below (it measures the machine)
     monkeypatch.setattr(peer, "run_logged", fake_run)
     monkeypatch.setattr(peer, "emit", lambda name, summary, details: emitted.setdefault(name, summary))
     out = peer.main(["--seeds", "2", "--seed", "3", "--steps", "2", "--engines", "hf", "--out", str(tmp_path / "runs"),
@@ -104,3 +106,32 @@ def test_seeds_run_every_arm_at_each_seed(tmp_path, monkeypatch):
     for seed in (3, 4):  # each seed's own comparison beside it
         assert json.loads((tmp_path / f"runs/seed{seed}/peer.json").read_text())["summary"]["seed"] == seed
     assert json.loads((tmp_path / "runs/peer-seeds.json").read_text())["summary"]["seeds"] == [3, 4]
+
+
+def test_each_arms_fraction_of_the_roofline(tmp_path, monkeypatch):
+    """The job's training and generation FLOPs of each step (bench/roofline.py) over the arm's train_s and
+    rollout_s, against the fp32 peak measured in the process; the same work counted for every arm."""
+    peer = load_peer()
+    import roofline
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=96, vocab_size=128)
+    config.save_pretrained(tmp_path)
+    monkeypatch.setattr(peer, "MODEL_DIR", tmp_path)
+    peak = 1e9
+    monkeypatch.setattr(roofline, "machine", lambda config, tokens: {
+        "gemm_fp32_flops_per_s": peak, "gemm_bf16_flops_per_s": 2 * peak, "bandwidth_bytes_per_s": 5e9, "threads": 2})
+    shape = peer.Shape(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=16, options={}, lr=1e-5,
+                       lora={"rank": 0})
+    step = {"step_s": 3.0, "rollout_s": 1.0, "generated_tokens": 8 * 5, "tokens": 8 * (5 + 10), "reward_mean": 0.5}
+    arms = {"project_hf": {"per_step": [step, step]},
+            "trl": {"per_step": [step | {"step_s": 9.0, "rollout_s": 4.0}, step | {"rollout_s": float("nan")}]}}
+    out = peer.roofline(arms, shape)
+    row = {"samples": 8, "group": 4, "tokens": 120, "response_length": 5, "action_tokens": 40}
+    assert out["gemm_fp32_gflops_per_s"] == 1 and out["gemm_bf16_gflops_per_s"] == 2
+    assert out["train_fraction_fp32_peak"] == pytest.approx(roofline.step_flops(config, row) / 2.0 / peak)
+    assert out["rollout_fraction_fp32_peak"] == pytest.approx(roofline.rollout_flops(config, row) / 1.0 / peak)
+    # TRL: the same work over its own times; its step without a generate span is left out
+    assert out["trl_train_fraction_fp32_peak"] == pytest.approx(roofline.step_flops(config, row) / 5.0 / peak)
+    assert out["trl_rollout_fraction_fp32_peak"] == pytest.approx(roofline.rollout_flops(config, row) / 4.0 / peak)

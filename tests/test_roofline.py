@@ -9,7 +9,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from roofline import decode_cost, matmul_weights, model_shapes, prefill_cost, training_flops  # noqa: E402
+from roofline import (decode_cost, matmul_weights, model_shapes, prefill_cost, rollout_flops, step_flops,  # noqa: E402
+                      training_flops)
 
 # 2 layers, hidden 8, 2 query heads and 1 KV head of 4, SwiGLU 16, vocabulary 32
 TINY = SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
@@ -43,6 +44,17 @@ def test_prefill_and_decode_cost_by_hand():
     # bytes: the weights once and each row's 6 keys and values per layer (5 cached, 1 written)
     assert decode_cost(TINY, 2, 5) == (2 * (2816 + 320), 4.0 * (1408 + 2 * 2 * 2 * 4 * 6))
     assert decode_cost(TINY, 2, 5, dtype_bytes=2)[1] == 2.0 * (1408 + 192)
+
+
+def test_a_steps_flops_from_its_metrics_by_hand():
+    # 2 samples in one group, 10 tokens, responses of 2: a 3-token prompt, as the training test's
+    row = {"samples": 2, "group": 2, "tokens": 10, "response_length": 2, "action_tokens": 4}
+    assert step_flops(TINY, row) == training_flops(TINY, [(3, [2, 2])])
+    # generation: the prompt's prefill once (7712, as prefill_cost's by-hand figures) and one decode
+    # forward per sample (its first token comes from the prefill, its last feeds nothing) at context
+    # 3 + 1: 2 x (2816 + 32 x 2 x 4)
+    assert rollout_flops(TINY, row) == 2 * 1152 * 3 + 32 * 9 + 2 * 256 + 2 * (2816 + 256) == 13856
+    assert rollout_flops(TINY, row | {"group": 1}) > 13856  # control: two distinct prompts prefilled
 
 
 def test_decode_cost_equals_torchs_flop_count_of_a_real_decode_step():
