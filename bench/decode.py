@@ -7,8 +7,9 @@ token; at 8 and 32 rows:
     decode{R}_ms            wall ms a decode step (bench/roofline.py `engine_phases`: a generation
                             of 17 tokens less one of 1, over 16; median of --repeats pairs)
     decode{R}_share_<what>  the step's profiled self-CPU time (torch.profiler, the same difference
-                            of two generations) by what runs it: `gemm` (aten::mm, the model's
-                            matmuls and the head), `attention` (sdpa), `sampling` (the engine's
+                            of two generations) by what runs it: `gemm` (aten::mm, the body's
+                            matmuls), `head` (aten::mm by the LM head's weight [vocab, hidden]:
+                            its output is a row of vocab logits), `attention` (sdpa), `sampling` (the engine's
                             log-softmax, exp, cumsum, searchsorted), `other` (the layers'
                             element-wise ops, the cache, the engine's bookkeeping)
     floor_ms                the weights' bytes over the measured copy bandwidth (bench/roofline.py)
@@ -36,18 +37,24 @@ import torch  # noqa: E402
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / ".cache/models/SmolLM2-135M-Instruct"
 PROMPT, NEW = 47, 16
-SHARES = {"gemm": ("aten::mm", "aten::addmm"), "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
+HEAD = "aten::mm (head)"  # the LM head's matmul, told from the body's by its output's width (the vocabulary)
+SHARES = {"gemm": ("aten::mm", "aten::addmm"), "head": (HEAD,), "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
           "sampling": ("aten::_log_softmax", "aten::exp", "aten::cumsum_", "aten::searchsorted")}
 
 
 def self_cpu(engine, rows: int, new: int) -> dict[str, float]:
-    """Self-CPU seconds per op name of one generation of `new` tokens."""
+    """Self-CPU seconds per op name of one generation of `new` tokens (the head's matmul as `HEAD`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         prompts, index = job_prompts(engine.vocab_size, rows, PROMPT)
         engine.generate(prompts, prompt_indices=index, max_new_tokens=new, temperature=1.0, seed=0)
-    return {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
+    out: dict[str, float] = {}
+    for e in prof.key_averages(group_by_input_shape=True):
+        head = e.key == "aten::mm" and any(s and s[-1] == engine.vocab_size for s in e.input_shapes)
+        key = HEAD if head else e.key
+        out[key] = out.get(key, 0.0) + e.self_cpu_time_total / 1e6
+    return out
 
 
 def main(argv=None) -> dict:
