@@ -79,7 +79,23 @@ when a neighbour's job held the other core): predicted 0.071-0.074 s (1.75x), er
 within 0.1% on the contended phases; at generate = 3x train 1.33x predicted. With
 `task.max_new_tokens=48` one_step_off measured 1.14x faster with 1.55 cores busy, 0.91x with 1.00.
 
+`--predict` runs nothing: it predicts the dedicated placement (issue 54: R of N ranks only generate,
+N - R only train, weights pushed to the generators after each update) against colocated sync and
+colocated async at the GPU ratios, on stated assumptions (the constants after `spread_case`): N = 8,
+colocated sync training 60 s a step, generation linear in a rank's rows (and, the `ib_decode` case,
+as rows^0.63, this CPU's decode), data-parallel training at 0.9 of linear on two ranks or more, a
+push of the model's bytes (Qwen3-8B bf16, 16.4 GB; LoRA r16 87.3 MB) over 100 / 25 / 1.25 GB/s,
+colocated's weight sync at 100 GB/s. `dedicated_phases` turns colocated phases into the two sides'
+seconds; `predict_dedicated` is the steady state (k = 0: generate + train + push; k >= 1: the slower
+side, max(generate, train + push)); `simulate_dedicated` is the event simulation (admission paced
+by staleness: rollout j starts once version max(0, j - k) has arrived and uses exactly it; the
+push waits until the stage's version is loaded; or unpaced, the peers' free-running generator);
+`predict_placements` sweeps R = 1..N-1 for the best split, with `breakeven_slowdown`: how much
+two phases overlapping on one GPU must slow each other before dedicated beats colocated async.
+Last line JSON (bench/results/async_dedicated.json); docs/benchmarks.md has the figures.
+
     python bench/async.py [--quick] [--steps N] [--threads 1|2] [hydra overrides ...]
+    python bench/async.py --predict [--ranks N] [--train-s S]
 
 `--quick`: 4 prompts x 4 samples, 5 steps (~10 s here; the default ~15 s). Last stdout line:
 one JSON object (also bench/results/async.json, with every step's figures).
@@ -88,6 +104,7 @@ one JSON object (also bench/results/async.json, with every step's figures).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -225,6 +242,236 @@ def spread_case(train: float, sync: float, exposed: float, steps: int = 400) -> 
     return out
 
 
+# --------------------------------------------------- dedicated rollout ranks (issue 54 item 4): a prediction
+# The GPU-like case `--predict` prints (stated assumptions, not measurements; docs/benchmarks.md):
+GPU_RANKS = 8  # N: one node of 8 GPUs
+GPU_TRAIN_S = 60.0  # colocated sync's training seconds a step on the N ranks (a Qwen3-8B GRPO step of ~0.5M tokens)
+TRAIN_EFF = 0.9  # data-parallel training on n >= 2 ranks runs at n x 0.9 of one rank's rate (1 rank: 1.0)
+# a rollout's seconds grow as rows^e on a rank: 1 is linear; 0.63 this CPU's decode (bench/decode.py: 8 rows
+# 738 ms, 32 rows 1772 ms a step, commit 191f830); a GPU's decode below its compute bound grows slower still
+DECODE_EXPONENT = 0.63
+MODEL_BYTES = 16.4e9  # Qwen3-8B in bf16 (8.19e9 parameters)
+LORA_BYTES = 87.3e6  # its r=16 adapters on every linear layer of the 36 blocks (43.6e6 parameters, bf16)
+LINKS_GBPS = {"nvlink": 100.0, "ib": 25.0, "ethernet": 1.25}  # push bandwidth, GB/s: one node, a 200 Gb/s NIC, 10 GbE
+SYNC_GBPS = 100.0  # colocated weight sync: the FSDP all-gather into each rank's copy, inside the node
+
+
+def dedicated_phases(generate: float, train: float, ranks: int, rollout_ranks: int, *,
+                     train_eff: float = TRAIN_EFF, gen_exponent: float = 1.0) -> tuple[float, float]:
+    """(rollout seconds on R generators, training seconds on N - R trainers) from colocated sync's
+    per-phase seconds on all N ranks. A generator holds N / R times a colocated rank's rows, and a
+    rollout's seconds grow as rows^`gen_exponent` (1: linear, each rank at a fixed per-row rate;
+    below 1: decode bound by the weights' bytes, where more rows cost less than their share);
+    training is data-parallel at `train_eff` of linear on two ranks or more (the FSDP2 collectives
+    not hidden), 1.0 on one."""
+    n, r = ranks, rollout_ranks
+    if not 1 <= r < n or not 0 < train_eff <= 1 or not 0 < gen_exponent <= 1:
+        raise ValueError(f"dedicated_phases: expected 1 <= rollout_ranks < ranks, 0 < train_eff <= 1 and "
+                         f"0 < gen_exponent <= 1, got rollout_ranks={r}, ranks={n}, train_eff={train_eff}, "
+                         f"gen_exponent={gen_exponent}")
+    eff = lambda m: 1.0 if m == 1 else train_eff  # noqa: E731
+    return generate * (n / r) ** gen_exponent, train * n * eff(n) / ((n - r) * eff(n - r))
+
+
+def predict_dedicated(generate: float, train: float, push: float, staleness: int) -> dict[str, float]:
+    """Steady-state step of the dedicated placement from its own phases (`dedicated_phases`) and
+    the push's seconds (bytes / bandwidth, on the trainers' side): k = 0 runs them one after the
+    other; k >= 1 is the slower of the two sides (the generators' rollout, the trainers' update and
+    push), as the latency loop (rollout j waits for version j - k: k + 1 versions in generate +
+    train + push) never binds at k >= 1. Each side's idle seconds a step are the other's surplus."""
+    if min(generate, train, push) < 0 or staleness < 0:
+        raise ValueError(f"predict_dedicated: expected seconds >= 0 and staleness >= 0, got generate={generate}, "
+                         f"train={train}, push={push}, staleness={staleness}")
+    step = generate + train + push if not staleness else max(generate, train + push)
+    return {"step_s": step, "trainer_idle_s": step - train - push, "generator_idle_s": step - generate}
+
+
+def simulate_dedicated(generate: list[float], train: float, push: float, *,
+                       staleness: int | None) -> dict:
+    """An event simulation of R generators and N - R trainers over len(generate) rollouts (one a
+    step, the generators' seconds `generate[j]`): rollout j starts when rollout j - 1 is done
+    and, paced (`staleness` k), once version max(0, j - k) has arrived, and is generated with
+    exactly that version; step s trains (`train` s) once rollout s is done and the last push
+    is, then pushes version s + 1 (`push` s, the trainers busy) into the generators' stage,
+    which holds one version: the push waits until rollout s + k has begun (it loaded version s;
+    the load itself is neglected). `staleness=None`: no pacing, the peers' free-running generator
+    (each rollout with the newest version arrived when it starts, no stage wait).
+
+    Returns the steady-state step seconds and each side's idle seconds a step (the trainers':
+    neither training nor pushing, waiting for a rollout or for the stage; means over the
+    middle half of the steps: the first rollouts' warm-up and the last steps, which push into a
+    stage no rollout waits for, left out), and the rollouts by
+    staleness (the step that trains on them minus their version)."""
+    n, k = len(generate), staleness
+    if n < 2 or min([train, push, *generate]) < 0 or (k is not None and k < 0):
+        raise ValueError(f"simulate_dedicated: expected >= 2 rollouts, seconds >= 0 and staleness >= 0 or None, "
+                         f"got {n} rollouts, train={train}, push={push}, staleness={staleness}")
+    r_start, r_end, version = [0.0] * n, [0.0] * n, [0] * n
+    pushed = [0.0] * n  # pushed[s]: version s + 1 on the generators
+    arrived = lambda v: 0.0 if v <= 0 else pushed[v - 1]  # noqa: E731
+    made = 0
+
+    def rollouts_until(j: int) -> None:
+        nonlocal made
+        while made <= min(j, n - 1):
+            prev = r_end[made - 1] if made else 0.0
+            version[made] = max(0, made - k) if k is not None else 0
+            r_start[made] = max(prev, arrived(version[made]))
+            r_end[made] = r_start[made] + generate[made]
+            made += 1
+
+    if k is None:
+        rollouts_until(n - 1)  # free-running: nothing waits for the trainers
+    for s in range(n):
+        rollouts_until(s)
+        ready = max(pushed[s - 1] if s else 0.0, r_end[s]) + train
+        if k is not None and s + k < n:
+            rollouts_until(s + k)  # the stage holds version s until rollout s + k has loaded it
+            ready = max(ready, r_start[s + k])
+        pushed[s] = ready + push
+    if k is None:  # the newest version arrived when each rollout started
+        version = [max(v for v in range(s + 1) if arrived(v) <= r_start[s]) for s in range(n)]
+    lo, hi = n // 4 or 1, max(3 * n // 4, 2)
+    hist: dict[str, int] = {}
+    for s in range(n):
+        hist[str(s - version[s])] = hist.get(str(s - version[s]), 0) + 1
+    return {"step_s": (pushed[hi - 1] - pushed[lo - 1]) / (hi - lo),
+            "trainer_idle_s": sum(pushed[s] - pushed[s - 1] - train - push for s in range(lo, hi)) / (hi - lo),
+            "generator_idle_s": sum(r_start[j] - r_end[j - 1] for j in range(lo, hi)) / (hi - lo),
+            "staleness": dict(sorted(hist.items(), key=lambda kv: int(kv[0])))}
+
+
+def colocated_async_step(generate: float, train: float, sync: float, slowdown: float = 1.0) -> float:
+    """Colocated max_staleness >= 1 with constant phases on one device: the shorter phase runs beside
+    the longer, both `slowdown` x slower while they overlap (1: free overlap, `predict`'s bound; 2:
+    each phase alone saturates the device, so nothing is gained: sync's step)."""
+    short = min(generate, train)
+    return slowdown * short + max(generate, train) - short + sync
+
+
+def predict_placements(ratio: float, *, ranks: int = GPU_RANKS, train: float = GPU_TRAIN_S,
+                       push_bytes: float = MODEL_BYTES, push_gbps: float = LINKS_GBPS["ib"],
+                       sync_gbps: float = SYNC_GBPS, train_eff: float = TRAIN_EFF,
+                       gen_exponent: float = 1.0) -> dict:
+    """Colocated sync, colocated async (the bound) and dedicated at every R (k = 0, 1) at one
+    generation / training ratio of colocated sync on `ranks` ranks, with the best R at k = 1, its
+    idle seconds, and the overlap slowdown above which it beats colocated async (`breakeven`)."""
+    g, t, sync = ratio * train, train, push_bytes / (sync_gbps * 1e9)
+    push = push_bytes / (push_gbps * 1e9)
+    by_r = {}
+    for r in range(1, ranks):
+        gd, td = dedicated_phases(g, t, ranks, r, train_eff=train_eff, gen_exponent=gen_exponent)
+        by_r[r] = {"generate_s": gd, "train_s": td, "push_s": push,
+                   "k0": predict_dedicated(gd, td, push, 0), "k1": predict_dedicated(gd, td, push, 1)}
+    best = min(by_r, key=lambda r: by_r[r]["k1"]["step_s"])
+    d = by_r[best]["k1"]
+    sync_step, async_step = g + t + sync, colocated_async_step(g, t, sync)
+    short = min(g, t)
+    breakeven = (d["step_s"] - (max(g, t) - short) - sync) / short if short > 0 else math.inf
+    return {"ratio": ratio, "ranks": ranks, "push_s": push, "sync_s": sync, "colocated_sync_step_s": sync_step,
+            "colocated_async_step_s": async_step, "best_rollout_ranks": best, "dedicated_step_s": d["step_s"],
+            "dedicated_trainer_idle_s": d["trainer_idle_s"], "dedicated_generator_idle_s": d["generator_idle_s"],
+            "dedicated_k0_step_s": by_r[best]["k0"]["step_s"], "speedup_vs_sync": sync_step / d["step_s"],
+            "speedup_vs_async_bound": async_step / d["step_s"], "breakeven_slowdown": breakeven, "by_r": by_r}
+
+
+def placements_report(ranks: int = GPU_RANKS, train: float = GPU_TRAIN_S, steps: int = 400) -> tuple[dict, dict]:
+    """(the JSON line's figures, the details) of `--predict`: `predict_placements` at each GPU ratio
+    with the full model pushed over each link and the LoRA adapters over the slowest; the event
+    simulation at the best R with constant and with varying rollouts (lognormal, as `spread_case`),
+    k = 1 and 2 against colocated one_step_off and async; the staleness of every placement."""
+    import random
+
+    rng = random.Random(SPREAD_SEED)
+    draws = [rng.lognormvariate(0.0, SPREAD_SIGMA) for _ in range(steps)]
+    mean = statistics.mean(draws)
+    r4 = lambda x: round(x, 4) + 0.0  # noqa: E731
+    summary, details = {"ranks": ranks, "train_s": train, "train_eff": TRAIN_EFF, "decode_exponent": DECODE_EXPONENT,
+                        "model_bytes": MODEL_BYTES,
+                        "lora_bytes": LORA_BYTES, "links_gbps": LINKS_GBPS, "sync_gbps": SYNC_GBPS}, {}
+    for ratio in GPU_RATIOS:
+        key = f"{ratio:g}x"
+        cases = {link: predict_placements(ratio, ranks=ranks, train=train, push_gbps=bw)
+                 for link, bw in LINKS_GBPS.items()}
+        cases["lora_ethernet"] = predict_placements(ratio, ranks=ranks, train=train, push_bytes=LORA_BYTES,
+                                                    push_gbps=LINKS_GBPS["ethernet"])
+        cases["ib_decode"] = predict_placements(ratio, ranks=ranks, train=train, gen_exponent=DECODE_EXPONENT)
+        p = cases["ib"]
+        gd, td = p["by_r"][p["best_rollout_ranks"]]["generate_s"], p["by_r"][p["best_rollout_ranks"]]["train_s"]
+        g = ratio * train
+        varying = [x / mean for x in draws]
+        sim = {"constant_k1": simulate_dedicated([gd] * steps, td, p["push_s"], staleness=1),
+               "varying_k1": simulate_dedicated([gd * x for x in varying], td, p["push_s"], staleness=1),
+               "varying_k2": simulate_dedicated([gd * x for x in varying], td, p["push_s"], staleness=2),
+               "varying_unpaced": simulate_dedicated([gd * x for x in varying], td, p["push_s"], staleness=None),
+               "colocated_varying_sync": g + train + p["sync_s"],
+               "colocated_varying_k1": simulate([g * x for x in varying], train, p["sync_s"]),
+               "colocated_varying_k2": simulate([g * x for x in varying], train, p["sync_s"], staleness=2)}
+        details[key] = {"cases": cases, "simulated": sim}
+        summary |= {
+            f"{key}_colocated_sync_step_s": r4(p["colocated_sync_step_s"]),
+            f"{key}_decode_dedicated_step_s": r4(cases["ib_decode"]["dedicated_step_s"]),
+            f"{key}_decode_breakeven_slowdown": r4(cases["ib_decode"]["breakeven_slowdown"]),
+            f"{key}_colocated_async_bound_step_s": r4(p["colocated_async_step_s"]),
+            f"{key}_best_rollout_ranks": p["best_rollout_ranks"],
+            f"{key}_dedicated_step_s": r4(p["dedicated_step_s"]),
+            f"{key}_dedicated_trainer_idle_s": r4(p["dedicated_trainer_idle_s"]),
+            f"{key}_dedicated_generator_idle_s": r4(p["dedicated_generator_idle_s"]),
+            f"{key}_dedicated_k0_step_s": r4(p["dedicated_k0_step_s"]),
+            f"{key}_speedup_vs_sync": r4(p["speedup_vs_sync"]),
+            f"{key}_speedup_vs_async_bound": r4(p["speedup_vs_async_bound"]),
+            f"{key}_breakeven_slowdown": r4(p["breakeven_slowdown"]),
+            **{f"{key}_{link}_push_s": r4(c["push_s"]) for link, c in cases.items()},
+            **{f"{key}_{link}_speedup_vs_sync": r4(c["speedup_vs_sync"]) for link, c in cases.items()},
+            **{f"{key}_{link}_best_rollout_ranks": c["best_rollout_ranks"] for link, c in cases.items()},
+            f"{key}_sim_constant_k1_step_s": r4(sim["constant_k1"]["step_s"]),
+            f"{key}_sim_varying_k1_step_s": r4(sim["varying_k1"]["step_s"]),
+            f"{key}_sim_varying_k2_step_s": r4(sim["varying_k2"]["step_s"]),
+            f"{key}_sim_colocated_varying_k2_step_s": r4(sim["colocated_varying_k2"]),
+            f"{key}_unpaced_staleness_max": max(int(s) for s in sim["varying_unpaced"]["staleness"]),
+        }
+    summary |= {"staleness_colocated_sync": {"0": steps},
+                "staleness_k1": simulate_dedicated([1.0] * steps, 1.0, 0.0, staleness=1)["staleness"],
+                "staleness_k2": simulate_dedicated([1.0] * steps, 1.0, 0.0, staleness=2)["staleness"],
+                "steps": steps, "note": PREDICT_NOTE}
+    return summary, details
+
+
+PREDICT_NOTE = ("predicted, not measured: colocated async is its free-overlap bound (breakeven_slowdown: the "
+                "slowdown of two overlapping phases on one GPU above which dedicated is faster); the staleness "
+                "histograms hold for colocated async and dedicated alike (the version is max(0, j - k) by "
+                "construction, whatever the timing)")
+
+
+def placements_table(summary: dict, details: dict) -> str:
+    rows = [f"N={summary['ranks']} ranks, colocated sync trains {summary['train_s']:g} s a step; push of "
+            f"{summary['model_bytes'] / 1e9:.1f} GB over {summary['links_gbps']} GB/s, LoRA "
+            f"{summary['lora_bytes'] / 1e6:.1f} MB; training at {summary['train_eff']} data-parallel efficiency; "
+            "generation linear in rows (ib_decode: rows^" f"{summary['decode_exponent']})",
+            f"{'generate/train':<16}{'sync':>9}{'async<=':>9}{'best R':>8}{'dedicated':>11}{'trainer idle':>14}"
+            f"{'gen idle':>10}{'vs sync':>9}{'vs async':>10}{'breakeven':>11}"]
+    for key, d in details.items():
+        p = d["cases"]["ib"]
+        rows.append(f"{key:<16}{p['colocated_sync_step_s']:>9.1f}{p['colocated_async_step_s']:>9.1f}"
+                    f"{p['best_rollout_ranks']:>8}{p['dedicated_step_s']:>11.1f}"
+                    f"{p['dedicated_trainer_idle_s']:>14.1f}"
+                    f"{p['dedicated_generator_idle_s']:>10.1f}{p['speedup_vs_sync']:>8.2f}x"
+                    f"{p['speedup_vs_async_bound']:>9.2f}x{p['breakeven_slowdown']:>10.2f}x")
+        links = ", ".join(f"{link} R={c['best_rollout_ranks']} push {c['push_s']:.2f} s {c['speedup_vs_sync']:.2f}x"
+                          for link, c in d["cases"].items())
+        rows.append(f"  by link: {links}")
+        s = d["simulated"]
+        rows.append(f"  varying rollouts (lognormal sigma {SPREAD_SIGMA}): dedicated k=1 "
+                    f"{s['varying_k1']['step_s']:.1f} s, "
+                    f"k=2 {s['varying_k2']['step_s']:.1f} s; colocated k=1 {s['colocated_varying_k1']:.1f} s, k=2 "
+                    f"{s['colocated_varying_k2']:.1f} s (bound); unpaced generator: staleness up to "
+                    f"{max(int(x) for x in s['varying_unpaced']['staleness'])}")
+    rows.append(f"staleness (rollouts): sync {summary['staleness_colocated_sync']}, k=1 {summary['staleness_k1']}, "
+                f"k=2 {summary['staleness_k2']}")
+    rows.append(PREDICT_NOTE)
+    return "\n".join(rows)
+
+
 # ------------------------------------------------------------------------------------- the run
 def run(steps: int, overrides: list[str]) -> tuple[dict[str, list[dict]], int]:
     """Both modes' metrics of every step (steps interleaved) and the samples per step."""
@@ -349,8 +596,25 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="steps per mode (default 10; --quick 5)")
     p.add_argument("--threads", type=int, choices=(1, 2), default=1,
                    help="1: OMP_NUM_THREADS=1 (default); 2: two OpenMP threads with OMP_WAIT_POLICY=PASSIVE")
+    p.add_argument("--predict", action="store_true",
+                   help="no run: the dedicated placement's prediction against colocated sync and async at the "
+                        "GPU-like ratios (bench/results/async_dedicated.json)")
+    p.add_argument("--ranks", type=int, default=GPU_RANKS, help=f"--predict: N ranks (default {GPU_RANKS})")
+    p.add_argument("--train-s", type=float, default=GPU_TRAIN_S,
+                   help=f"--predict: colocated sync's training seconds a step on N ranks (default {GPU_TRAIN_S:g})")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for both modes (e.g. model=dense_tiny)")
     args = p.parse_args()
+    if args.predict:
+        if args.ranks < 2 or args.train_s <= 0 or args.overrides:
+            p.error(f"--predict: expected --ranks >= 2, --train-s > 0 and no overrides, got --ranks {args.ranks}, "
+                    f"--train-s {args.train_s}, overrides {args.overrides}")
+        sys.path.insert(0, str(ROOT / "bench"))
+        from common import emit
+
+        summary, details = placements_report(args.ranks, args.train_s)
+        print(placements_table(summary, details), flush=True)
+        emit("async_dedicated", summary, details)
+        return
     steps = args.steps or (5 if args.quick else 10)
     if steps < ASYNC_K + 3:
         p.error(f"--steps {steps}: expected >= {ASYNC_K + 3} for a steady-state step of every arm (one_step_off's step 0 "

@@ -99,3 +99,76 @@ def test_the_event_simulator_agrees_with_the_formula_and_a_deeper_queue_absorbs_
     assert b.simulate(varying, 1.0, 0.1, staleness=2) == pytest.approx(1.0 + 0.1, rel=0.01)
     with pytest.raises(ValueError, match="staleness=0"):
         b.simulate(varying, 1.0, staleness=0)
+
+
+def test_dedicated_ranks_by_hand_on_a_tiny_case_and_the_pacing_control():
+    """R = 1 of N = 2 ranks generates, the other trains, k = 1, equal seconds (1 s each) and a push
+    of 0.5 s. By hand: rollout 0 [0, 1] (version 0), rollout 1 [1, 2] (version 0); step 0 trains
+    [1, 2], pushes [2, 2.5]; rollout 2 needs version 1: [2.5, 3.5]; step 1 [2.5, 3.5], push to 4;
+    rollout 3 [4, 5] ...: a step every 1.5 s (train + push), the generator idle 0.5 s of each, the
+    trainer never, every rollout after the first one version old. Controls: k = 0 (rollout j waits
+    for version j) steps at 1 + 1 + 0.5; without pacing the generator never waits, steps as fast,
+    and its rollouts fall further and further behind."""
+    b = bench()
+    assert b.dedicated_phases(1.0, 1.0, 2, 1, train_eff=1.0) == (2.0, 2.0)  # each side has half the ranks
+    assert b.dedicated_phases(1.0, 1.0, 2, 1, train_eff=0.9) == pytest.approx((2.0, 1.8))  # one rank: no DP loss
+    assert b.dedicated_phases(1.0, 1.0, 2, 1, gen_exponent=0.5)[0] == pytest.approx(math.sqrt(2))
+    n = 40
+    paced = b.simulate_dedicated([1.0] * n, 1.0, 0.5, staleness=1)
+    assert close(paced["step_s"], 1.5) and close(paced["generator_idle_s"], 0.5) and paced["trainer_idle_s"] == 0
+    assert paced["staleness"] == {"0": 1, "1": n - 1}
+    assert b.predict_dedicated(1.0, 1.0, 0.5, 1) == pytest.approx(
+        {"step_s": 1.5, "trainer_idle_s": 0.0, "generator_idle_s": 0.5})
+    serial = b.simulate_dedicated([1.0] * n, 1.0, 0.5, staleness=0)
+    assert close(serial["step_s"], 2.5) and serial["staleness"] == {"0": n}
+    assert close(serial["trainer_idle_s"], 1.0) and close(serial["generator_idle_s"], 1.5)
+    free = b.simulate_dedicated([1.0] * n, 1.0, 0.5, staleness=None)
+    assert close(free["step_s"], 1.5) and free["generator_idle_s"] == 0
+    assert max(int(s) for s in free["staleness"]) > 10  # a third of a rollout per step further behind
+    with pytest.raises(ValueError, match="rollout_ranks=2, ranks=2"):
+        b.dedicated_phases(1.0, 1.0, 2, 2)
+
+
+def test_the_dedicated_event_simulation_agrees_with_its_formula_and_keeps_each_rollouts_version():
+    """Constant phases: k = 0 steps at generate + train + push, k >= 1 at the slower side (the
+    stage's wait never binds there). Varying rollouts: every rollout has exactly version j - k
+    whatever the timing, and a deeper k absorbs the variation (the control: k = 1 waits for every
+    long rollout)."""
+    b = bench()
+    n = 200
+    for g, t, p in [(3.0, 1.0, 0.2), (0.5, 1.0, 0.2), (1.0, 1.0, 0.0), (1.0, 0.4, 0.7)]:
+        for k in (0, 1, 2, 3):
+            got = b.simulate_dedicated([g] * n, t, p, staleness=k)
+            want = b.predict_dedicated(g, t, p, k)
+            assert got["step_s"] == pytest.approx(want["step_s"], rel=1e-9), (g, t, p, k)
+            assert got["trainer_idle_s"] == pytest.approx(want["trainer_idle_s"], abs=1e-9), (g, t, p, k)
+            assert got["generator_idle_s"] == pytest.approx(want["generator_idle_s"], abs=1e-9), (g, t, p, k)
+    varying = [1.8, 0.2] * (n // 2)  # mean 1.0 = train + push
+    k1 = b.simulate_dedicated(varying, 0.9, 0.1, staleness=1)
+    k2 = b.simulate_dedicated(varying, 0.9, 0.1, staleness=2)
+    assert k1["staleness"] == {"0": 1, "1": n - 1} and k2["staleness"] == {"0": 1, "1": 1, "2": n - 2}
+    assert k1["step_s"] == pytest.approx((1.8 + 1.0) / 2, rel=1e-9)  # a long rollout stalls its step
+    assert k2["step_s"] == pytest.approx(1.0, rel=1e-9)  # two ahead: each side at its mean
+    with pytest.raises(ValueError, match="staleness=-1"):
+        b.simulate_dedicated(varying, 1.0, 0.0, staleness=-1)
+
+
+def test_linear_scaling_makes_the_best_split_colocated_syncs_step_and_sublinear_decode_beats_it():
+    """With generation linear in rows, training at full data-parallel efficiency and no bytes to
+    move, the best R balances the two sides and steps at exactly generate + train: colocated sync's
+    step on all N ranks. The control: decode whose seconds grow as rows^0.63 (a generator's larger
+    batch costs less than its share) makes the split faster than sync; a slow link slower."""
+    b = bench()
+    linear = b.predict_placements(1.0, ranks=8, train=10.0, push_bytes=0.0, train_eff=1.0)
+    assert linear["best_rollout_ranks"] == 4 and close(linear["dedicated_step_s"], 20.0)
+    assert close(linear["colocated_sync_step_s"], 20.0) and close(linear["colocated_async_step_s"], 10.0)
+    # dedicated beats the free-overlap bound only where overlapping halves each phase's speed (2x)
+    assert close(linear["breakeven_slowdown"], 2.0)
+    assert close(b.predict_placements(3.0, ranks=8, train=10.0, push_bytes=0.0, train_eff=1.0)["dedicated_step_s"],
+                 40.0)  # R = 6: 30 x 8/6 = 40 and 10 x 8/2 = 40
+    sub = b.predict_placements(1.0, ranks=8, train=10.0, push_bytes=0.0, train_eff=1.0, gen_exponent=0.63)
+    assert sub["dedicated_step_s"] < 20.0 and sub["best_rollout_ranks"] < 4
+    slow = b.predict_placements(1.0, ranks=8, train=10.0, push_gbps=1.25, train_eff=1.0)  # 16.4 GB over 10 GbE
+    assert close(slow["push_s"], 13.12) and slow["best_rollout_ranks"] == 3  # the trainers take a rank to pay for it
+    assert close(slow["dedicated_step_s"], 10.0 * 8 / 5 + 13.12)  # R = 3: 16 s training + the push > 80/3 s rollout
+    assert close(slow["colocated_sync_step_s"], 20.0 + b.MODEL_BYTES / (b.SYNC_GBPS * 1e9))  # its sync in the node
