@@ -52,6 +52,7 @@ import threading
 from typing import Any, Callable
 
 from rl.choice import Choice
+from rl.tasks.errors import CallTimeout, TooManyHung, UserExit
 
 log = logging.getLogger(__name__)
 
@@ -82,19 +83,6 @@ class Status(enum.IntEnum):
     @property
     def label(self) -> str:
         return self.name.lower()
-
-
-class CallTimeout(TimeoutError):
-    """A user call ran past `task.timeout_s`."""
-
-
-class UserExit(RuntimeError):
-    """The user's code raised `SystemExit` or `KeyboardInterrupt` (`sys.exit()` in a reward, say):
-    an error of that call, naming it, not an exit of the run (see `UserCalls.run`)."""
-
-
-class TooManyHung(RuntimeError):
-    """`UserCalls.max_hung` abandoned calls are still running: the run stops, whatever `on_error`."""
 
 
 class _Job:

@@ -41,7 +41,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from rl.tasks.calls import CallTimeout, UserExit
+from rl.tasks.errors import CallTimeout, UserExit
 
 _HEADER = struct.Struct("<Q")
 _SHARED = "shared"  # the persistent id of the pool's shared object (the task) in a pickled request
