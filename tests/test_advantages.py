@@ -115,7 +115,7 @@ def test_rloo_subtracts_the_mean_of_the_other_samples():
 
 
 def test_group_baselines_of_rewards_near_the_fp32_limit_stay_finite():
-    """Rewards pass check_reward up to fp32's max (rl/tasks/base.py), but a group's sum (its mean,
+    """Rewards pass check_reward up to fp32's max (rl/tasks/calls.py), but a group's sum (its mean,
     RLOO's baseline) and squares (GRPO's std) of such rewards overflow fp32: NaN advantages, the step
     skipped, on values a reward can take from the model's text (-abs(float(answer) - target))."""
     rewards = (1e38, 1e38, 2e38, 3e38)

@@ -211,7 +211,7 @@ def _old_path(tr) -> None:
     from packing import make_experience_batch
     from rl.algos.losses import LossAgg, loss_normalizer
     from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups
-    from rl.tasks.base import assign_rewards
+    from rl.tasks.calls import assign_rewards
     from rl.trainer.trainer import MiniBatch, MiniBatchPlan, Rollouts, StepPlan, _groups
 
     def _rollout(step, round_):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rl.algos.objective as objective_module
-import rl.tasks.base as base_module
+import rl.tasks.calls as calls_module
 import rl.trainer.trainer as trainer_module
 from tests.distributed import run_distributed
 from inprocess import SMALL, all_finite, nan_loss_on_one_rank, trainer, weights
@@ -65,10 +65,10 @@ def test_each_non_finite_term_is_named_when_the_run_stops(monkeypatch, term):
     tr = trainer(*SMALL, "trainer.max_bad_steps=1")
     before = weights(tr)
     if term == "rewards":  # finite as a Python float, inf once stored as the fp32 reward; the user-code check
-        # (rl/tasks/base.py check_reward) ends such a sample since issue 51, so the guard is the second
+        # (rl/tasks/calls.py check_reward) ends such a sample since issue 51, so the guard is the second
         # layer here: the check is made to pass the value through, as a reward that got past it would
         monkeypatch.setattr(tr.task, "reward", lambda prompt, response, meta: 1e39)
-        monkeypatch.setattr(base_module, "check_reward", lambda value, *args: float(value))
+        monkeypatch.setattr(calls_module, "check_reward", lambda value, *args: float(value))
     elif term == "advantages":
         compute = trainer_module.compute_advantages
 

@@ -17,7 +17,8 @@ from model.models import build_model  # noqa: E402
 from rl.rollout.engine import HFRolloutEngine, RolloutEngine  # noqa: E402
 from rl.rollout.sampler import (  # noqa: E402
     group_places, sample_inverse_cdf, sample_seed, sample_seeds, signed, uniform_noise)
-from rl.tasks.base import Task, assign_rewards, load_callable  # noqa: E402
+from rl.tasks.base import Task, load_callable  # noqa: E402
+from rl.tasks.calls import assign_rewards  # noqa: E402
 from rl.tasks.files import FileTask  # noqa: E402
 from rl.tasks.registry import build_task  # noqa: E402
 

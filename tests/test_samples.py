@@ -22,7 +22,7 @@ from test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 from test_tools import FAST, TOOL_CHAT, Scripted, _play, _problem, _task, _uses_python, call, end_id  # noqa: F401
 
 from rl.rollout.samples import sample_rows, turn_counts
-from rl.tasks.base import assign_rewards
+from rl.tasks.calls import assign_rewards
 from rl.tasks.registry import build_task
 from rl.tasks.tools import Tool, Toolbox, python_tool
 from rl.tasks.sandbox import Limits

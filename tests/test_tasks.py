@@ -19,7 +19,8 @@ if str(ROOT) not in sys.path:  # reward functions are imported as "tests.test_ta
 
 from packing import Experience  # noqa: E402
 from rl.tasks.answers import answers_match, extract_answer, math_reward  # noqa: E402
-from rl.tasks.base import Task, assign_rewards  # noqa: E402
+from rl.tasks.base import Task  # noqa: E402
+from rl.tasks.calls import assign_rewards  # noqa: E402
 from rl.tasks.files import FileTask, MathTask  # noqa: E402
 from rl.tasks.registry import build_task  # noqa: E402
 
@@ -293,3 +294,41 @@ def test_enable_thinking_reaches_a_template_that_reads_it(tmp_path, tokenizer_di
 
     cfg = compose("task=arithmetic_retry", f"task.tokenizer_path={tokenizer_dir}", "task.options.enable_thinking=false")
     assert cfg.task.options["enable_thinking"] is False  # a task.options switch (conf/task/*.yaml: null = not passed)
+
+
+# ------------------------------------------------------------- a task's reward is its kind's
+def test_each_task_kind_is_rewarded_by_its_own_part():
+    """A task is built from parts, not mixins (rl/tasks/base.py): a multi-turn kind (an environment
+    factory) has no single-turn `reward` to fall back on, a single-turn kind has its reward and no
+    environment, and no kind has two bases (whose method order once resolved python_tool's and
+    environment's `reward` to arithmetic's and file's). The control: that old shape, an environment on
+    top of `arithmetic` inheriting its math_reward, is refused by `check_parts` (and `run_episodes`,
+    which calls it before the engine), as is a task with neither."""
+    from rl.rollout.episodes import run_episodes
+    from rl.tasks.arithmetic import ArithmeticTask, RetryEnvironment
+    from rl.tasks.base import check_parts, is_multi_turn
+    from rl.tasks.registry import TASKS, TaskName
+
+    multi = {TaskName.ARITHMETIC_RETRY, TaskName.PYTHON_TOOL, TaskName.ENVIRONMENT}
+    for name, cls in TASKS.items():
+        task = object.__new__(cls)  # the class's parts, without building its tokenizer or data
+        assert is_multi_turn(task) == (name in multi), name
+        assert (cls.reward is Task.reward) == (name in multi), name
+        assert all(len(k.__bases__) == 1 for k in cls.__mro__[:-2]), (name, cls.__mro__)
+        check_parts(task)
+
+    class Mixed(ArithmeticTask):  # the control: a retry episode over arithmetic, its single-turn reward inherited
+        def environment(self):
+            return RetryEnvironment(self)
+
+    with pytest.raises(TypeError, match=r"Mixed has an environment and a single-turn reward \(ArithmeticTask.reward\)"):
+        check_parts(object.__new__(Mixed))
+    with pytest.raises(TypeError, match=r"Mixed has an environment and a single-turn reward"):
+        run_episodes(None, object.__new__(Mixed), [], [], prompt_indices=[], max_new_tokens=1, temperature=1.0, seed=0)
+
+    class Neither(Task):
+        def prompts(self, n, seed):
+            return []
+
+    with pytest.raises(TypeError, match="Neither has neither a reward nor an environment"):
+        check_parts(Neither())

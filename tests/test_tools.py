@@ -21,7 +21,7 @@ from test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 
 from rl.rollout.engine import make_record
 from rl.rollout.episodes import episode_metrics, run_episodes
-from rl.tasks.base import assign_rewards
+from rl.tasks.calls import assign_rewards
 from rl.tasks.calls import Status, UserCalls
 from rl.tasks.registry import build_task
 from rl.tasks.sandbox import Limits

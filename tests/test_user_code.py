@@ -28,8 +28,8 @@ from model.models import build_model
 from packing import Experience
 from rl.rollout.engine import HFRolloutEngine
 from rl.rollout.episodes import environment_seed, episode_metrics, run_episodes
-from rl.tasks.calls import CallTimeout, OnError, Status, TooManyHung, UserCalls
-from rl.tasks.base import Task, assign_rewards
+from rl.tasks.base import Task
+from rl.tasks.calls import CallTimeout, OnError, Status, TooManyHung, UserCalls, assign_rewards
 from rl.tasks.registry import build_task
 
 RELEASE = threading.Event()  # what hung calls wait for; set when a test ends

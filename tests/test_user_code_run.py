@@ -28,8 +28,8 @@ from test_tools import FAST, TOOL_CHAT, Scripted, call, end_id  # noqa: F401 - f
 from test_user_code import _records
 
 from rl.rollout.episodes import run_episodes
-from rl.tasks.base import Task, assign_rewards, check_reward
-from rl.tasks.calls import Status, UserCalls, UserExit
+from rl.tasks.base import Task
+from rl.tasks.calls import Status, UserCalls, UserExit, assign_rewards, check_reward
 from rl.tasks.chat import answer_chars, observation_encoder
 from rl.tasks.registry import build_task
 from rl.tasks.tools import Tool, Toolbox, ToolCall, ToolOutput, python_tool

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.tasks.base import MultiTurnTask
+from rl.tasks.base import Task
 from tests.inprocess import SMALL, compose
 from tests.test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 
@@ -231,7 +231,7 @@ def test_records_follow_the_hf_engine_contract(vtrainer):
     assert _gap(vtrainer, recs) < TOL
 
 
-class _IdsTask(MultiTurnTask):
+class _IdsTask(Task):
     """A two-turn task on token ids (no tokenizer): the environment answers the first reply
     with three fixed ids and ends the episode at the second, reward 1."""
 

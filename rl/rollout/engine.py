@@ -5,7 +5,7 @@ The engine only generates; it never sees the task. One RL step reads:
     prompts = task.prompts(n, seed=...)                    # [(prompt_ids [P], meta)]
     records = engine.generate([p for p, _ in prompts], prompt_indices=..., max_new_tokens=...,
                               temperature=..., seed=...)   # one record per sample
-    assign_rewards(task, records, [m for _, m in prompts])  # rl.tasks.base: sets rec.rewards
+    assign_rewards(task, records, [m for _, m in prompts])  # rl.tasks.calls: sets rec.rewards
     (both lines are rl/rollout/episodes.py `run_episodes`; a multi-turn task: one generate per turn)
     ... buffer -> plan -> collate -> train -> optimizer step ...
     sync_weights(engine, policy)                           # rl/rollout/sync.py: bucket by bucket

@@ -4,7 +4,7 @@
                            temperature=..., seed=...)
 
 A single-turn task: one `engine.generate` (rl/rollout/engine.py), then the task's reward
-(`assign_rewards`). A multi-turn task (rl/tasks/base.py `MultiTurnTask`) plays one
+(`assign_rewards`). A multi-turn task (rl/tasks/base.py: one with an `environment`) plays one
 `Environment` per sample, token-in / token-out:
 
     context = prompt ids                          (env.reset(meta) rendered: checked equal)
@@ -27,7 +27,7 @@ chat template's end-of-turn is the stop token, as in ChatML), the observation's 
 dropped: the turn is closed once. A reply cut at `max_new_tokens` keeps the template's
 end-of-turn from the observation.
 
-Tools (a `ToolTask`, rl/tasks/tool_task.py): a reply that calls a tool (parsed by the task's
+Tools (a task with a `toolbox`, rl/tasks/tool_task.py): a reply that calls a tool (parsed by the task's
 `toolbox`, rl/tasks/tools.py) is answered by the tools, not the environment: their outputs, rendered
 as the chat template's tool message, enter the context as observation tokens (action mask False,
 cut like an environment answer), and the model replies again. A turn's calls run on a few threads
@@ -94,18 +94,13 @@ import torch
 from packing.experience import Experience
 from rl.rollout.engine import make_record
 from rl.rollout.sampler import group_places, sample_seed
-from rl.tasks.calls import Status, UserCalls
+from rl.tasks.calls import FP32_MAX, Status, UserCalls, assign_rewards, check_reward, task_calls
 from rl.tasks.chat import answer_chars
 from rl.tasks.processes import RemoteEnvironment
-from rl.tasks.base import FP32_MAX, MultiTurnTask, Task, assign_rewards, check_reward, task_calls
-from rl.tasks.tool_task import ToolTask
+from rl.tasks.base import Task, check_parts, is_multi_turn
 from rl.tasks.tools import Toolbox, ToolCall, ToolOutput
 
 _ENV_SALT = 0x5EED_E7E7  # environment seeds are drawn apart from the engine's sample seeds
-
-
-def is_multi_turn(task: Task) -> bool:
-    return isinstance(task, MultiTurnTask)
 
 
 def run_episodes(engine, task: Task, prompts: Sequence[torch.Tensor], metas: Sequence[dict], *,
@@ -113,6 +108,7 @@ def run_episodes(engine, task: Task, prompts: Sequence[torch.Tensor], metas: Seq
                  seed: int) -> list[Experience]:
     """One rewarded record per prompt, in order (see the module docstring); `max_new_tokens`
     bounds each turn's reply."""
+    check_parts(task)
     metas = [_own(meta) for meta in metas]  # one meta per sample, not one per prompt group
     if not is_multi_turn(task):
         records = engine.generate(list(prompts), prompt_indices=prompt_indices, max_new_tokens=max_new_tokens,
@@ -196,7 +192,7 @@ class _Episode:
     def turns(self) -> int:
         return self.past + sum(sampled for _, sampled, _ in self.pieces)
 
-    def forget_thinking(self, task: MultiTurnTask) -> None:
+    def forget_thinking(self, task: Task) -> None:
         """task.strip_thinking: the replies so far lose their reasoning (`task.without_thinking`, as a
         Qwen3-style template renders past turns) and become context, not actions: the next reply is
         sampled from the stripped history, and only the last reply is trained (the earlier ones were
@@ -230,7 +226,7 @@ class _Episode:
         return self.trace
 
 
-def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_tokens, temperature,
+def _play(engine, task: Task, prompts, metas, prompt_indices, max_new_tokens, temperature,
           seed) -> list[Experience]:
     if len(metas) != len(prompts) or len(prompt_indices) != len(prompts):
         raise ValueError(f"run_episodes: {len(prompts)} prompts, {len(metas)} metas, {len(prompt_indices)} "
@@ -253,7 +249,7 @@ def _play(engine, task: MultiTurnTask, prompts, metas, prompt_indices, max_new_t
         episodes.append(ep)
     stop = getattr(engine, "stop_token_id", None)
     frame = None  # observation_ids(""): the template's frame around an answer, for cutting a long one
-    toolbox = task.toolbox if isinstance(task, ToolTask) else None
+    toolbox = task.toolbox
     tool_frame = None  # the same for a tool message
     tools_of = f"tools of {type(task).__name__}"
     tokenizer = getattr(task, "tokenizer", None)  # answers are cut to `chars` characters before they are tokenized

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from model.parallel_dims import ParallelDims
-from rl.rollout.episodes import is_multi_turn, run_episodes
-from rl.tasks.base import Prompt, Task
+from rl.rollout.episodes import run_episodes
+from rl.tasks.base import Prompt, Task, is_multi_turn
 
 
 def heldout_problems(task: Task, n: int, task_name: str) -> list[Prompt]:

@@ -42,10 +42,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from packing.experience import Experience
-from rl.tasks.base import MultiTurnTask, Task
+from rl.tasks.base import Task, is_multi_turn
 from rl.tasks.calls import Status
 from rl.tasks.sandbox import Outcome
-from rl.tasks.tool_task import ToolTask
 
 TOOL_STATUSES = (*(o.value for o in Outcome), "other")  # tool_status_<kind>
 
@@ -53,10 +52,10 @@ TOOL_STATUSES = (*(o.value for o in Outcome), "other")  # tool_status_<kind>
 def turn_counts(records: Sequence[Experience], task: Task) -> dict[str, float]:
     """The counts of the module docstring over `records`: the same keys for every call with the
     same task (the trainer sums them over the DP ranks), none for a single-turn task."""
-    if not isinstance(task, MultiTurnTask):
+    if not is_multi_turn(task):
         return {}
     keys = ["env_steps", "env_answers_cut"]
-    if isinstance(task, ToolTask):
+    if task.toolbox is not None:
         keys += ["tool_calls", "tool_bad_calls", "tool_failed", "tool_messages_cut",
                  *(f"tool_status_{s}" for s in TOOL_STATUSES)]
     counts = dict.fromkeys(keys, 0.0)

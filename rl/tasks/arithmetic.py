@@ -1,5 +1,7 @@
 """`arithmetic`: problems such as "What is 38 + 17?" generated in code, answered in text, with a
-held-out split disjoint from training; `arithmetic_retry`: the same as a two-turn episode."""
+held-out split disjoint from training; `arithmetic_retry`: the same as a two-turn episode. Both (and
+`python_tool`, rl/tasks/tool_task.py) draw their problems from `ArithmeticProblems`, a prompt
+source with no reward: `arithmetic` adds the single-turn reward, the others an environment."""
 
 from __future__ import annotations
 
@@ -9,12 +11,13 @@ from typing import Any
 import torch
 
 from rl.tasks.answers import math_reward
-from rl.tasks.base import MultiTurnTask, Prompt
-from rl.tasks.chat import TextTask, chat_encoder, load_tokenizer, observation_encoder, thinking_ids, user_turn
+from rl.tasks.base import Prompt, Task
+from rl.tasks.chat import chat_encoder, load_tokenizer, observation_encoder, thinking_ids, user_turn
 
 
-class ArithmeticTask(TextTask):
-    """`arithmetic`: problems such as "What is 38 + 17?" generated in code, answered in text.
+class ArithmeticProblems(Task):
+    """Problems such as "What is 38 + 17?" generated in code, to be answered in text: the prompt
+    source (and chat renderer) of `arithmetic`, `arithmetic_retry` and `python_tool`; no reward.
 
     A problem is `operands` integers drawn from [low, high] joined by operators drawn from
     `operators` (a string of `+-*`), evaluated with the usual precedence. Every problem
@@ -23,9 +26,7 @@ class ArithmeticTask(TextTask):
     problems (`heldout(n)`, a fixed list) can never share a problem, whatever the seeds.
     The prompt is `template` with the problem as one user message in the tokenizer's chat
     template (`chat_template="tokenizer"`; a Jinja string works too; None = plain text);
-    generation stops at the tokenizer's end-of-turn token (its EOS). The reward is the
-    rule-based checker `math_reward` on the decoded response (its last number against the
-    answer): 1.0 or 0.0.
+    generation stops at the tokenizer's end-of-turn token (its EOS).
     """
 
     has_heldout = True
@@ -117,11 +118,17 @@ class ArithmeticTask(TextTask):
                              f"at most {limit // 2}, or widen the operands")
         return [self._prompt(p) for p in self._problems(n, seed=-1 & 0xFFFF_FFFF, heldout=True)]
 
+
+
+class ArithmeticTask(ArithmeticProblems):
+    """`arithmetic`: `ArithmeticProblems` answered in one reply, rewarded by the rule-based checker
+    `math_reward` on the decoded response (its last number against the answer): 1.0 or 0.0."""
+
     def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> float:
         return math_reward(self.decode(response_ids), meta["answer"])
 
 
-class ArithmeticRetryTask(ArithmeticTask, MultiTurnTask):
+class ArithmeticRetryTask(ArithmeticProblems):
     """`arithmetic_retry`: `arithmetic` as a two-turn episode. A wrong first answer gets
     `feedback` ("Incorrect, try again.") as the next user turn and the model answers again;
     the reward is the last answer's (`math_reward`, 1.0 or 0.0), so a problem solved on the

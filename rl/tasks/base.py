@@ -1,63 +1,69 @@
-"""The `Task` base: seeded prompts and a reward per (prompt, response); rewards assigned per sample.
+"""The `Task`: seeded prompts and what rewards a reply, built from parts, not from mixins.
 
-Flow of one step (the engine never sees the task; rl/rollout/episodes.py is the bridge):
+Flow of one step (the engine never sees the task; rl/rollout/episodes.py plays the samples):
 
     prompts = task.step_prompts(n, seed=step_seed, ...)    # [(prompt_ids [P] int64, meta dict)]
-    records = engine.generate([p for p, _ in prompts], prompt_indices=..., ...)
-    assign_rewards(task, records, [m for _, m in prompts])  # sets rec.rewards (0-d fp32)
+    records = run_episodes(engine, task, [p for p, _ in prompts], [m for _, m in prompts], ...)
 
-A multi-turn task (`MultiTurnTask`: `arithmetic_retry`; `environment`, the user's class named
-in the config) instead hands out an `Environment` per sample, and `run_episodes` calls
-`generate` once per turn (rl/rollout/episodes.py).
+A task is one class over `Task` (never two bases) holding its parts:
 
-Every task is a `Task`: `prompts(n, seed)`, `reward(prompt_ids, response_ids, meta) -> float`,
-`min_vocab_size` (the smallest vocabulary its ids fit in), `stop_token_id` (None: every
-response runs to max_new_tokens), `max_prompt_len` (the longest prompt it gives, None when
-unknown: start-up checks that a whole sample fits in `batch.max_tokens`), `max_turns` and
-`max_observation_len` (1 and 0 for a single-turn task), `has_heldout` with `heldout(n)` (a
-held-out split for `eval.every`), and `calls` (how its user code is called, set by
-`build_task`). The tasks by kind: rl/tasks/synthetic.py (random-prompt toys), files.py (JSONL
-tasks, `math`), arithmetic.py, environment.py (the user's environments); rl/tasks/registry.py
-builds them by name.
+* the prompt source: `prompts(n, seed)`, `step_prompts`, `heldout(n)` (`has_heldout`); the
+  kinds that walk lines in seeded epochs take rl/tasks/files.py `Lines`;
+* the chat renderer (a text task): `tokenizer`, `encode_messages(messages) -> ids` (a chat up to
+  the generation prompt), `observation_ids(text) -> ids` (an answer as the tokens between two
+  model turns: rl/tasks/chat.py builds both), `decode(ids) -> text`, `without_thinking(ids)`;
+* the reward: a single-turn task's rubric, `reward(prompt_ids, response_ids, meta) -> float`;
+* the environment factory (a multi-turn task): `environment()`, a fresh `Environment` per
+  sample, whose `step` rewards the episode; `max_turns`, `max_observation_len`, `strip_thinking`;
+* the tools (rl/tasks/tools.py `Toolbox`, a multi-turn task): `toolbox`, None without.
 
-A reward must be a finite real number that fits in fp32 (the trainer's rewards are fp32: 1e39 is inf
-there): `assign_rewards` rejects NaN, inf, |x| > 3.4e38, None, bools and strings with a ValueError
-naming the reward function, the record, its prompt index and the value (with task.on_error=skip:
-that sample's status `error`).
+A task's kind is which of the two rewards it has (`is_multi_turn`: an environment factory):
+`check_parts` refuses a class with both (a multi-turn task that inherits a single-turn kind's
+`reward` would be played by its environment while its class names another reward) or neither.
+The fields besides: `min_vocab_size` (the smallest vocabulary its ids fit in), `stop_token_id`
+(None: every response runs to max_new_tokens), `max_prompt_len` (the longest prompt it gives,
+None when unknown: start-up checks that a whole sample fits in `batch.max_tokens`), and `calls`
+(how its user code is called, set by `build_task`; rl/tasks/calls.py checks rewards). The tasks
+by kind: rl/tasks/synthetic.py (random-prompt toys), files.py (JSONL tasks, `math`),
+arithmetic.py, tool_task.py, reasoning.py, environment.py (the user's environments);
+rl/tasks/registry.py builds them by name.
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
-import math
-import numbers
 import os
 import sys
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from packing.experience import Experience
-from rl.tasks.calls import OnError, Status, UserCalls
+from rl.tasks.chat import without_thinking
 
 Prompt = tuple[torch.Tensor, dict]
-FP32_MAX = torch.finfo(torch.float32).max  # a reward (or an episode's sum of them) beyond it is inf in fp32
 
 
 class Task(ABC):
-    """A task: prompts and their reward (see the module docstring). Subclasses set
-    `min_vocab_size` and override what differs from these defaults."""
+    """A task: its parts (see the module docstring). A kind sets `min_vocab_size`, gives prompts,
+    and either overrides `reward` (single-turn) or sets `environment` (multi-turn)."""
 
     min_vocab_size: int
     stop_token_id: int | None = None
     max_prompt_len: int | None = None  # the longest prompt, in tokens; None: not known
-    max_turns: int = 1  # model turns per sample
-    max_observation_len: int = 0  # the longest environment answer between two turns, in tokens
     reward_name: str | None = None  # how errors name the reward (`module:function`); None: `Class.reward`
     has_heldout: bool = False  # `heldout(n)` gives problems the run never trains on
-    calls: UserCalls | None = None  # how the rollout calls its user code (build_task); None: every error raised
+    calls: Any = None  # rl/tasks/calls.py UserCalls: how the rollout calls its user code (build_task); None: strict
+    # the chat renderer (a text task)
+    tokenizer: Any = None
+    encode_messages: Callable[[list[dict]], list[int]] | None = None
+    observation_ids: Callable[[str], list[int]] | None = None
+    # the environment factory (a multi-turn task: a method `environment(self) -> Environment`) and its turns
+    environment: Callable[[], "Environment"] | None = None
+    max_turns: int = 1  # model turns per sample
+    max_observation_len: int = 0  # the longest environment answer between two turns, in tokens
+    strip_thinking: bool = False  # task.options.strip_thinking: past replies' reasoning leaves the context
+    toolbox: Any = None  # the tools (rl/tasks/tools.py Toolbox) a multi-turn task's replies may call
 
     @classmethod
     def check_options(cls, options: dict) -> None:
@@ -70,19 +76,32 @@ class Task(ABC):
     def prompts(self, n: int, seed: int) -> list[Prompt]:
         """n prompts drawn from `seed`."""
 
-    @abstractmethod
     def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> float:
-        """The reward of one response (`assign_rewards` checks it is a finite real number)."""
+        """A single-turn task's reward of one response (rl/tasks/calls.py checks it is a finite real
+        number). A multi-turn task has none: its environment's `step` rewards an episode."""
+        raise TypeError(f"{type(self).__name__}: the environment's `step` rewards an episode "
+                        f"(rl/rollout/episodes.py)")
 
     def step_prompts(self, n: int, *, seed: int, run_seed: int, start: int | None) -> list[Prompt]:
         """A rollout round's n prompts: `prompts(n, seed)`. A task that walks its lines in epochs
-        (rl/tasks/files.py `FileTask`) takes positions `start`.. of its stream seeded by `run_seed`
+        (rl/tasks/files.py `Lines`) takes positions `start`.. of its stream seeded by `run_seed`
         instead (`start=None`: dynamic sampling's extra rounds, drawn by `seed`)."""
         return self.prompts(n, seed=seed)
 
     def heldout(self, n: int) -> list[Prompt]:
         """The first n held-out problems (a task with `has_heldout`)."""
         raise ValueError(f"{type(self).__name__} has no held-out split")
+
+    def decode(self, ids: Any) -> str:
+        """Reply ids -> the text a reward or an environment reads: special tokens skipped."""
+        if self.tokenizer is None:
+            raise TypeError(f"{type(self).__name__} has no tokenizer to decode replies with")
+        return self.tokenizer.decode(as_ids(ids), skip_special_tokens=True)
+
+    def without_thinking(self, ids: list[int]) -> list[int]:
+        """A past reply as the next turn's context holds it (`strip_thinking`, rl/tasks/chat.py
+        `without_thinking`); unchanged without a tokenizer."""
+        return ids if self.tokenizer is None else without_thinking(self.tokenizer, ids)
 
     def signal_hint(self) -> str:
         """What to check when no prompt group's rewards differ (the divergence guard's warning,
@@ -93,6 +112,33 @@ class Task(ABC):
                     "number, with the answer: check that the replies end in the answer (a prompt or "
                     "task.options.system_prompt asking for it helps) and are not cut at task.max_new_tokens")
         return f"check the reward ({name}) on a few replies: it never told them apart"
+
+
+def as_ids(x: Any) -> list[int]:
+    return x.tolist() if isinstance(x, torch.Tensor) else [int(v) for v in x]
+
+
+def is_multi_turn(task: Task) -> bool:
+    """A task whose samples are episodes of several turns: it has an environment factory."""
+    return getattr(task, "environment", None) is not None
+
+
+def check_parts(task: Task) -> None:
+    """The task's reward is its kind's: a single-turn task has its own `reward` and no environment,
+    a multi-turn one an environment and no single-turn `reward` (see the module docstring); a
+    TypeError naming the class otherwise."""
+    rubric = getattr(type(task), "reward", Task.reward) is not Task.reward
+    if is_multi_turn(task) and rubric:
+        raise TypeError(f"{type(task).__name__} has an environment and a single-turn reward "
+                        f"({_owner(type(task), 'reward')}.reward): a multi-turn task's episode is rewarded by its "
+                        f"environment's step; build it from a prompt source without a reward")
+    if not is_multi_turn(task) and not rubric:
+        raise TypeError(f"{type(task).__name__} has neither a reward nor an environment: a single-turn task "
+                        f"overrides `reward`, a multi-turn one sets `environment`")
+
+
+def _owner(cls: type, name: str) -> str:
+    return next(k.__name__ for k in cls.__mro__ if name in vars(k))
 
 
 @runtime_checkable
@@ -109,134 +155,6 @@ class Environment(Protocol):
         """The model's reply (decoded without special tokens) -> (the environment's answer as
         the next user turn, or None when done; this turn's reward; done). The episode's
         reward is the sum of its turns' rewards."""
-
-
-class MultiTurnTask(Task):
-    """A task whose samples are episodes (rl/rollout/episodes.py): besides a `Task`'s fields,
-    `environment()` (a fresh `Environment`), `max_turns` (model turns at most),
-    `encode_messages(messages) -> ids` (a chat rendered up to the generation prompt: what
-    `reset`'s messages must give), `observation_ids(text) -> ids` (an environment answer as
-    the tokens that follow the model's turn, up to the next generation prompt),
-    `max_observation_len` (the longest such answer, in tokens) and `decode(ids) -> text`.
-    The episode's reward is its environment's: `reward` is not used."""
-
-    encode_messages: Callable[[list[dict]], list[int]]
-    observation_ids: Callable[[str], list[int]]
-    strip_thinking: bool = False  # task.options.strip_thinking: past replies' reasoning leaves the context
-
-    def without_thinking(self, ids: list[int]) -> list[int]:
-        """A past reply as the next turn's context holds it (`strip_thinking`): unchanged here."""
-        return ids
-
-    @abstractmethod
-    def environment(self) -> Environment:
-        """A fresh environment for one sample."""
-
-    @abstractmethod
-    def decode(self, ids: Any) -> str:
-        """Reply ids -> the text the environment reads."""
-
-    def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> float:
-        raise TypeError(f"{type(self).__name__}: the environment's `step` rewards an episode "
-                        f"(rl/rollout/episodes.py)")
-
-
-def as_ids(x: Any) -> list[int]:
-    return x.tolist() if isinstance(x, torch.Tensor) else [int(v) for v in x]
-
-
-def assign_rewards(task: Task, records: Sequence[Experience], metas: Sequence[dict],
-                   calls: UserCalls | None = None) -> list[Experience]:
-    """Set `rec.rewards` (0-d fp32) and `rec.status` on each record from `task.reward`; returns
-    the records.
-
-    A reward that is not a finite real number (NaN, inf, None, a bool, a string such as
-    "0.5") is a ValueError naming the reward function, the record, its prompt index and
-    the value. A 0-d real tensor is taken as its value. `calls` (rl/tasks/calls.py; None:
-    `UserCalls.strict()`, every error raised) says what an exception or a timeout does: with
-    `on_error=skip` that record gets reward 0 and status `error` (or `timeout`), the others
-    go on.
-    """
-    if len(records) != len(metas):
-        raise ValueError(f"assign_rewards: {len(records)} records but {len(metas)} metas (one per record)")
-    calls = calls or UserCalls.strict()
-    who = f"assign_rewards: reward function {reward_name(task)}"
-    for i, (rec, meta) in enumerate(zip(records, metas)):
-        n_prompt = rec.sequences.numel() - int(rec.response_length)
-        guard = calls.guard(f"reward function {reward_name(task)}", f"sample {i} (prompt index {_index(rec)})")
-        value = 0.0
-        with guard:
-            value = calls.run(task.reward, rec.sequences[:n_prompt], rec.sequences[n_prompt:], meta,
-                              what=f"reward function {reward_name(task)}")
-            value = check_reward(value, who, i, rec.prompt_index)
-        rec.rewards = torch.tensor(value if guard.status is None else 0.0, dtype=torch.float32)
-        rec.status = torch.tensor(int(guard.status if guard.status is not None else Status.DONE))
-    return list(records)
-
-
-def _index(rec: Experience) -> str:
-    return "?" if rec.prompt_index is None else str(int(rec.prompt_index))
-
-
-def check_reward(value: Any, who: str, i: int, prompt_index: Any) -> float:
-    """`value` as a float; a ValueError naming `who` (the reward function), the record, its
-    prompt index and the value unless it is a finite real number within fp32's range (a 0-d real
-    tensor counts)."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool and not value.is_complex():
-        value = value.item()
-    prompt = "?" if prompt_index is None else int(prompt_index)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or (
-            not isinstance(value, numbers.Integral) and not math.isfinite(value)):
-        raise ValueError(
-            f"{who} returned {value!r} ({type(value).__name__}) for record {i} (prompt index {prompt}); a reward "
-            f"must be a finite real number (float or int), not NaN, inf, None, a bool or a string")
-    try:
-        fits = abs(float(value)) <= FP32_MAX
-    except OverflowError:  # an int past float64's range
-        fits = False
-    if not fits:
-        raise ValueError(f"{who} returned {value!r} for record {i} (prompt index {prompt}); a reward must fit in "
-                         f"fp32 (|reward| <= {FP32_MAX:.4g}): the trainer holds rewards in fp32, where it is inf")
-    return float(value)
-
-
-def reward_name(task: Task) -> str:
-    """How errors name a task's reward: its `reward_name` (`module:function`), else `Class.reward`."""
-    return task.reward_name or f"{type(task).__name__}.reward"
-
-
-def task_calls(task: Task) -> UserCalls:
-    """How the task's user code is called: the trainer's `task.calls` (task.on_error,
-    task.timeout_s), else every error raised (`UserCalls.strict()`)."""
-    return task.calls or UserCalls.strict()
-
-
-def probe_reward(task: Task, calls: UserCalls | None = None) -> None:
-    """Call the task's reward once, at start-up, on a probe sample (its first prompt and a
-    one-token response: the stop token, else the prompt's first token), so a reward function
-    that raises or returns no number stops the run before a model is built, not after the first
-    rollout. With `calls.on_error=skip` (the trainer's default) an exception (or a timeout) is a
-    warning instead: a function that fails on some samples (the probe's one-token response is an
-    odd one) must not keep the run from starting, and the steps count its failures; a value that
-    is not a number is always an error (a type mistake fails on every sample). A multi-turn task's
-    reward is its environment's (played in the rollout): not probed."""
-    if isinstance(task, MultiTurnTask):
-        return
-    calls = calls or UserCalls.strict()
-    (prompt_ids, meta), = task.prompts(1, seed=0)
-    response = [task.stop_token_id if task.stop_token_id is not None else int(prompt_ids[0])]
-    who = f"the reward function {reward_name(task)}"
-    try:  # with task.timeout_s: a reward that hangs on the probe is a timeout, not a start-up that never ends
-        value = calls.run(task.reward, prompt_ids, torch.tensor(response), dict(meta), what=who)
-    except Exception as e:
-        message = (f"{who} raised {type(e).__name__}: {e} on a probe sample at start-up (a prompt of the task, "
-                   f"response ids {response}, keywords {sorted(meta)})")
-        if calls.on_error is OnError.RAISE:
-            raise ValueError(message) from e
-        logging.getLogger(__name__).warning("%s; task.on_error=skip: the run starts, and each step counts the samples "
-                                            "whose reward fails (episodes_error, episodes_timeout)", message)
-        return
-    check_reward(value, f"{who} (called once at start-up on a probe sample)", 0, None)  # a wrong type: always an error
 
 
 # ------------------------------------------------------------- the user's code

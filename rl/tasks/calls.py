@@ -1,4 +1,5 @@
-"""The user's code, called so that it cannot stop a run: rewards, environments (and tools).
+"""The user's code, called so that it cannot stop a run: rewards, environments (and tools), and
+what it returns checked: a reward (`check_reward`, `reward_record`, `assign_rewards`, `probe_reward`).
 
     calls = UserCalls(on_error="skip", timeout_s=60.0)     # task.on_error, task.timeout_s
     guard = calls.guard("reward function my_rewards:score")
@@ -47,11 +48,16 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
+import numbers
 import queue
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
+
+import torch
 
 from rl.choice import Choice
+from rl.tasks.base import is_multi_turn
 from rl.tasks.errors import CallTimeout, TooManyHung, UserExit
 
 log = logging.getLogger(__name__)
@@ -76,7 +82,7 @@ class Status(enum.IntEnum):
 
     DONE = 0  # the environment (or the single-turn reward) ended it
     MAX_TURNS = 1  # task.options.max_turns replies given and the environment not done
-    TRUNCATED = 2  # an environment answer was cut to task.options.max_observation_len (rl/rollout/episodes.py)
+    TRUNCATED = 2  # an environment answer was cut to task.options.max_observation_len (rl/rollout/episode.py)
     ERROR = 3  # the user's code raised, or returned something unusable
     TIMEOUT = 4  # the user's code ran past task.timeout_s
 
@@ -292,3 +298,106 @@ class Guard:
         self.status = self.calls._failed(self.what, self.where, error)
         return True
 
+
+
+# ------------------------------------------------------------- rewards
+FP32_MAX = torch.finfo(torch.float32).max  # a reward (or an episode's sum of them) beyond it is inf in fp32
+
+
+def reward_record(task: Any, rec: Any, meta: dict, calls: UserCalls, i: int) -> None:
+    """Set `rec.rewards` (0-d fp32) and `rec.status` of record `i` from `task.reward` (a single-turn
+    task's), called through `calls` and checked by `check_reward`: with on_error=skip a failure gives
+    reward 0 and its status (`error`, `timeout`)."""
+    n_prompt = rec.sequences.numel() - int(rec.response_length)
+    guard = calls.guard(f"reward function {reward_name(task)}", f"sample {i} (prompt index {_index(rec)})")
+    value = 0.0
+    with guard:
+        value = calls.run(task.reward, rec.sequences[:n_prompt], rec.sequences[n_prompt:], meta,
+                          what=f"reward function {reward_name(task)}")
+        value = check_reward(value, f"assign_rewards: reward function {reward_name(task)}", i, rec.prompt_index)
+    rec.rewards = torch.tensor(value if guard.status is None else 0.0, dtype=torch.float32)
+    rec.status = torch.tensor(int(guard.status if guard.status is not None else Status.DONE))
+
+
+def assign_rewards(task: Any, records: Sequence[Any], metas: Sequence[dict],
+                   calls: UserCalls | None = None) -> list[Any]:
+    """Set `rec.rewards` (0-d fp32) and `rec.status` on each record from `task.reward`; returns
+    the records.
+
+    A reward that is not a finite real number (NaN, inf, None, a bool, a string such as
+    "0.5") is a ValueError naming the reward function, the record, its prompt index and
+    the value. A 0-d real tensor is taken as its value. `calls` (None: `UserCalls.strict()`,
+    every error raised) says what an exception or a timeout does: with `on_error=skip` that
+    record gets reward 0 and status `error` (or `timeout`), the others go on.
+    """
+    if len(records) != len(metas):
+        raise ValueError(f"assign_rewards: {len(records)} records but {len(metas)} metas (one per record)")
+    calls = calls or UserCalls.strict()
+    for i, (rec, meta) in enumerate(zip(records, metas)):
+        reward_record(task, rec, meta, calls, i)
+    return list(records)
+
+
+def _index(rec: Any) -> str:
+    return "?" if rec.prompt_index is None else str(int(rec.prompt_index))
+
+
+def check_reward(value: Any, who: str, i: int, prompt_index: Any) -> float:
+    """`value` as a float; a ValueError naming `who` (the reward function), the record, its
+    prompt index and the value unless it is a finite real number within fp32's range (a 0-d real
+    tensor counts)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool and not value.is_complex():
+        value = value.item()
+    prompt = "?" if prompt_index is None else int(prompt_index)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or (
+            not isinstance(value, numbers.Integral) and not math.isfinite(value)):
+        raise ValueError(
+            f"{who} returned {value!r} ({type(value).__name__}) for record {i} (prompt index {prompt}); a reward "
+            f"must be a finite real number (float or int), not NaN, inf, None, a bool or a string")
+    try:
+        fits = abs(float(value)) <= FP32_MAX
+    except OverflowError:  # an int past float64's range
+        fits = False
+    if not fits:
+        raise ValueError(f"{who} returned {value!r} for record {i} (prompt index {prompt}); a reward must fit in "
+                         f"fp32 (|reward| <= {FP32_MAX:.4g}): the trainer holds rewards in fp32, where it is inf")
+    return float(value)
+
+
+def reward_name(task: Any) -> str:
+    """How errors name a task's reward: its `reward_name` (`module:function`), else `Class.reward`."""
+    return task.reward_name or f"{type(task).__name__}.reward"
+
+
+def task_calls(task: Any) -> UserCalls:
+    """How the task's user code is called: the trainer's `task.calls` (task.on_error,
+    task.timeout_s), else every error raised (`UserCalls.strict()`)."""
+    return task.calls or UserCalls.strict()
+
+
+def probe_reward(task: Any, calls: UserCalls | None = None) -> None:
+    """Call the task's reward once, at start-up, on a probe sample (its first prompt and a
+    one-token response: the stop token, else the prompt's first token), so a reward function
+    that raises or returns no number stops the run before a model is built, not after the first
+    rollout. With `calls.on_error=skip` (the trainer's default) an exception (or a timeout) is a
+    warning instead: a function that fails on some samples (the probe's one-token response is an
+    odd one) must not keep the run from starting, and the steps count its failures; a value that
+    is not a number is always an error (a type mistake fails on every sample). A multi-turn task's
+    reward is its environment's (played in the rollout): not probed."""
+    if is_multi_turn(task):
+        return
+    calls = calls or UserCalls.strict()
+    (prompt_ids, meta), = task.prompts(1, seed=0)
+    response = [task.stop_token_id if task.stop_token_id is not None else int(prompt_ids[0])]
+    who = f"the reward function {reward_name(task)}"
+    try:  # with task.timeout_s: a reward that hangs on the probe is a timeout, not a start-up that never ends
+        value = calls.run(task.reward, prompt_ids, torch.tensor(response), dict(meta), what=who)
+    except Exception as e:
+        message = (f"{who} raised {type(e).__name__}: {e} on a probe sample at start-up (a prompt of the task, "
+                   f"response ids {response}, keywords {sorted(meta)})")
+        if calls.on_error is OnError.RAISE:
+            raise ValueError(message) from e
+        log.warning("%s; task.on_error=skip: the run starts, and each step counts the samples whose reward fails "
+                    "(episodes_error, episodes_timeout)", message)
+        return
+    check_reward(value, f"{who} (called once at start-up on a probe sample)", 0, None)  # a wrong type: always an error

@@ -7,29 +7,18 @@ import os
 import weakref
 from typing import Any, Callable
 
-from rl.tasks.base import Task, as_ids
 
-
-class TextTask(Task):
-    """A task holding a `tokenizer`: `decode(ids) -> text`, the ids as its reward (and an
-    environment) reads them, special tokens skipped."""
-
-    tokenizer: Any
-
-    def decode(self, ids: Any) -> str:
-        return self.tokenizer.decode(as_ids(ids), skip_special_tokens=True)
-
-    def without_thinking(self, ids: list[int]) -> list[int]:
-        """A past reply without its reasoning, as a Qwen3-style template renders an earlier assistant
-        turn (`content.split('</think>')[-1].lstrip('\\n')`): every token up to the last `</think>`
-        and the newlines after it dropped; a reply without `</think>` unchanged."""
-        close = thinking_ids(self.tokenizer)[1]
-        if close not in ids:
-            return ids
-        rest = ids[len(ids) - ids[::-1].index(close):]
-        while rest and set(self.tokenizer.decode([rest[0]])) <= {"\n"} and self.tokenizer.decode([rest[0]]):
-            rest = rest[1:]
-        return rest
+def without_thinking(tokenizer: Any, ids: list[int]) -> list[int]:
+    """A past reply without its reasoning, as a Qwen3-style template renders an earlier assistant
+    turn (`content.split('</think>')[-1].lstrip('\\n')`): every token up to the last `</think>`
+    and the newlines after it dropped; a reply without `</think>` unchanged."""
+    close = thinking_ids(tokenizer)[1]
+    if close not in ids:
+        return ids
+    rest = ids[len(ids) - ids[::-1].index(close):]
+    while rest and set(tokenizer.decode([rest[0]])) <= {"\n"} and tokenizer.decode([rest[0]]):
+        rest = rest[1:]
+    return rest
 
 
 def thinking_ids(tokenizer: Any) -> tuple[int, int]:

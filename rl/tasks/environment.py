@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from rl.choice import Choice, did_you_mean
-from rl.tasks.base import Environment, MultiTurnTask, Prompt, load_callable
-from rl.tasks.chat import TextTask, chat_encoder, load_tokenizer, observation_encoder, thinking_ids, user_turn
-from rl.tasks.files import FileTask, read_prompts
+from rl.tasks.base import Environment, Prompt, load_callable
+from rl.tasks.chat import chat_encoder, load_tokenizer, observation_encoder, thinking_ids, user_turn
+from rl.tasks.files import LineTask, read_prompts
 
 _HELDOUT_SEEDS = 1 << 31  # a gym-style environment's training seeds are below, its held-out ones from here
 
@@ -181,7 +181,7 @@ class TextArena:
         return "", float(rewards[0]), True, False, dict(info or {})
 
 
-class EnvironmentTask(TextTask, FileTask, MultiTurnTask):
+class EnvironmentTask(LineTask):
     """`environment`: the user's multi-turn task. `environment` is a class `module:Class` (or the
     class), built as `Class(**environment_options)` once per sample, with one of the interfaces of
     the module docstring (`interface`: auto = detected). A `text` or `messages` environment plays
@@ -272,7 +272,7 @@ class EnvironmentTask(TextTask, FileTask, MultiTurnTask):
                 for ids, meta in self._resets(torch.randint(0, _HELDOUT_SEEDS, (n,), generator=g).tolist())]
 
     def step_prompts(self, n: int, *, seed: int, run_seed: int, start: int | None) -> list[Prompt]:
-        """JSONL lines in seeded epochs (`FileTask`); a gym-style environment's resets drawn from `seed`."""
+        """JSONL lines in seeded epochs (`LineTask`); a gym-style environment's resets drawn from `seed`."""
         if self.interface is Interface.GYM:
             return self.prompts(n, seed=seed)
         return super().step_prompts(n, seed=seed, run_seed=run_seed, start=start)
@@ -288,5 +288,3 @@ class EnvironmentTask(TextTask, FileTask, MultiTurnTask):
         if n > len(self.heldout_items):
             raise ValueError(f"eval.num_prompts={n}: task.options.heldout_path holds {len(self.heldout_items)} prompts")
         return [(torch.tensor(ids, dtype=torch.int64), dict(meta)) for ids, meta in self.heldout_items[:n]]
-
-    reward = MultiTurnTask.reward  # not FileTask's: the environment's `step` rewards an episode

@@ -1,11 +1,12 @@
 """The user's JSONL tasks: `file` (prompts and a reward on token ids) and `math` (text prompts
 with a reference answer, rewarded on the decoded response).
 
-`FileTask` is the user's task: a JSONL file of prompts and a `module:function` reward
-on token ids. `MathTask` (`math`) is a text task: a JSONL of `{"prompt", "answer"}`, a
-local tokenizer folder, an optional chat template, and a reward on the decoded response
-text, `fn(response_text, **meta)`; the default reward is the rule-based answer checker
-`math_reward` (rl/tasks/answers.py: the last `\\boxed{...}`, else the last number, against
+`LineTask` is their prompt source (and that of `reasoning_gym` and `environment`): lines walked
+in seeded epochs, no reward. `FileTask` is the user's task: a JSONL file of prompts and a
+`module:function` reward on token ids. `MathTask` (`math`) is a text task: a JSONL of
+`{"prompt", "answer"}`, a local tokenizer folder, an optional chat template, and a reward on the
+decoded response text, `fn(response_text, **meta)`; the default reward is the rule-based answer
+checker `math_reward` (rl/tasks/answers.py: the last `\\boxed{...}`, else the last number, against
 `answer`). Both walk their lines in seeded epochs without replacement (`prompts_at`).
 """
 
@@ -19,7 +20,7 @@ import torch
 
 from rl.tasks.answers import math_reward
 from rl.tasks.base import Prompt, Task, as_ids, reward_callable
-from rl.tasks.chat import TextTask, chat_encoder, load_tokenizer, user_turn
+from rl.tasks.chat import chat_encoder, load_tokenizer, user_turn
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -34,14 +35,9 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 
-class FileTask(Task):
-    """Prompts from a JSONL file, reward from a `module:function`.
-
-    Each non-blank line is a JSON object holding `prompt_ids` (a list of ints) or `prompt`
-    (text, tokenized with the tokenizer: `tokenizer_path`, a local tokenizer folder, or
-    `tokenizer`, a Hugging Face tokenizer object or such a folder); every other key goes
-    to the reward as a keyword: `fn(prompt_ids: list[int], response_ids: list[int], **meta)
-    -> float`. `stop_token_id` defaults to the tokenizer's EOS when a tokenizer is given.
+class LineTask(Task):
+    """A prompt source of lines: `items`, [(prompt ids, meta)], set by the kind that reads them; no
+    reward (a kind adds its own, or an environment).
 
     The trainer walks the lines in epochs (`prompts_at`): epoch e is every line once, in an
     order shuffled by (the run's seed, e), and step k takes the next `prompts_per_step`
@@ -52,22 +48,7 @@ class FileTask(Task):
     sampling's extra rounds draw.
     """
 
-    def __init__(self, prompts_path: str | os.PathLike, reward_fn: str | Callable, tokenizer: Any = None, *,
-                 tokenizer_path: str | os.PathLike | None = None, vocab_size: int | None = None,
-                 stop_token_id: int | None = None) -> None:
-        self.reward_fn, self.reward_name = reward_callable(reward_fn)
-        if tokenizer is not None and tokenizer_path is not None:
-            raise ValueError("FileTask: give tokenizer or tokenizer_path (task.tokenizer_path), not both")
-        if tokenizer_path is not None:
-            tokenizer = load_tokenizer(tokenizer_path)
-        elif isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = load_tokenizer(tokenizer, key="tokenizer")
-        self.tokenizer = tokenizer
-        encode = None if tokenizer is None else (lambda text: list(tokenizer.encode(text)))
-        self.items = read_prompts(prompts_path, encode, vocab_size, reserved=("response_ids",))
-        self.stop_token_id = stop_token_id if stop_token_id is not None else getattr(tokenizer, "eos_token_id", None)
-        self.min_vocab_size = 1 + max(max(max(ids) for ids, _ in self.items), self.stop_token_id or 0)
-        self.max_prompt_len = max(len(ids) for ids, _ in self.items)
+    items: list[tuple[list[int], dict]]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -98,12 +79,41 @@ class FileTask(Task):
         (dynamic sampling's extra rounds): `prompts(n, seed)`."""
         return self.prompts(n, seed=seed) if start is None else self.prompts_at(start, n, run_seed)
 
+
+class FileTask(LineTask):
+    """Prompts from a JSONL file, reward from a `module:function`.
+
+    Each non-blank line is a JSON object holding `prompt_ids` (a list of ints) or `prompt`
+    (text, tokenized with the tokenizer: `tokenizer_path`, a local tokenizer folder, or
+    `tokenizer`, a Hugging Face tokenizer object or such a folder); every other key goes
+    to the reward as a keyword: `fn(prompt_ids: list[int], response_ids: list[int], **meta)
+    -> float`. `stop_token_id` defaults to the tokenizer's EOS when a tokenizer is given.
+    The lines are walked as a `LineTask`'s.
+    """
+
+    def __init__(self, prompts_path: str | os.PathLike, reward_fn: str | Callable, tokenizer: Any = None, *,
+                 tokenizer_path: str | os.PathLike | None = None, vocab_size: int | None = None,
+                 stop_token_id: int | None = None) -> None:
+        self.reward_fn, self.reward_name = reward_callable(reward_fn)
+        if tokenizer is not None and tokenizer_path is not None:
+            raise ValueError("FileTask: give tokenizer or tokenizer_path (task.tokenizer_path), not both")
+        if tokenizer_path is not None:
+            tokenizer = load_tokenizer(tokenizer_path)
+        elif isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = load_tokenizer(tokenizer, key="tokenizer")
+        self.tokenizer = tokenizer
+        encode = None if tokenizer is None else (lambda text: list(tokenizer.encode(text)))
+        self.items = read_prompts(prompts_path, encode, vocab_size, reserved=("response_ids",))
+        self.stop_token_id = stop_token_id if stop_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+        self.min_vocab_size = 1 + max(max(max(ids) for ids, _ in self.items), self.stop_token_id or 0)
+        self.max_prompt_len = max(len(ids) for ids, _ in self.items)
+
     def reward(self, prompt_ids: Any, response_ids: Any, meta: dict) -> Any:
         """The reward function's value as returned (`assign_rewards` checks it is a finite real number)."""
         return self.reward_fn(as_ids(prompt_ids), as_ids(response_ids), **meta)
 
 
-class MathTask(TextTask, FileTask):
+class MathTask(LineTask):
     """`math`: text prompts with a reference answer, rewarded on the decoded response text.
 
     `prompts_path` is a JSONL of `{"prompt": str, "answer": str | number, ...}` (every key

@@ -46,11 +46,11 @@ MEANINGS: dict[str, str] = {
     "enable_thinking": "true|false: passed to a chat template that reads it (Qwen3: false = no reasoning block); "
                        "null: not passed",
     "template": "the user turn, with the problem in its field",
-    "ArithmeticTask.template": "the user turn; {problem} is replaced by the problem (\"38 + 17\")",
+    "ArithmeticProblems.template": "the user turn; {problem} is replaced by the problem (\"38 + 17\")",
     "ReasoningGymTask.template": "the user turn; {question} is replaced by the dataset's question",
     # arithmetic (rl/tasks/arithmetic.py)
     "operands": "integers per problem (>= 2)",
-    "ArithmeticTask.low": "the smallest operand",
+    "ArithmeticProblems.low": "the smallest operand",
     "high": "the largest operand",
     "operators": "the operators drawn from, a string of + - * (usual precedence)",
     "heldout_every": "one in k problems (by a hash of its text) is held out for eval.every, never trained on",

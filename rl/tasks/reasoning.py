@@ -6,7 +6,7 @@
 Problems are generated offline, in this process, by the package's own generators (nothing is
 downloaded): `size` training problems from seed `dataset_seed` (a reasoning-gym `CompositeDataset`,
 so several datasets mix with their weights, each with its own `config`), walked in seeded epochs
-like a JSONL task (rl/tasks/files.py `FileTask.prompts_at`). The held-out problems come from a
+like a JSONL task (rl/tasks/files.py `LineTask.prompts_at`). The held-out problems come from a
 disjoint seed range (every training item's generator is seeded within `dataset_seed ..
 dataset_seed + k + size - 1`, k the number of datasets; the held-out ones start past it), and a
 held-out problem whose question is also a training question is dropped, so `eval.every` never
@@ -29,11 +29,11 @@ import torch
 
 from rl.choice import did_you_mean
 from rl.tasks.base import Prompt
-from rl.tasks.chat import TextTask, chat_encoder, load_tokenizer, user_turn
-from rl.tasks.files import FileTask
+from rl.tasks.chat import chat_encoder, load_tokenizer, user_turn
+from rl.tasks.files import LineTask
 
 
-class ReasoningGymTask(TextTask, FileTask):
+class ReasoningGymTask(LineTask):
     """`reasoning_gym` (see the module docstring). `dataset` (one name, with `dataset_config`) or
     `datasets` ({name: {weight, config}}) pick the problems; `template` wraps a question as the
     user turn (`{question}`); `system_prompt` (None: none) goes before it."""

@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 from rl.choice import Choice, did_you_mean
 from rl.tasks.arithmetic import ArithmeticRetryTask, ArithmeticTask
-from rl.tasks.base import Task, probe_reward
-from rl.tasks.calls import UserCalls
+from rl.tasks.base import Task, check_parts
+from rl.tasks.calls import UserCalls, probe_reward
 from rl.tasks.environment import EnvironmentTask
 from rl.tasks.files import FileTask, MathTask
 from rl.tasks.options import NOT_OPTIONS, option_parameters, parameters
@@ -64,6 +64,7 @@ def build_task(name: TaskName | str, *, calls: UserCalls | None = None, **kwargs
     if vocab is not None and task.min_vocab_size > vocab:
         raise ValueError(f"task '{name.value}' needs a vocabulary of at least {task.min_vocab_size} ids, the model "
                          f"has {vocab}")
+    check_parts(task)  # its reward is its kind's: a single-turn rubric or an environment, not both
     task.calls = calls
     if calls is not None:
         calls.share(task)  # task.isolation=process: the workers' zygote, holding the task, forked now

@@ -1,6 +1,6 @@
-"""Tasks with tools: `ToolTask`, a multi-turn task whose model may call tools between its replies
-(rl/rollout/episodes.py runs them), and `python_tool`, arithmetic the model may compute with the
-built-in `python` tool (rl/tasks/tools.py, rl/tasks/sandbox.py).
+"""`python_tool`: arithmetic the model may compute with the built-in `python` tool (rl/tasks/tools.py,
+rl/tasks/sandbox.py): a multi-turn task with a `toolbox`, whose calls rl/rollout/episode.py runs
+between the model's replies.
 
 An episode of `python_tool`: the problem (the tools declared by the chat template); each reply that
 calls a tool gets the tool's output as the template's tool message and the model goes on; the
@@ -14,20 +14,12 @@ import os
 from typing import Any, Sequence
 
 from rl.tasks.answers import math_reward
-from rl.tasks.arithmetic import ArithmeticTask
-from rl.tasks.base import MultiTurnTask
+from rl.tasks.arithmetic import ArithmeticProblems
 from rl.tasks.chat import observation_encoder
 from rl.tasks.tools import Toolbox, ToolFormat, ToolOutput, build_tools
 
 
-class ToolTask(MultiTurnTask):
-    """A multi-turn task with a `toolbox` (rl/tasks/tools.py): a reply that calls a tool is answered
-    by the tool (rl/rollout/episodes.py), one that calls none goes to the environment's `step`."""
-
-    toolbox: Toolbox
-
-
-class PythonToolTask(ArithmeticTask, ToolTask):
+class PythonToolTask(ArithmeticProblems):
     """`python_tool`: `arithmetic` with the `python` tool (see the module docstring). `tools`: the
     built-in tools by name; `sandbox`: the python tool's backend and limits (rl/tasks/sandbox.py
     `Limits`: backend, wall_s, cpu_s, memory_mb, max_processes, max_file_mb, max_output_bytes, scratch_mb); `tool_format`: how the
@@ -69,8 +61,6 @@ class PythonToolTask(ArithmeticTask, ToolTask):
 
     def environment(self) -> "AnswerEnvironment":
         return AnswerEnvironment(self)
-
-    reward = MultiTurnTask.reward  # not ArithmeticTask's: the environment rewards the answer
 
 
 class AnswerEnvironment:
