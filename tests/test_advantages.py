@@ -11,8 +11,10 @@ import torch.distributed as dist
 from packing import Experience, make_experience_batch
 from rl.algos.advantages import (
     AdvantageConfig,
+    AdvantageInputs,
     compute_advantages,
     masked_moments,
+    reinforce_pp_baseline_advantages,
     whiten_advantages,
     whiten_with_moments,
 )
@@ -128,6 +130,25 @@ def test_group_baselines_of_rewards_near_the_fp32_limit_stay_finite():
         got = [float(response(rec)[0]) for rec in recs]
         assert all(math.isfinite(g) for g in got), (name, got)
         assert got == pytest.approx(want, rel=1e-4), (name, got)
+
+
+def test_every_estimator_is_float64_from_the_rewards_to_the_whitened_advantages():
+    """The same rewards through the token-level estimators: the group mean (reinforce_pp_baseline)
+    and the whitening moments (all three) are float64, so each gives the whitened deviations of the
+    group, (-0.78335, -0.78335, 0.26112, 1.30558), cast to fp32 last. Control: the estimator fed fp32
+    rewards (what a per-estimator upcast left to each estimator would miss) has no finite advantage."""
+    rewards, want = (1e38, 1e38, 2e38, 3e38), [-0.78335, -0.78335, 0.26112, 1.30558]
+    for name in ("reinforce_pp", "reinforce_pp_baseline", "gae"):
+        recs = [record([False, True], x, prompt=0, values=[0.0, 0.0]) for x in rewards]
+        compute_advantages(recs, name, gamma=1.0, lam=1.0)
+        got = [float(response(rec)[0]) for rec in recs]
+        assert got == pytest.approx(want, rel=1e-4), (name, got)
+        assert all(rec.advantages.dtype == rec.returns.dtype == torch.float32 for rec in recs)
+    inputs = AdvantageInputs(rewards=torch.tensor(rewards), prompt_index=torch.zeros(4, dtype=torch.long),
+                             rows=torch.arange(4), mask=torch.ones(4, 1, dtype=torch.bool), values=None, kl=None,
+                             lacking={})
+    fp32, _ = reinforce_pp_baseline_advantages(inputs)
+    assert not fp32.isfinite().any()
 
 def test_sequence_level_estimators_refuse_a_kl_reward_they_would_ignore():
     """grpo and rloo read no per-token KL (their group baselines would need every sample's KL on

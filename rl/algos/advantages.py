@@ -17,6 +17,10 @@ batches, after the scoring pass has put `values` and `kl` on them:
    registered `whiten_by_default`): moments summed over the items and, with `group`, over the
    DP ranks; `returns` stay unwhitened (the critic's target).
 
+Everything from the rewards to the whitened advantages is float64, cast to fp32 onto the items
+last: a group's sum or squares of in-range fp32 rewards (four of (1, 1, 2, 3) x 1e38) overflow
+fp32, which would make every estimator's baseline inf and its advantages NaN.
+
 Estimators (`algo.advantage`):
 
 * `grpo`   - (r_i - mean_group) / (std_group + eps), broadcast over the response.
@@ -44,6 +48,7 @@ sample's), and giving them a non-zero `kl_coef` is an error.
 from __future__ import annotations
 
 import inspect
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -61,15 +66,15 @@ class AdvantageInputs:
     """What an estimator reads: the step's samples (`rewards`, `prompt_index`: every rank holds
     all of them) and this rank's sequences, one row each over their action slots."""
 
-    rewards: torch.Tensor  # [n] fp32: every sample of the step
+    rewards: torch.Tensor  # [n] float64: every sample of the step
     prompt_index: torch.Tensor | None  # [n], the GRPO group of each sample (None: a source had none)
     rows: torch.Tensor  # [S] int64: the sample each row is
     mask: torch.Tensor  # [S, L] bool: the action slots of each row
-    values: torch.Tensor | None  # [S, L] fp32: the critic's (scoring pass), None without a critic
-    kl: torch.Tensor | None  # [S, L] fp32: per-token KL to the reference, None if an item has none
+    values: torch.Tensor | None  # [S, L] float64: the critic's (scoring pass), None without a critic
+    kl: torch.Tensor | None  # [S, L] float64: per-token KL to the reference, None if an item has none
     lacking: dict[str, str]  # "values" / "kl" / ... -> the first item without it ("batch 0", "record 3"): for errors
-    log_probs: torch.Tensor | None = None  # [S, L] fp32: the student's old log-probs (action_log_probs)
-    teacher_log_probs: torch.Tensor | None = None  # [S, L] fp32: the teacher's (teacher_action_log_probs)
+    log_probs: torch.Tensor | None = None  # [S, L] float64: the student's old log-probs (action_log_probs)
+    teacher_log_probs: torch.Tensor | None = None  # [S, L] float64: the teacher's (teacher_action_log_probs)
 
     def per_row(self, scalars: torch.Tensor) -> torch.Tensor:
         """`[n]` per-sample values -> `[S]` per row, on the rows' device."""
@@ -142,7 +147,7 @@ def _groups(prompt_index: torch.Tensor | None, who: str) -> dict[int, list[int]]
 
 def _broadcast(x: AdvantageInputs, scalars: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sample's scalar on every action slot of its rows: (advantages, returns) alike."""
-    advantages = x.per_row(scalars).unsqueeze(1) * x.mask.to(torch.float32)
+    advantages = x.per_row(scalars).unsqueeze(1) * x.mask.to(scalars.dtype)
     return advantages, advantages.clone()
 
 
@@ -156,11 +161,11 @@ def grpo_advantages(x: AdvantageInputs, *, scale_by_std: bool = True,
     """
     adv = torch.zeros_like(x.rewards)
     for members in _groups(x.prompt_index, "GRPO").values():
-        r = x.rewards[members].double()  # a group's sum and squares of fp32 rewards overflow fp32 (inf -> NaN)
+        r = x.rewards[members]
         a = r - r.mean()
         if scale_by_std and len(members) > 1:
             a = a / (r.std() + eps)
-        adv[members] = a.to(adv.dtype)
+        adv[members] = a
     return _broadcast(x, adv)
 
 
@@ -174,8 +179,8 @@ def rloo_advantages(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
         if n < 2:
             raise ValueError(f"RLOO: prompt_index {prompt} has {n} sample; a leave-one-out baseline needs "
                              f">= 2 samples per prompt (task.samples_per_prompt)")
-        r = x.rewards[members].double()  # the group's sum overflows fp32 from |r| ~ FP32_MAX / n
-        adv[members] = (r - (r.sum() - r) / (n - 1)).to(adv.dtype)
+        r = x.rewards[members]
+        adv[members] = r - (r.sum() - r) / (n - 1)
     return _broadcast(x, adv)
 
 
@@ -258,13 +263,13 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
 
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = r_t + gamma * G_next over each row's masked slots (GAE with values 0 and lam 1)."""
-    return gae(token_rewards, torch.zeros(mask.shape, dtype=torch.float32, device=mask.device), mask, gamma, 1.0)
+    return gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma, 1.0)
 
 
 def token_rewards(x: AdvantageInputs, rewards: torch.Tensor, kl_coef: float) -> torch.Tensor:
     """`[S, L]`: -kl_coef * kl_t on every action slot (a KL reward penalty, when `kl_coef`),
     plus each row's sample reward (`rewards [n]`) on its last action slot."""
-    out = torch.zeros(x.mask.shape, dtype=torch.float32, device=x.mask.device)
+    out = torch.zeros(x.mask.shape, dtype=rewards.dtype, device=x.mask.device)
     if kl_coef:
         if x.kl is None:
             raise ValueError(f"{x.lacking['kl']}: kl_coef={kl_coef} (a KL reward penalty) needs 'kl'")
@@ -313,15 +318,15 @@ def _what(item: Experience, i: int) -> str:
 
 
 def _sample_scalars(sources: Sequence[Experience]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`[n]` fp32 rewards and `[n]` prompt indices (None if a source has none), over every row of `sources`."""
+    """`[n]` float64 rewards and `[n]` prompt indices (None if a source has none), over every row of `sources`."""
     rewards, prompts = [], []
     for i, src in enumerate(sources):
         if src.rewards is None:
             raise ValueError(f"{_what(src, i)}: advantages need 'rewards'")
-        rewards.append(torch.as_tensor(src.rewards, dtype=torch.float32).reshape(-1).cpu())
+        rewards.append(torch.as_tensor(src.rewards, dtype=torch.float32).reshape(-1).cpu().double())
         prompts.append(None if src.prompt_index is None else torch.as_tensor(src.prompt_index).reshape(-1).cpu())
     prompt_index = None if any(p is None for p in prompts) else torch.cat(prompts) if prompts else None
-    return (torch.cat(rewards) if rewards else torch.zeros(0)), prompt_index
+    return (torch.cat(rewards) if rewards else torch.zeros(0, dtype=torch.float64)), prompt_index
 
 
 # ------------------------------------------------------------------- dispatch
@@ -362,32 +367,14 @@ def compute_advantages(
     views = [_row_view(it) for it in items]
     masks = [to_rows(it.action_mask.bool()) for it, (to_rows, _) in zip(items, views)]
     if samples is None:  # the items' rows are the step's samples, in order
-        samples, first = items, 0
-        rows = []
-        for m in masks:
-            rows.append(list(range(first, first + m.shape[0])))
-            first += m.shape[0]
+        ends = list(itertools.accumulate(m.shape[0] for m in masks))
+        samples, rows = items, [list(range(e - m.shape[0], e)) for m, e in zip(masks, ends)]
     elif rows is None or len(rows) != len(items) or any(m.shape[0] != len(r) for m, r in zip(masks, rows)):
         raise ValueError(f"compute_advantages: with samples, rows must name the sample of every sequence of each "
                          f"item: items hold {[m.shape[0] for m in masks]} sequences, rows "
                          f"{None if rows is None else [len(r) for r in rows]}")
     if items:
-        width = max(m.shape[1] for m in masks)
-        pad = lambda x: F.pad(x, (0, width - x.shape[1]))  # noqa: E731
-
-        def per_token(name: str) -> torch.Tensor | None:  # `[S, L]` fp32 rows of a token field, None if one lacks it
-            if any(getattr(it, name) is None for it in items):
-                return None
-            return torch.cat([pad(to_rows(getattr(it, name).detach().float())) for it, (to_rows, _) in zip(items, views)])
-
-        rewards, prompt_index = _sample_scalars(samples)
-        lacking = {name: next((_what(it, i) for i, it in enumerate(items) if getattr(it, name) is None), "")
-                   for name in ("values", "kl", "action_log_probs", "teacher_action_log_probs")}
-        inputs = AdvantageInputs(
-            rewards=rewards, prompt_index=prompt_index, rows=torch.tensor([j for r in rows for j in r], dtype=torch.long),
-            mask=torch.cat([pad(m) for m in masks]), values=per_token("values"), kl=per_token("kl"),
-            lacking=lacking, log_probs=per_token("action_log_probs"),
-            teacher_log_probs=per_token("teacher_action_log_probs"))
+        inputs = _inputs(items, views, masks, samples, rows)
         advantages, returns = est.fn(inputs, **{k: v for k, v in options.items() if k in est.options})
         if distill_coef:
             advantages = advantages + distill_coef * distill_advantages(
@@ -395,11 +382,34 @@ def compute_advantages(
         first = 0
         for it, m, (_, from_rows) in zip(items, masks, views):
             n, length = m.shape
-            it.advantages = from_rows(advantages[first:first + n, :length])
-            it.returns = from_rows(returns[first:first + n, :length])
+            it.advantages = from_rows(advantages[first:first + n, :length])  # float64 until whitened
+            it.returns = from_rows(returns[first:first + n, :length]).float()
             first += n
     if est.whiten_by_default if whiten is None else whiten:
         whiten_advantages(items, weights=weights, group=group)
+    for it in items:
+        it.advantages = it.advantages.float()
+
+
+def _inputs(items: Sequence[Experience], views: list[tuple[Callable, Callable]], masks: list[torch.Tensor],
+            samples: Sequence[Experience], rows: Sequence[Sequence[int]]) -> AdvantageInputs:
+    """The items' rows as an estimator reads them: float64 token fields zero-padded to one width."""
+    width = max(m.shape[1] for m in masks)
+    pad = lambda x: F.pad(x, (0, width - x.shape[1]))  # noqa: E731
+
+    def per_token(name: str) -> torch.Tensor | None:  # `[S, L]` rows of a token field, None if an item lacks it
+        if any(getattr(it, name) is None for it in items):
+            return None
+        return torch.cat([pad(to_rows(getattr(it, name).detach().double())) for it, (to_rows, _) in zip(items, views)])
+
+    rewards, prompt_index = _sample_scalars(samples)
+    lacking = {name: next((_what(it, i) for i, it in enumerate(items) if getattr(it, name) is None), "")
+               for name in ("values", "kl", "action_log_probs", "teacher_action_log_probs")}
+    return AdvantageInputs(
+        rewards=rewards, prompt_index=prompt_index, rows=torch.tensor([j for r in rows for j in r], dtype=torch.long),
+        mask=torch.cat([pad(m) for m in masks]), values=per_token("values"), kl=per_token("kl"),
+        lacking=lacking, log_probs=per_token("action_log_probs"),
+        teacher_log_probs=per_token("teacher_action_log_probs"))
 
 
 # ------------------------------------------------------------------ whitening
