@@ -15,30 +15,16 @@ from omegaconf import OmegaConf
 from test_tasks import tokenizer_dir  # noqa: F401 - fixture
 
 from rl.tasks.registry import build_task
+from rl.trainer.checkpoint import config_dict
+from rl.trainer.metrics import flatten
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG, SHORT = "smollm2_arithmetic_steps", "smollm2_arithmetic"
 
 
-def _flat(cfg) -> dict:
-    """Every leaf of the composed config as 'a.b.c' -> value (the model path is not needed to compose)."""
-    import dataclasses
-
-    def walk(x, prefix):
-        if dataclasses.is_dataclass(x):
-            for f in dataclasses.fields(x):
-                yield from walk(getattr(x, f.name), f"{prefix}{f.name}.")
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                yield from walk(v, f"{prefix}{k}.")
-        else:
-            yield prefix[:-1], x
-
-    return dict(walk(cfg, ""))
-
-
 def test_the_long_job_is_the_short_one_with_worked_steps_and_256_new_tokens():
-    long, short = _flat(compose(f"+experiment={LONG}", check=False)), _flat(compose(f"+experiment={SHORT}", check=False))
+    # every leaf of each composed config as 'a.b.c' -> value (the model path is not needed to compose)
+    long, short = (flatten(config_dict(compose(f"+experiment={name}", check=False))) for name in (LONG, SHORT))
     assert set(long) - {"task.options.template"} == set(short)
     changed = {k for k in long if long[k] != short.get(k)}
     # only the prompt, the answer budget and the held-out count differ: a drift anywhere else fails here

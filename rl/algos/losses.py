@@ -282,9 +282,14 @@ def policy_loss(
     loss, clipped, ratio = get_policy_loss(cfg.policy_loss)(log_probs, log_ratio, experience, cfg)
     if cfg.tis_cap is not None:
         loss = loss * tis_weight(experience, cfg)
-    r = _clamp(log_ratio.detach(), cfg.log_ratio_clamp).exp()
-    approx_kl = r - 1 - _clamp(log_ratio.detach(), cfg.log_ratio_clamp)
+    approx_kl = k3(_clamp(log_ratio.detach(), cfg.log_ratio_clamp))
     return loss * mask, {"clip_ratio": clipped.float(), "ratio": ratio.detach(), "approx_kl": approx_kl}
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimate of KL(p || q) per token sampled from p: r - 1 - log r, with
+    `log_ratio` = log r = log q - log p (unbiased, >= 0, low variance)."""
+    return log_ratio.exp() - 1 - log_ratio
 
 
 def _clamp(x: torch.Tensor, bound: float | None) -> torch.Tensor:
@@ -343,8 +348,7 @@ def kl_penalty(
     elif estimator is KLEstimator.K2:
         kl = 0.5 * log_ratio**2
     else:
-        log_ratio = _clamp(log_ratio, log_ratio_clamp)
-        kl = (-log_ratio).exp() - 1 + log_ratio
+        kl = k3(-_clamp(log_ratio, log_ratio_clamp))
     return _clamp(kl, clamp)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from packing import Experience
-from rl.algos.losses import aggregate, kl_penalty, policy_loss, value_loss
+from rl.algos.losses import aggregate, k3, kl_penalty, policy_loss, value_loss
 
 
 class Objective:
@@ -82,6 +82,6 @@ class Objective:
         if batch.rollout_log_probs is not None:  # rollout engine vs training forward (fix: algo.tis_cap)
             gap = (log_probs.detach() - batch.rollout_log_probs) * m  # log(pi_train / pi_rollout)
             terms["rollout_logprob_abs_diff"] = gap.abs().sum() / tokens
-            terms["rollout_kl"] = ((gap.exp() - 1) - gap).sum() / tokens  # k3 of rollout -> training
+            terms["rollout_kl"] = k3(gap).sum() / tokens  # KL(rollout || training)
             terms["rollout_logprob_abs_diff_max"] = gap.abs().max()
         return loss, terms

@@ -89,6 +89,7 @@ from model.library_noise import quiet_single_process
 from model.lora import has_adapters, is_adapter
 from model.moe import is_expert_param
 from model.parallel_dims import ParallelDims, decided_on_rank0, gathered
+from rl.trainer.metrics import flatten
 
 if TYPE_CHECKING:
     from rl.config import Config
@@ -365,17 +366,11 @@ def config_yaml(cfg: "Config") -> str:
     return yaml.safe_dump(config_dict(cfg), sort_keys=False)
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict) and tree:
-        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
-    return {prefix[:-1]: tree}
-
-
 def check_config(path: Path, cfg: "Config") -> None:
     """Refuse a checkpoint of another model (a `MODEL_KEYS` value differs), naming the key;
     log the other settings that changed since it was saved."""
-    saved = _flat(yaml.safe_load((path / "config.yaml").read_text()))
-    now = _flat(config_dict(cfg))
+    saved = flatten(yaml.safe_load((path / "config.yaml").read_text()))
+    now = flatten(config_dict(cfg))
     changed = _changed(saved, now)
     for key in changed:
         if any(key == m or key.startswith(m + ".") for m in MODEL_KEYS):
@@ -435,14 +430,14 @@ def run_to_continue(cfg: "Config", run_dir: str | None) -> Path | None:
     outputs = Path(head or ".")
     if not sep or not outputs.is_dir():
         return None
-    now, found, others = _flat(config_dict(cfg)), [], []
+    now, found, others = flatten(config_dict(cfg)), [], []
     for folder in outputs.iterdir():
         # the newest checkpoint whose config reads (a truncated one is the Checkpointer's to fall back past)
         saved = next(((p, c) for p in reversed(complete_checkpoints(folder / "checkpoints"))
                       if (c := _saved_config(p)) is not None), None)
         if saved is None:
             continue
-        differ = [k for k in _changed(_flat(saved[1]), now) if not any(k == c or k.startswith(c + ".") for c in RUN_CONTROL)]
+        differ = [k for k in _changed(flatten(saved[1]), now) if not any(k == c or k.startswith(c + ".") for c in RUN_CONTROL)]
         (others if differ else found).append(((saved[0] / MARKER).stat().st_mtime, folder, differ))
     if found:
         _, folder, _ = max(found, key=lambda f: f[0])

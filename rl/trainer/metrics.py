@@ -157,7 +157,8 @@ class _MLflow(_Sink):
             mlflow.set_experiment(project)
             self._run = mlflow.start_run(run_name=out_dir.name)
             ids["mlflow"] = self._run.info.run_id
-            mlflow.log_params(_flat(config))
+            # MLflow's params are flat, values cut to its 6000 characters; an empty dict holds no param
+            mlflow.log_params({k: str(v)[:6000] for k, v in flatten(config).items() if v != {}})
         self._mlflow = mlflow
 
     def log(self, scalars: dict[str, float], step: int, samples: list[dict]) -> None:
@@ -196,15 +197,12 @@ def _read_ids(out_dir: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}: MLflow's params are flat (values cut to its 6000 characters)."""
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = str(value)[:6000]
-    return out
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1, "c": {}}} -> {"a.b": 1, "a.c": {}}: every leaf of nested dicts under its dotted
+    key (an empty dict is a leaf, so a checkpoint's config that gains its first key differs there)."""
+    if isinstance(tree, dict) and tree:
+        return {k: v for key, sub in tree.items() for k, v in flatten(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
 
 
 def code_commit() -> str | None:
