@@ -7,8 +7,8 @@ defaults below), or the one bench/peer.py passes (`--job long`: `--max-new-token
 
 * model: SmolLM2-135M-Instruct (the folder `make model` writes), fp32, `--threads` threads
 * task: the project's `ArithmeticTask` (rl/tasks/arithmetic.py, imported from the repo root; it needs only
-  torch and transformers) with the job's `task.options` (`--task-options`): step s trains on `task.prompts(4, seed=seed * 1_000_003 + s)`, the
-  prompts the project's trainer draws at step s (rl/trainer/trainer.py `Trainer._rollout`), in that
+  torch and transformers) with the job's `task.options` (`--task-options`): step s trains on `task.prompts(4, seed=round_seed(seed, s))`, the
+  prompts the project's trainer draws at step s (rl/seeds.py, rl/rollout/source.py), in that
   order (`shuffle_dataset=False`), each as one user message that TRL renders with the
   tokenizer's chat template (checked token for token against the project's prompt ids)
 * reward: `rl.tasks.answers.math_reward` on the completion text (its last number against the answer)
@@ -68,7 +68,7 @@ def parse_args(argv=None):
                    help="also evaluate after every k optimizer steps (the project's eval.every; 0: before and after only)")
     p.add_argument("--eval-batch-size", type=int, default=64, help="problems decoded together (the project's eval.batch_size)")
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--seed", type=int, default=0, help="the project's cfg.seed: step s trains on prompts(4, seed*1_000_003+s)")
+    p.add_argument("--seed", type=int, default=0, help="the project's cfg.seed: step s trains on prompts(4, round_seed(seed, s))")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompts-per-step", type=int, default=4, help="task.prompts_per_step")
     p.add_argument("--samples-per-prompt", type=int, default=8, help="task.samples_per_prompt (num_generations)")
@@ -88,9 +88,11 @@ def build_dataset(task, steps: int, seed: int, prompts_per_step: int):
     """One row per training prompt, step by step: the project's prompts in the project's order."""
     from datasets import Dataset
 
+    from rl.seeds import round_seed
+
     rows = []
     for step in range(steps):
-        for ids, meta in task.prompts(prompts_per_step, seed=seed * 1_000_003 + step):
+        for ids, meta in task.prompts(prompts_per_step, seed=round_seed(seed, step)):
             rows.append({"prompt": [{"role": "user", "content": task.template.format(problem=meta["problem"])}],
                          "answer": str(meta["answer"]), "prompt_ids": ids.tolist()})
     return rows, Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])

@@ -24,8 +24,8 @@ from test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 
 from model.models import build_model
 from rl.rollout.engine import HFRolloutEngine
-from rl.rollout.sampler import sample_seed
 from rl.rollout.episodes import run_episodes
+from rl.seeds import derive
 from rl.tasks.calls import Status
 from rl.tasks.answers import math_reward
 from rl.tasks.arithmetic import ArithmeticRetryTask, RetryEnvironment
@@ -79,7 +79,7 @@ def test_an_episode_is_the_engines_tokens_with_the_environments_between(tiny_lla
         dropped += len(obs) < len(observation)
         n2 = n1 + len(obs)
         assert rec.sequences[n1:n2].tolist() == obs
-        (second,) = engine.generate([rec.sequences[:n2]], prompt_indices=[sample_seed(1, index[k], k % 3)], **kw)
+        (second,) = engine.generate([rec.sequences[:n2]], prompt_indices=[derive(1, index[k], k % 3)], **kw)
         assert torch.equal(rec.sequences, second.sequences)  # turn 2: the engine's tokens, verbatim
         want = torch.zeros(rec.sequences.numel() - 1, dtype=torch.bool)
         want[P - 1:n1 - 1] = True

@@ -16,7 +16,8 @@ if str(ROOT) not in sys.path:  # FileTask imports "tests.test_rollout:my_reward"
 from model.models import build_model  # noqa: E402
 from rl.rollout.engine import HFRolloutEngine, RolloutEngine  # noqa: E402
 from rl.rollout.sampler import (  # noqa: E402
-    group_places, sample_inverse_cdf, sample_seed, sample_seeds, signed, uniform_noise)
+    group_places, sample_inverse_cdf, sample_seeds, signed, uniform_noise)
+from rl.seeds import derive  # noqa: E402
 from rl.tasks.base import Task, load_callable  # noqa: E402
 from rl.tasks.calls import assign_rewards  # noqa: E402
 from rl.tasks.files import FileTask  # noqa: E402
@@ -175,7 +176,7 @@ def test_same_seed_same_samples_another_seed_differs(dense):
     assert all(torch.equal(x.sequences, y.sequences) and torch.equal(x.rollout_log_probs, y.rollout_log_probs)
                for x, y in zip(a, b))
     assert any(not torch.equal(x.sequences, z.sequences) for x, z in zip(a, c))
-    assert sample_seed(3, 0, 0) != sample_seed(3, 0, 1) != sample_seed(3, 1, 0)
+    assert derive(3, 0, 0) != derive(3, 0, 1) != derive(3, 1, 0)
 
 
 def splitmix64(seed: int, n: int) -> int:
@@ -256,7 +257,7 @@ def test_a_runs_draws_are_uncorrelated_within_groups_and_across_steps(monkeypatc
 
     def one_stream(s):
         indices = calls[s]["prompt_indices"]
-        return wrap([sample_seed(calls[s]["seed"], i, 0) + k * gamma for i, k in zip(indices, group_places(indices))])
+        return wrap([derive(calls[s]["seed"], i, 0) + k * gamma for i, k in zip(indices, group_places(indices))])
 
     shifted = max_correlation(run_draws(one_stream, steps, tokens), group=group)
     assert shifted["shifted"] > 0.99 and shifted["same_token"] < bound  # only the shifted pairs see it

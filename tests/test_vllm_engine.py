@@ -268,7 +268,7 @@ def test_episodes_with_vllm_are_its_tokens_and_train_as_it_sampled(vtrainer):
     """Multi-turn with the vLLM engine (rl/rollout/episodes.py): turn 2 is what vLLM generates
     from the context (token-in / token-out), the observation's slots are holes in the action
     mask, and the training forward scores the sampled tokens as vLLM did."""
-    from rl.rollout.sampler import sample_seed
+    from rl.seeds import derive
     from rl.rollout.episodes import run_episodes
 
     engine, task = vtrainer.engine, _IdsTask()
@@ -281,7 +281,7 @@ def test_episodes_with_vllm_are_its_tokens_and_train_as_it_sampled(vtrainer):
         n2 = n1 + 3
         assert torch.equal(rec.sequences[:n1], one.sequences) and rec.sequences[n1:n2].tolist() == [20, 21, 22]
         place = [0, 0, 1, 0][k]
-        (two,) = engine.generate([rec.sequences[:n2]], prompt_indices=[sample_seed(1, [0, 1, 0, 2][k], place)], **kw)
+        (two,) = engine.generate([rec.sequences[:n2]], prompt_indices=[derive(1, [0, 1, 0, 2][k], place)], **kw)
         assert torch.equal(rec.sequences, two.sequences)
         assert not rec.action_mask[n1 - 1:n2 - 1].any() and rec.action_mask[n2 - 1:].all()
         assert int(rec.turns) == 2 and float(rec.rewards) == 1.0

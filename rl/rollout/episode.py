@@ -85,7 +85,7 @@ import torch
 
 from packing.experience import Experience
 from rl.rollout.engine import make_record
-from rl.rollout.sampler import sample_seed
+from rl.seeds import derive
 from rl.tasks.base import Task, is_multi_turn
 from rl.tasks.calls import FP32_MAX, Status, UserCalls, check_reward, reward_record
 from rl.tasks.chat import answer_chars
@@ -98,7 +98,7 @@ _ENV_SALT = 0x5EED_E7E7  # environment seeds are drawn apart from the engine's s
 def environment_seed(seed: int, prompt_index: int, place: int) -> int:
     """The seed an environment's `reset(prompt, seed=...)` gets: a function of the call's seed
     (the run's seed and the step), the prompt index and the sample's place in its group."""
-    return sample_seed(sample_seed(seed, _ENV_SALT, 0), prompt_index, place)
+    return derive(derive(seed, _ENV_SALT, 0), prompt_index, place)
 
 
 @dataclass
@@ -167,7 +167,7 @@ class Episode:
     def seed_index(self, turn: int) -> int:
         """The index turn `turn`'s generation draws this sample with: turn 1's is its prompt index
         (the single-turn sample), a later one's mixed from (turn, prompt index, place in group)."""
-        return self.index if turn == 0 else sample_seed(turn, self.index, self.place)
+        return self.index if turn == 0 else derive(turn, self.index, self.place)
 
     @property
     def turns(self) -> int:

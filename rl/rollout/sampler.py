@@ -1,6 +1,6 @@
 """Per-sample seeded sampling: a sample's tokens depend on its seed, never on the batch.
 
-Seeding: every sample has its own seed, from `(seed, prompt_index, k)` where k counts the
+Seeding: every sample has its own seed, `derive(seed, prompt_index, k)` where k counts the
 earlier samples of the same prompt_index in the call; response token j is drawn by inverse
 CDF with the uniform `uniform_noise(sample seed, j)` (a counter-based splitmix64 stream, the
 whole batch in a few tensor ops). A sample's tokens therefore depend on neither batch
@@ -16,18 +16,9 @@ from typing import Sequence
 
 import torch
 
+from rl.seeds import derive
+
 _MASK64 = (1 << 64) - 1
-
-
-def sample_seed(seed: int, prompt_index: int, k: int) -> int:
-    """Seed of the generator of sample k of prompt `prompt_index` (splitmix64 mixing)."""
-    h = 0x9E3779B97F4A7C15
-    for v in (seed, prompt_index, k):
-        h = ((h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9) & _MASK64
-        h ^= h >> 31
-        h = (h * 0x94D049BB133111EB) & _MASK64
-        h ^= h >> 29
-    return h & ((1 << 63) - 1)
 
 
 def group_places(prompt_indices: Sequence[int]) -> list[int]:
@@ -41,8 +32,8 @@ def group_places(prompt_indices: Sequence[int]) -> list[int]:
 
 
 def sample_seeds(seed: int, prompt_indices: Sequence[int]) -> list[int]:
-    """Per-sample seeds: sample k of each prompt_index gets `sample_seed(seed, index, k)`."""
-    return [sample_seed(seed, int(index), k) for index, k in zip(prompt_indices, group_places(prompt_indices))]
+    """Per-sample seeds: sample k of each prompt_index gets `derive(seed, index, k)` (rl/seeds.py)."""
+    return [derive(seed, int(index), k) for index, k in zip(prompt_indices, group_places(prompt_indices))]
 
 
 # ------------------------------------------------------------------ sampling

@@ -9,6 +9,7 @@ import torch
 
 from packing.experience import Experience
 from rl.rollout.episodes import run_episodes
+from rl.seeds import round_seed, sampling_seed
 from rl.tasks.reward import apply_overlong_penalty
 
 
@@ -24,7 +25,7 @@ class RolloutSource:
         task, dims, algo = self.cfg.task, self.dims, self.cfg.algo
         per_rank = task.prompts_per_step // dims.dp
         first = dims.dp_rank * per_rank
-        seed = self.cfg.seed * 1_000_003 + step + round_ * 1_000_000_007
+        seed = round_seed(self.cfg.seed, step, round_)
         # a JSONL task walks its lines in seeded epochs, step k from position k * prompts_per_step (rl/tasks/files.py)
         prompts = self.task.step_prompts(task.prompts_per_step, seed=seed, run_seed=self.cfg.seed,
                                          start=step * task.prompts_per_step if round_ == 0 else None)
@@ -36,7 +37,7 @@ class RolloutSource:
             self.engine, self.task, [p for p, _ in prompts for _ in range(task.samples_per_prompt)],
             [m for _, m in prompts for _ in range(task.samples_per_prompt)], prompt_indices=index,
             max_new_tokens=task.max_new_tokens, temperature=self.cfg.model.temperature,
-            seed=self.cfg.seed * 7919 + step,
+            seed=sampling_seed(self.cfg.seed, step),
         )
         if algo.overlong_buffer is not None:
             apply_overlong_penalty(records, task.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)

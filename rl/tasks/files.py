@@ -18,21 +18,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from rl.seeds import derive
 from rl.tasks.answers import math_reward
 from rl.tasks.base import Prompt, Task, as_ids, reward_callable
 from rl.tasks.chat import chat_encoder, load_tokenizer, user_turn
-
-
-def epoch_seed(seed: int, epoch: int) -> int:
-    """The seed of epoch `epoch`'s order of lines in a run seeded `seed` (splitmix64 mixing)."""
-    h = 0x9E3779B97F4A7C15
-    for v in (seed, epoch):
-        h = ((h ^ (v & 0xFFFF_FFFF_FFFF_FFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
-        h ^= h >> 31
-        h = (h * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
-        h ^= h >> 29
-    return h & ((1 << 63) - 1)
-
 
 
 class LineTask(Task):
@@ -68,7 +57,7 @@ class LineTask(Task):
         for position in range(start, start + n):
             epoch, k = divmod(position, len(self.items))
             if epoch not in orders:
-                g = torch.Generator().manual_seed(epoch_seed(seed, epoch))
+                g = torch.Generator().manual_seed(derive(seed, epoch))  # epoch `epoch`'s order
                 orders[epoch] = torch.randperm(len(self.items), generator=g).tolist()
             ids, meta = self.items[orders[epoch][k]]
             out.append((torch.tensor(ids, dtype=torch.int64), dict(meta)))
