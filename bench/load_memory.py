@@ -23,7 +23,7 @@ import json  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from tests.distributed import run_distributed  # noqa: E402  (gloo ranks on 127.0.0.1)
+from testing.distributed import run_distributed  # noqa: E402  (gloo ranks on 127.0.0.1)
 
 # 16 layers, hidden 768, vocab 49152, untied head: 176.2M parameters, 705 MB in fp32
 SHAPE = dict(num_hidden_layers=16, hidden_size=768, intermediate_size=2048, num_attention_heads=12,

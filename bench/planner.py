@@ -234,7 +234,7 @@ def measure_rank(rank: int, world: int, lens: list[int], plans: dict, repeats: i
 
 
 def measure_spread(repeats: int) -> dict:
-    from tests.distributed import run_distributed
+    from testing.distributed import run_distributed
 
     lens = lengths(MEASURE_MIX, MEASURE_SAMPLES, seed=0, max_len=MEASURE_MAX_LEN)
     cost = flop_cost(TINY)

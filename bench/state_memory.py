@@ -14,7 +14,7 @@ from common import ROOT, emit, quick_flag  # common puts the repo root on sys.pa
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from tests.distributed import run_distributed  # noqa: E402  (gloo ranks on 127.0.0.1)
+from testing.distributed import run_distributed  # noqa: E402  (gloo ranks on 127.0.0.1)
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -31,7 +31,7 @@ def measure(rank: int, world: int) -> dict:
     from model.parallelize import parallelize
     from packing import make_experience_batch
     from rl.rollout.sync import buckets
-    from tests.records import make_records
+    from testing.records import make_records
 
     overrides = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/model/moe_tiny.yaml"))["overrides"]
     dims = init_distributed(ep=2 if world > 1 else 1)

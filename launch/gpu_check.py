@@ -40,7 +40,7 @@ section still runs; the exit code is 1 when one failed:
            checkpointing: tokens/s, estimated MFU (6 N + attention FLOPs per token, packing/planner.py
            `flop_cost` as bench/roofline.py counts, over the device's bf16 dense peak, PEAK_TFLOPS,
            recompute not counted), peak memory, host syncs per step
-           (CUDA's own sync debug mode; on CPU, tests/host_syncs.py's count). Then the rollout side at
+           (CUDA's own sync debug mode; on CPU, testing/host_syncs.py's count). Then the rollout side at
            that size: one weight sync into a bf16 copy (seconds, bytes, peak memory) and one generation
            of 64 prompts x 128 new tokens with the transformers engine (tokens/s, peak memory).
 
@@ -326,7 +326,7 @@ def _segments_device_check(device: torch.device) -> dict:
     """The CP flash segments of a layout that is not on the host (issue 52.5: a CUDA layout got a host
     `arange` through index_put_, which CUDA refuses), plain and shared-prompt, CP rank 0 and 1. CUDA: the
     layout on the GPU, its segments equal the host layout's. CPU: the layout on meta, no op mixing
-    devices (tests/mixed_devices.py), the same segment lengths."""
+    devices (testing/mixed_devices.py), the same segment lengths."""
     import dataclasses as dc
 
     from model.context_parallel import Segments, cp_layout, flash_segments
@@ -344,8 +344,7 @@ def _segments_device_check(device: torch.device) -> dict:
                 got, mixed = flash_segments(lay.to(device), device), []
                 same = all(torch.equal(a, b) for a, b in zip((got[0], got[1], got[4]), (want[0], want[1], want[4])))
             else:
-                sys.path.insert(0, str(ROOT / "tests"))
-                from mixed_devices import MixedDevices
+                from testing.mixed_devices import MixedDevices
 
                 meta = lay.to("meta")
                 if segments is not None:  # read to the host by .tolist(): meta holds no values
@@ -585,7 +584,7 @@ def _sync_and_generate(actor, overrides: dict, device: torch.device, full: bool)
 
 def _host_syncs(step, cuda: bool) -> tuple[int, dict[str, int]]:
     """Host syncs of one step: CUDA's own count (one warning per synchronizing call), or on CPU
-    tests/host_syncs.py's count of the calls that would sync on a GPU."""
+    testing/host_syncs.py's count of the calls that would sync on a GPU."""
     if cuda:
         import warnings
 
@@ -599,8 +598,7 @@ def _host_syncs(step, cuda: bool) -> tuple[int, dict[str, int]]:
                 torch.cuda.set_sync_debug_mode(0)
         found = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
         return len(found), dict(collections.Counter(found).most_common(20))
-    sys.path.insert(0, str(ROOT / "tests"))
-    from host_syncs import count_host_syncs
+    from testing.host_syncs import count_host_syncs
 
     with count_host_syncs() as syncs:
         step()

@@ -1,5 +1,5 @@
-"""Programs run as `python scripts/<name>.py` (the test harness is tests/'s: distributed.py,
-records.py, inprocess.py and the rank bodies).
+"""Programs run as `python scripts/<name>.py` (the harness they share with tests/ and bench/ is
+testing/: distributed.py, records.py, inprocess.py).
 
     make_model.py           `make model`: SmolLM2-135M-Instruct as a Hugging Face folder
     config_reference.py     docs/config-reference.md from the typed schema (rl/config/schema.py)

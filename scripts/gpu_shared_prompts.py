@@ -20,15 +20,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from test_shared_prompt import grpo_records  # noqa: E402
+sys.path.insert(0, str(ROOT))
 
 from model.actor import Actor  # noqa: E402
 from model.models import build_model  # noqa: E402
 from model.moe import (expert_load, moe_blocks, record_routing, reset_expert_load, router_aux_loss,  # noqa: E402
                        shard_experts)
 from packing.collate import make_experience_batch  # noqa: E402
+from testing.records import grpo_records  # noqa: E402
 
 EPS32 = torch.finfo(torch.float32).eps
 

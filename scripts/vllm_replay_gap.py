@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:  # run as a script from the repository root
 
 from model.moe import record_routing
 from packing import make_experience_batch
-from tests.inprocess import SMALL, trainer
+from testing.inprocess import SMALL, trainer
 
 
 def score(tr, rec, replay: bool):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.records import make_records  # noqa: F401  (tests import it from here too)
+from testing.records import make_records  # noqa: F401  (tests import it from here too)
 
 
 # ----------------------------------------------------------- the GPU branch, on CPU

@@ -1,7 +1,7 @@
 """Context-parallel helpers for tests/test_context_parallel.py and the gloo worker it launches.
 
 `cp_checks(rank, world_size)` runs on every rank of a cp-sized gloo group
-(tests/distributed.py), runs every CP case once and returns the outputs; the test compares
+(testing/distributed.py), runs every CP case once and returns the outputs; the test compares
 them with a one-process reference built from stock "sdpa" on the padded batch (code that
 never touches model/context_parallel.py). Every rank builds the same seeded model and
 batches itself, so only results cross processes.
@@ -165,7 +165,8 @@ def shared_prompt_checks(dims) -> dict:
     control (the CP mask without the units' segments: responses see their siblings)."""
     from model import context_parallel as cpmod
     from model.actor import Actor
-    from test_shared_prompt import body_tokens, grpo_records
+    from test_shared_prompt import body_tokens
+    from testing.records import grpo_records
 
     pack = make_experience_batch(grpo_records(), packed=True)
 

@@ -1,6 +1,6 @@
 """Tiny Qwen3-MoE helpers for tests/test_moe.py and the ep=2 worker it launches.
 
-`ep_checks(rank, world_size)` runs in every rank of a gloo group (tests/distributed.py) and
+`ep_checks(rank, world_size)` runs in every rank of a gloo group (testing/distributed.py) and
 returns the measured figures; the test asserts on them. Every rank builds the same seeded
 model and the single-process references itself, so nothing but figures crosses processes.
 """
@@ -239,7 +239,8 @@ def shared_prompt_checks(rank: int, world_size: int) -> dict:
     from model.models import build_model
     from model.parallel_dims import ParallelDims, build_mesh
     from packing.collate import make_experience_batch
-    from test_shared_prompt import body_tokens, grpo_records
+    from test_shared_prompt import body_tokens
+    from testing.records import grpo_records
 
     dims = ParallelDims(dp=world_size, ep=world_size, world_size=world_size)
     build_mesh(dims)

@@ -1,6 +1,6 @@
 """Rank body of the FSDP2 gradient parity: three optimizer steps with FSDP2 on a world of
 ranks vs one process on the same global batch. tests/test_fsdp.py runs it on gloo ranks
-(tests/distributed.py).
+(testing/distributed.py).
 
 Every rank builds the same seeded model and the same global batch of records, trains on
 its own plan entry (token-mean normalized by the global action-token count), clips by the
@@ -20,7 +20,7 @@ from model.parallel_dims import ParallelDims, init_distributed, local_tensor
 from model.parallelize import clip_grad_norm_, full_parameters, parallelize
 from packing import make_experience_batch, plan_microbatches
 from rl.algos.losses import PolicyLossConfig, aggregate, policy_loss
-from tests.records import make_records
+from testing.records import make_records
 
 LENGTHS = [5, 17, 9, 33, 12, 7, 21, 3, 14, 26, 8, 11]
 # Overrides of the tiny models (model/models.py TINY, TINY_MOE): half the width, a quarter of the

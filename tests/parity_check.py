@@ -80,7 +80,7 @@ def core_parity(name: str) -> dict:
     from model.models import build_model
     from packing.collate import make_experience_batch
     from packing.experience import Experience
-    from tests.records import make_records
+    from testing.records import make_records
 
     records = make_records(LENGTHS, seed=1)
     padded = make_experience_batch(records, packed=False)

@@ -19,7 +19,7 @@ from rl.algos.advantages import (
     whiten_with_moments,
 )
 from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups, overlong_penalty
-from tests.distributed import run_distributed
+from testing.distributed import run_distributed
 
 
 def record(mask, reward=0.0, prompt=0, kl=None, values=None):
@@ -222,7 +222,7 @@ def test_reinforce_pp_reads_the_kl_as_a_reward_and_never_as_a_loss(monkeypatch):
     kl_mode=loss is refused at start-up, and a step adds no KL loss term while every
     sequence's returns are the per-sequence reference with its KL (and not without it)."""
     import rl.trainer.trainer as trainer_module
-    from inprocess import SMALL, compose, trainer
+    from testing.inprocess import SMALL, compose, trainer
 
     with pytest.raises(ValueError, match=r"algo.advantage=reinforce_pp with algo.kl_coef=0.05 and algo.kl_mode=loss: "
                                          r"reinforce_pp puts the KL in the reward"):
@@ -461,7 +461,7 @@ def test_dynamic_sampling_drops_groups_whose_rewards_are_all_equal():
 
 
 def test_a_registered_estimator_is_checked_by_the_config_and_dispatched(monkeypatch):
-    from inprocess import compose
+    from testing.inprocess import compose
 
     from rl.algos.advantages import ADVANTAGE_ESTIMATORS, register_advantage_estimator
 

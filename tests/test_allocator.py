@@ -110,7 +110,7 @@ def _releases_in_a_step(*overrides: str) -> tuple[int, int, int]:
 
     from model import parallelize
     from rl.trainer import trainer as trainer_module
-    from tests.inprocess import SMALL, trainer
+    from testing.inprocess import SMALL, trainer
 
     calls = []
     count = lambda: calls.append(1) or True  # noqa: E731

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from inprocess import trainer
+from testing.inprocess import trainer
 from test_tasks import CHAT, tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 
 from model.models import build_model

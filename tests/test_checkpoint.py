@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 from checkpoint_worker import config, load_and_report, save_after_one_step, trainer_for
-from tests.distributed import run_distributed
+from testing.distributed import run_distributed
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 

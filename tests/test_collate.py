@@ -219,7 +219,7 @@ def test_non_blocking_copies_to_cuda_start_from_pinned_memory(monkeypatch):
     host tensor (the shared-prompt layout's too) is pinned first, since a non-blocking copy from
     pageable memory is synchronous. This CPU-only torch can neither pin nor reach CUDA, so both
     calls are recorded instead of run. Controls: a blocking copy and a copy to the CPU pin nothing."""
-    from tests.test_shared_prompt import grpo_records
+    from testing.records import grpo_records
 
     batch = make_experience_batch(grpo_records(), packed=True)
     assert batch.shared_prompts is not None

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from testing.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 NEWER = ("all_gather_single", "reduce_scatter_single")  # torch >= 2.13 only

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inprocess import SMALL, compose, trainer
+from testing.inprocess import SMALL, compose, trainer
 from rl.config import RANGES, check_task_fits
 from rl.tasks.registry import build_task
 

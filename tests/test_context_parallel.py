@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cp_worker import CHANGED, LENGTHS, SINGLE, cp_checks, local_slots, records, tiny_qwen3, token_logp, token_mean_loss
-from tests.distributed import run_distributed
+from testing.distributed import run_distributed
 from tests.parity_check import assert_control_fails, assert_parity
 from nemo_automodel.components.distributed.context_parallel.sharder import round_robin_local_indices
 
@@ -411,7 +411,7 @@ def test_flash_segments_are_built_on_the_layouts_device():
     Control: the audit sees the old write, a host `arange` put into a meta tensor."""
     import dataclasses
 
-    from mixed_devices import MixedDevices
+    from testing.mixed_devices import MixedDevices
     from model.context_parallel import Segments, flash_segments
 
     for pack, segments in ((make_experience_batch(records([1, 3, 11, 30]), packed=True), None),

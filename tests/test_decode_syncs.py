@@ -1,7 +1,7 @@
 """Host syncs of the rollout engine's decode loop (issue 25, item 3), counted on CPU.
 
 On a GPU each `.item()`, `.cpu()`, `if tensor:` or value-dependent shape makes the host wait
-for the device. `tests/host_syncs.py` counts them from a CPU run; each test compares two
+for the device. `testing/host_syncs.py` counts them from a CPU run; each test compares two
 generations that differ only in their number of decode steps, so what is counted per step
 is the difference (the prefill and the per-chunk read-back cancel). The engine's own syncs
 are told apart from the model forward's by counting inside `_forward` separately.
@@ -15,7 +15,7 @@ import torch
 from model.models import build_model
 from rl.rollout import engine as engine_module
 from rl.rollout.engine import HFRolloutEngine
-from tests.host_syncs import count_host_syncs
+from testing.host_syncs import count_host_syncs
 
 VOCAB, TEMP = 64, 0.7
 SHORT, LONG = 8, 24  # decode steps of the two generations compared

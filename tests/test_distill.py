@@ -21,7 +21,7 @@ from packing import Experience
 from rl.algos.advantages import compute_advantages
 from rl.algos.losses import policy_loss
 from rl.config import AlgoConfig
-from tests.inprocess import SMALL, compose, trainer, weights
+from testing.inprocess import SMALL, compose, trainer, weights
 
 VOCAB = 64  # conf/model/{moe,dense}_tiny.yaml's vocab_size
 

@@ -5,8 +5,8 @@ one process's."""
 
 import pytest
 
-from tests.distributed import run_distributed
-from inprocess import steps_rank
+from testing.distributed import run_distributed
+from testing.inprocess import steps_rank
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import math
 import random
 
 import pytest
-from inprocess import trainer
+from testing.inprocess import trainer
 from test_arithmetic import tiny_llama  # noqa: F401 - fixture
 from test_multiturn import SayNumber
 from test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_distributed
+from testing.distributed import run_distributed
 from packing import Experience, plan_microbatches
 from packing.exchange import FIELDS, StandIn, exchange, gather_metadata, routing_dtype
 
@@ -283,7 +283,7 @@ def _old_path(tr) -> None:
 
 def paths_rank(rank: int, world_size: int, overrides: tuple[str, ...], steps: int) -> dict:
     """`steps` steps with the new data path and, from the same seed, with the old one."""
-    from inprocess import compose
+    from testing.inprocess import compose
     from model.parallel_dims import init_distributed
     from rl.trainer.trainer import build_trainer
 

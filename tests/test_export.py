@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from inprocess import SMALL, compose, trainer
+from testing.inprocess import SMALL, compose, trainer
 from test_families import RUN_SIZE, tiny_checkpoint
 
 from rl.trainer.checkpoint import save_checkpoint

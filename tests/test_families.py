@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_records
-from inprocess import SMALL, compose, trainer
+from testing.inprocess import SMALL, compose, trainer
 from omegaconf import OmegaConf
 from tests.parity_check import assert_control_fails, assert_parity
 from transformers import AutoModelForCausalLM

@@ -3,7 +3,7 @@ ranks equals one process on the same global batch; state is sharded."""
 
 import pytest
 import torch
-from tests.distributed import run_distributed
+from testing.distributed import run_distributed
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ import torch
 import rl.algos.objective as objective_module
 import rl.tasks.calls as calls_module
 import rl.trainer.trainer as trainer_module
-from tests.distributed import run_distributed
-from inprocess import SMALL, all_finite, nan_loss_on_one_rank, trainer, weights
+from testing.distributed import run_distributed
+from testing.inprocess import SMALL, all_finite, nan_loss_on_one_rank, trainer, weights
 from rl.trainer.guard import DivergenceError
 
 

@@ -2,7 +2,7 @@
 
 A device-to-host read (`.item()`, `bool()`/`int()` of a tensor, `.tolist()`, `.cpu()`,
 `.numpy()`, and ops whose output shape depends on the data: `nonzero`, boolean indexing,
-`masked_select`, `unique`) stalls a GPU's queue. tests/host_syncs.py counts them in a
+`masked_select`, `unique`) stalls a GPU's queue. testing/host_syncs.py counts them in a
 forward by kind and by where in the code they happen, and the tests assert the exact list. What remains, and why:
 
 * transformers' `create_causal_mask` (masking_utils.py, once per forward): it looks for
@@ -29,8 +29,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from host_syncs import count_host_syncs
-from test_shared_prompt import grpo_records
+from testing.host_syncs import count_host_syncs
+from testing.records import grpo_records
 
 from model import attention
 from model.actor import Actor, Critic
@@ -59,7 +59,7 @@ def moe():
 
 
 def syncs(module, batch, **kw) -> collections.Counter:
-    """(kind, file) -> count of the host syncs of one no-grad forward (tests/host_syncs.py's kinds)."""
+    """(kind, file) -> count of the host syncs of one no-grad forward (testing/host_syncs.py's kinds)."""
     with torch.no_grad(), count_host_syncs() as counted:
         module(batch, **kw)
     return collections.Counter((kind, Path(at.rsplit(" @ ", 1)[1].rsplit(":", 1)[0]).name)
@@ -142,7 +142,7 @@ def _training_syncs(model: str) -> tuple[collections.Counter, int]:
     `adamw_options`: torch's default CPU AdamW reads each parameter's step count, a CPU-only cost), and the
     number of policy forwards it ran. The rollout's decode loop: tests/test_decode_syncs.py; the sample
     bookkeeping (plan, collate, advantages) runs on host-resident records and is not a device read."""
-    from inprocess import SMALL, trainer
+    from testing.inprocess import SMALL, trainer
 
     tr = trainer(model, *SMALL, "trainer.device=cpu")
     for group in tr.optimizer.param_groups:

@@ -127,7 +127,7 @@ def test_a_kernel_that_cannot_run_here_fails_naming_model_attention(choice, devi
 
 
 def test_the_config_checks_model_attention_at_start_up():
-    from inprocess import compose
+    from testing.inprocess import compose
 
     assert compose().model.attention.value == "auto"
     assert compose("model.attention=sdpa").model.attention.value == "sdpa"

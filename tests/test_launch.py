@@ -250,7 +250,7 @@ def test_memory_plan_counts_published_parameters_and_says_what_fits(monkeypatch,
 def test_make_train_runs_one_experiment_the_args_may_name(args, experiment):
     """`make train ARGS="+experiment=..."` (README) replaces the headline experiment: Hydra
     refuses two `+experiment=` (control: the old recipe's two fail to compose)."""
-    from inprocess import compose
+    from testing.inprocess import compose
 
     dry = subprocess.run(["make", "-n", "train", f"ARGS={args}"], cwd=ROOT, capture_output=True, text=True, check=True)
     words = shlex.split([line for line in dry.stdout.splitlines() if "train.py" in line][-1])

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from inprocess import compose
+from testing.inprocess import compose
 from omegaconf import OmegaConf
 from test_tasks import tokenizer_dir  # noqa: F401 - fixture
 

@@ -22,7 +22,8 @@ from model.moe import shard_experts
 from model.parallelize import apply_activation_checkpointing
 from packing.collate import make_experience_batch
 from tests.parity_check import assert_control_fails, assert_parity, max_abs
-from tests.test_shared_prompt import grpo_records, scored
+from tests.test_shared_prompt import scored
+from testing.records import grpo_records
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 CASES = {"qwen3": DEFAULT_TARGETS, "llama": DEFAULT_TARGETS, "qwen3_moe": ATTENTION}
@@ -266,7 +267,7 @@ def test_sync_bytes_at_rank_16_on_smollm2_shape():
 def test_trainer_builds_no_reference_and_steps_adapters_only():
     """A LoRA run with a KL term builds no reference copy (the policy with adapters off is the
     reference: the bytes a copy would take are saved) and its optimizer holds exactly the adapters."""
-    from tests.inprocess import SMALL, trainer
+    from testing.inprocess import SMALL, trainer
 
     args = (*SMALL, "model=dense_tiny", "algo.kl_coef=0.05", "trainer.max_steps=1")
     full, lora = trainer(*args), trainer(*args, "model.lora.rank=4")
@@ -284,7 +285,7 @@ def test_trainer_builds_no_reference_and_steps_adapters_only():
 def test_the_memory_plan_counts_the_adapters_training_state_under_lora():
     """The start-up memory plan (rl/rollout/replica.py) counts gradients and AdamW moments of what
     trains: the adapters under LoRA (it counted the whole policy's, as for full fine-tuning)."""
-    from tests.inprocess import SMALL, trainer
+    from testing.inprocess import SMALL, trainer
 
     args = (*SMALL, "model=dense_tiny", "trainer.max_steps=1")
     full, lora = trainer(*args), trainer(*args, "model.lora.rank=4")

@@ -24,8 +24,8 @@ from model.parallel_dims import ParallelDims, init_distributed, local_tensor
 from model.parallelize import clip_grad_norm_, full_parameters, parallelize
 from packing import make_experience_batch, plan_microbatches
 from rl.algos.losses import PolicyLossConfig, aggregate, policy_loss
-from tests.distributed import run_distributed
-from tests.records import make_records
+from testing.distributed import run_distributed
+from testing.records import make_records
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from inprocess import trainer
+from testing.inprocess import trainer
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and glibc's malloc_trim")]

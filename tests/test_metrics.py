@@ -250,7 +250,7 @@ def test_cuda_peak_memory_per_stage_is_in_the_step_metrics(monkeypatch):
     on the CPU path (not CUDA) no such key."""
     import torch
 
-    from inprocess import SMALL, trainer
+    from testing.inprocess import SMALL, trainer
     from rl.trainer import trainer as trainer_module
 
     tr = trainer("model=dense_tiny", "trainer.device=cpu", *SMALL)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dist_moe_worker import RANK_LENGTHS, logits_of, packed_batch, tiny_moe, token_log_probs, weighted_loss
-from tests.distributed import run_distributed
+from testing.distributed import run_distributed
 from tests.parity_check import PARITY_ULPS as SHARED_ULPS, assert_control_fails, assert_parity
 from model.moe import (
     shard_experts,

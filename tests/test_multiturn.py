@@ -18,7 +18,7 @@ import re
 
 import pytest
 import torch
-from inprocess import steps_rank, trainer
+from testing.inprocess import steps_rank, trainer
 from test_arithmetic import tiny_llama  # noqa: F401 - fixture
 from test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 
@@ -30,7 +30,7 @@ from rl.tasks.calls import Status
 from rl.tasks.answers import math_reward
 from rl.tasks.arithmetic import ArithmeticRetryTask, RetryEnvironment
 from rl.tasks.registry import build_task
-from tests.distributed import run_distributed
+from testing.distributed import run_distributed
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_the_environment_ends_the_episode_and_its_answers_are_checked(tiny_llama
 
 
 def test_a_multiturn_task_must_fit_every_turn_in_max_tokens(tokenizer_dir):
-    from inprocess import compose
+    from testing.inprocess import compose
 
     from rl.config import check_task_fits
 
@@ -164,7 +164,7 @@ def test_the_vllm_engine_holds_every_turn_of_an_episode(tokenizer_dir):
     """rollout.engine=vllm sizes `max_model_len` as start-up sizes a sample (rl/rollout/build.py
     `engine_max_len`): turn 2's context is the prompt, reply 1 and the answer, so a length of
     prompt + one reply (what it was) refuses turn 2. Computed without vLLM (the engine is not built)."""
-    from inprocess import compose
+    from testing.inprocess import compose
 
     from rl.rollout.build import engine_max_len
 

@@ -263,7 +263,7 @@ def tr():
     """The trainer of `model=dense_tiny` (its Actor: actions_only, share_prompts), with a critic (GAE),
     a KL loss to a reference, an entropy bonus, truncated IS and dual-clip on: every term of
     `train_microbatch`."""
-    from inprocess import SMALL, trainer
+    from testing.inprocess import SMALL, trainer
 
     return trainer("model=dense_tiny", *SMALL, "algo.advantage=gae", "algo.kl_coef=0.05", "algo.entropy_coef=0.01",
                    "algo.tis_cap=2.0", "algo.dual_clip=3.0")
@@ -527,7 +527,7 @@ def test_the_holey_pack_at_cp2_equals_one_process(dense):
     gradients, of the holey pack (shared prompts off and on: the compressed rows sharded with the
     zigzag) and of the padded batch, equal one process's; the packed ones equal the per-turn
     reference too. Control: chunks in the wrong order."""
-    from tests.distributed import run_distributed
+    from testing.distributed import run_distributed
 
     ranks = run_distributed(holey_cp_rank, 2, timeout=240)
     records = cp_episodes()

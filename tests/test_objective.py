@@ -5,7 +5,7 @@ optimizes: called alone on a collated batch after the trainer's forwards, it ret
 import pytest
 import torch
 
-from inprocess import SMALL, trainer
+from testing.inprocess import SMALL, trainer
 from rl.trainer.trainer import Stats
 
 

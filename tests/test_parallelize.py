@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from conftest import make_records
-from tests.distributed import run_distributed
+from testing.distributed import run_distributed
 from tests.parity_check import assert_control_fails, assert_parity
 from model import parallelize as par
 from model.actor import Actor
@@ -197,7 +197,7 @@ def test_every_collective_model_and_batch_is_on_the_rank_device():
                                                    (("parallel.ep=3",), 4), (("parallel.cp=2", "parallel.ep=3"), 8)])
 def test_config_validation_refuses_bad_sizes_with_parallel_dims_own_message(overrides, world_size):
     """One check of cp/dp/ep against the world: the config's error is ParallelDims', naming the keys."""
-    from inprocess import compose
+    from testing.inprocess import compose
 
     sizes = {k.split(".")[1]: int(v) for k, v in (o.split("=") for o in overrides)}
     with pytest.raises(ValueError) as from_dims:
@@ -209,7 +209,7 @@ def test_config_validation_refuses_bad_sizes_with_parallel_dims_own_message(over
 
 
 def test_validation_returns_the_run_parallel_dims():
-    from inprocess import compose
+    from testing.inprocess import compose
     from rl.config import validate
 
     dims = validate(compose("parallel.cp=2", "parallel.ep=2", "task.prompts_per_step=8", check=False), world_size=8)
@@ -219,7 +219,7 @@ def test_validation_returns_the_run_parallel_dims():
 def test_the_trainer_build_applies_each_parallelism_once_per_model(monkeypatch):
     """Policy and reference: apply_context_parallel, apply_expert_parallel, apply_activation_checkpointing
     and apply_fsdp each run once per model (each a no-op where its size is 1)."""
-    from inprocess import SMALL, trainer
+    from testing.inprocess import SMALL, trainer
 
     calls = {}
     for name in ("apply_context_parallel", "apply_expert_parallel", "apply_activation_checkpointing", "apply_fsdp"):
@@ -235,7 +235,7 @@ def test_the_trainer_build_applies_each_parallelism_once_per_model(monkeypatch):
 def _compute_dtypes(*overrides: str) -> tuple[set[torch.dtype], dict, set[torch.dtype]]:
     """One step of a one-process trainer: the dtypes a q_proj weight has inside the forward,
     the metrics, and the dtypes of the policy's stored (master) parameters."""
-    from inprocess import trainer
+    from testing.inprocess import trainer
 
     try:
         tr = trainer("model=dense_tiny", "task.prompts_per_step=2", "task.samples_per_prompt=2",

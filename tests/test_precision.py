@@ -99,7 +99,7 @@ def test_auto_compute_dtype_is_bf16_on_cuda_over_fp32_masters_and_the_masters_dt
 
 def test_validate_resolves_model_param_dtype_for_the_runs_device(monkeypatch):
     import rl.config.schema as config
-    from inprocess import compose
+    from testing.inprocess import compose
 
     assert compose("model=dense_tiny", "trainer.device=cpu").model.param_dtype is None
     monkeypatch.setattr(config, "resolve_device", lambda name: torch.device("cuda"))  # as on a GPU machine
@@ -108,7 +108,7 @@ def test_validate_resolves_model_param_dtype_for_the_runs_device(monkeypatch):
 
 
 def test_a_pretrained_model_keeps_fp32_master_weights():
-    from inprocess import compose
+    from testing.inprocess import compose
     from rl.config import DType
 
     cfg = compose("model=pretrained", "model.pretrained_path=/checkpoint", check=False)
@@ -118,7 +118,7 @@ def test_a_pretrained_model_keeps_fp32_master_weights():
 def _engine_and_masters(*overrides: str):
     """A one-process trainer's rollout copy (rollout.replica=keep) and the policy's full master weights."""
     import torch.distributed as dist
-    from inprocess import trainer
+    from testing.inprocess import trainer
 
     from model.parallelize import full_parameters
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from inprocess import SMALL, compose, trainer
+from testing.inprocess import SMALL, compose, trainer
 
 from packing.experience import Experience
 from rl.config import max_staleness

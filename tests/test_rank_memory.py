@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.distributed import run_distributed  # noqa: E402
+from testing.distributed import run_distributed  # noqa: E402
 
 SHAPE = dict(vocab_size=1024, hidden_size=32, head_dim=8, intermediate_size=64)  # a vocab matrix > a layer
 MIB = 2**20
@@ -41,7 +41,7 @@ def reduce_scatter_sizes(rank: int, world: int, tied: bool, split: bool) -> dict
     from model.models import build_model
     from model.parallel_dims import init_distributed
     from packing import make_experience_batch
-    from tests.records import make_records
+    from testing.records import make_records
 
     if not split:  # the control: the root unit holds the embedding as well as the lm head
         par.tied_embeddings = lambda model: True
@@ -160,7 +160,7 @@ def test_the_sharded_engine_keeps_the_policys_weights_on_sleep():
 
 
 def test_the_trainer_releases_the_copy_for_training_and_the_sync_refills_it():
-    from tests.inprocess import SMALL, trainer
+    from testing.inprocess import SMALL, trainer
 
     tr = trainer(*SMALL, "trainer.max_steps=2")
     assert tr.engine.needs_sync and not tr.engine.asleep

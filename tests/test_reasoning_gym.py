@@ -5,7 +5,7 @@ training; several datasets mixed by weight; a run on the tiny model path (no rea
 from collections import Counter
 
 import pytest
-from inprocess import compose, trainer
+from testing.inprocess import compose, trainer
 from test_arithmetic import tiny_llama  # noqa: F401 - fixture
 from test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 

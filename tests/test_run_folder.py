@@ -16,7 +16,7 @@ import pytest
 from model.parallel_dims import ParallelDims
 from rl.trainer.checkpoint import complete_checkpoints
 from rl.trainer.run_folder import LOCK, RunFolderInUse, claim
-from tests.distributed import free_port, run_distributed
+from testing.distributed import free_port, run_distributed
 from tests.test_checkpoint import metrics
 from run_folder_worker import decisions
 

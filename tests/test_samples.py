@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from inprocess import trainer
+from testing.inprocess import trainer
 from test_arithmetic import tiny_llama  # noqa: F401 - fixture
 from test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 from test_tools import FAST, TOOL_CHAT, Scripted, _play, _problem, _task, _uses_python, call, end_id  # noqa: F401

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from tests.distributed import run_distributed
+from testing.distributed import run_distributed
 
 import model.loading as loading
 from model.actor import Actor
@@ -170,7 +170,7 @@ def one_step(rank: int, world_size: int, overrides: tuple[str, ...], current: bo
     on every rank, then sharded) instead of the sharded load."""
     import rl.rollout.build as build_module
     import rl.trainer.trainer as trainer_module
-    from inprocess import compose
+    from testing.inprocess import compose
 
     cfg = compose(*overrides, world_size=world_size)
     dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device="cpu")

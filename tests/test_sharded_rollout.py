@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.distributed import run_distributed  # noqa: E402
+from testing.distributed import run_distributed  # noqa: E402
 
 # odd vocabulary and layer sizes: FSDP2's dim-0 shards are uneven on 2 ranks
 SHAPE = dict(vocab_size=19, intermediate_size=66, max_position_embeddings=128)
@@ -64,7 +64,7 @@ def sharded_vs_replica(rank: int, world: int, family: str, tied: bool, ep: int =
     from model.parallelize import full_parameters
     from rl.rollout.engine import HFRolloutEngine, PolicyRolloutEngine
     from rl.rollout.sync import buckets, sync_weights
-    from tests.records import make_records
+    from testing.records import make_records
     from packing import make_experience_batch
 
     torch.set_num_threads(1)
@@ -146,7 +146,7 @@ def sharded_run_vs_replica_run(rank: int, world: int, overrides: tuple[str, ...]
     """The same seeded run twice, rollout.replica=keep then sharded, on these ranks."""
     from model.parallel_dims import init_distributed
     from rl.trainer.trainer import build_trainer
-    from tests.inprocess import compose
+    from testing.inprocess import compose
 
     torch.set_num_threads(1)
     out = {}
@@ -206,7 +206,7 @@ def test_sharded_run_gives_every_metric_of_the_replica_run():
 
 
 def test_one_process_sharded_run_equals_replica_run():
-    from tests.inprocess import SMALL, trainer
+    from testing.inprocess import SMALL, trainer
 
     runs = {}
     for mode in ("keep", "sharded"):
@@ -257,7 +257,7 @@ def test_memory_plan_decisions():
 
 
 def test_config_names_what_the_plan_refuses():
-    from tests.inprocess import SMALL, compose, trainer
+    from testing.inprocess import SMALL, compose, trainer
 
     with pytest.raises(ValueError, match="rollout.replica=sharded: rollout.engine=vllm"):
         compose("rollout.replica=sharded", "rollout.engine=vllm")

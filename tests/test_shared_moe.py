@@ -29,7 +29,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # as a program
 
 from tests.parity_check import assert_control_fails, assert_parity, max_abs, ulps  # noqa: E402
-from test_shared_prompt import SHARED_ULPS, body_tokens, grpo_records  # noqa: E402
+from test_shared_prompt import SHARED_ULPS, body_tokens  # noqa: E402
 
 from model import actor as actor_module  # noqa: E402
 from model.actor import Actor, _forward_slots  # noqa: E402
@@ -38,6 +38,7 @@ from model.moe import (expert_load, moe_blocks, record_routing, reset_expert_loa
                        shard_experts)
 from model.parallel_dims import ParallelDims  # noqa: E402
 from packing.collate import make_experience_batch  # noqa: E402
+from testing.records import grpo_records  # noqa: E402
 
 AUX = 0.01  # router aux loss coefficient of the test loss
 
@@ -268,7 +269,7 @@ def test_the_default_moe_run_trains_on_the_shared_forward(monkeypatch):
     """`model=moe_tiny` (the default config) with its defaults: every training forward of one GRPO
     step goes through `_shared_prompt_view` and runs compressed (the control: with
     `model.share_prompts=false` none does)."""
-    from inprocess import SMALL, trainer
+    from testing.inprocess import SMALL, trainer
 
     view = actor_module._shared_prompt_view
     for share in (True, False):
@@ -355,7 +356,7 @@ if __name__ == "__main__":
 def shared_forward_rank(rank: int, world_size: int, overrides: tuple[str, ...]) -> dict:
     """One step of the default MoE run on this rank, counting the training forwards that took the
     shared path (`_shared_prompt_view` returned a view) and those that did not."""
-    from inprocess import compose
+    from testing.inprocess import compose
 
     from model.parallel_dims import init_distributed
     from rl.trainer.trainer import build_trainer
@@ -379,8 +380,8 @@ def test_the_default_moe_run_at_dp2_cp2_ep2_trains_on_the_shared_forward():
     """`parallel=cp2_ep2` on 4 gloo ranks: every training forward of every rank takes the shared
     path (the compressed rows sharded over CP, experts over EP), and the step's loss, grad norm,
     entropy and expert tokens equal the one-process run's (the default run)."""
-    from inprocess import SMALL, trainer
-    from tests.distributed import run_distributed
+    from testing.inprocess import SMALL, trainer
+    from testing.distributed import run_distributed
 
     one = trainer("model=moe_tiny", *SMALL).step(0)
     ranks = run_distributed(shared_forward_rank, 4, ("model=moe_tiny", *SMALL, "parallel=cp2_ep2"), timeout=300)

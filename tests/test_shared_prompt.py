@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +37,7 @@ from model.parallel_dims import ParallelDims  # noqa: E402
 from packing.collate import make_experience_batch  # noqa: E402
 from packing.experience import Experience  # noqa: E402
 from packing.prompts import layout_of_units  # noqa: E402
+from testing.records import GROUPS, grpo_records  # noqa: E402
 
 # The suite's fp32 tolerance (tests/parity_check.py, 16 eps32 relative): sharing sums a prompt's
 # gradient over its members before the matmuls instead of inside them, yet the worst measured over
@@ -45,30 +45,6 @@ from packing.prompts import layout_of_units  # noqa: E402
 # 4.3 eps (entropy; grads <= 3.9 eps of the largest gradient), as packed vs padded.
 SHARED_ULPS = PARITY_ULPS
 FAMILIES = DENSE  # every dense family (model/families.py)
-# (prompt length, response lengths) per GRPO group, plus a sample alone
-GROUPS = [(7, [3, 5, 1, 9]), (12, [4, 4, 2, 6]), (5, [8, 2, 3, 3]), (9, [6])]
-
-
-def grpo_records(groups=GROUPS, *, seed: int = 0, vocab: int = 256, hole: bool = True) -> list[Experience]:
-    """Records as the rollout writes them (rl/rollout/engine.py `make_record`): a group's
-    samples share the prompt tokens, `action_mask` is True from slot P-1; shuffled, so a
-    pack interleaves the groups. With `hole`, group 0's 9-token response has a masked hole (a
-    tool turn): it is still a response (after the first action slot), its prompt unchanged."""
-    gen = torch.Generator().manual_seed(seed)
-    records = []
-    for index, (p, responses) in enumerate(groups):
-        prompt = torch.randint(0, vocab, (p,), generator=gen)
-        for r in responses:
-            t = p + r
-            mask = torch.arange(t - 1) >= p - 1
-            records.append(Experience(sequences=torch.cat([prompt, torch.randint(0, vocab, (r,), generator=gen)]),
-                                      action_mask=mask, advantages=torch.randn(t - 1, generator=gen),
-                                      prompt_index=torch.tensor(index)))
-    if hole:
-        records[3].action_mask[-4:-1] = False
-        assert records[3].action_mask.sum() == 9 - 3 and records[3].action_mask[6]
-    random.Random(seed).shuffle(records)
-    return records
 
 
 @contextlib.contextmanager
@@ -351,7 +327,7 @@ def test_the_trainer_shares_prompts_and_trains_alike():
     """One GRPO step of the tiny dense model with `model.share_prompts` true and false: the
     same metrics within the tolerance, and the body saw fewer tokens with sharing on only.
     An entropy bonus puts the log-probs into the loss (at step 0 the ratio is exactly 1)."""
-    from inprocess import SMALL, trainer
+    from testing.inprocess import SMALL, trainer
 
     results = {}
     for share in (True, False):

@@ -4,7 +4,7 @@ import inspect
 import sys
 import typing
 
-from inprocess import SMALL, trainer
+from testing.inprocess import SMALL, trainer
 from rl.trainer.trainer import MiniBatch, Rollouts, StepPlan, Stats, Trainer
 
 STAGES = ["rollout", "plan", "collate", "score", "advantages", "train", "metrics"]

@@ -26,7 +26,7 @@ import pytest
 from model.parallel_dims import ParallelDims
 from rl.trainer.checkpoint import complete_checkpoints
 from rl.trainer.stop import StopSignal
-from tests.distributed import free_port, run_distributed
+from testing.distributed import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"tokens_per_s", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "step_s", "weight_sync_s"}

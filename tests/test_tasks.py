@@ -256,7 +256,7 @@ def test_a_jsonl_task_walks_its_lines_in_seeded_epochs(tmp_path):
 
 
 def test_the_trainer_takes_each_line_once_per_epoch(tmp_path):
-    from inprocess import trainer
+    from testing.inprocess import trainer
 
     path = write_jsonl(tmp_path / "lines.jsonl", [{"prompt_ids": [4 + i, 5, 6], "answer": 7} for i in range(8)])
     run = ("task=file", f"task.prompts_path={path}", "task.reward_fn=tests.test_rollout:my_reward",
@@ -290,7 +290,7 @@ def test_enable_thinking_reaches_a_template_that_reads_it(tmp_path, tokenizer_di
                        enable_thinking=False)
     assert retry.observation_ids("Again.")[-len(think):] == think
     assert retry.prompts(1, seed=0)[0][0].tolist()[-len(think):] == think
-    from inprocess import compose
+    from testing.inprocess import compose
 
     cfg = compose("task=arithmetic_retry", f"task.tokenizer_path={tokenizer_dir}", "task.options.enable_thinking=false")
     assert cfg.task.options["enable_thinking"] is False  # a task.options switch (conf/task/*.yaml: null = not passed)

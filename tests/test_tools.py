@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from inprocess import trainer
+from testing.inprocess import trainer
 from test_arithmetic import tiny_llama  # noqa: F401 - fixture
 from test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 

@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from inprocess import SMALL, compose, trainer
+from testing.inprocess import SMALL, compose, trainer
 from test_arithmetic import tiny_llama  # noqa: F401 - fixture
 from test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 

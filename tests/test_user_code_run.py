@@ -425,7 +425,7 @@ def test_process_isolation_plays_environments_in_processes_and_kills_a_stuck_one
 
 
 def test_the_config_names_isolation():
-    from inprocess import SMALL, compose
+    from testing.inprocess import SMALL, compose
 
     from rl.tasks.calls import Isolation
 
@@ -448,7 +448,7 @@ def test_a_run_with_process_isolation_kills_what_spins_and_trains(tmp_path):
     """task.isolation=process on the rollout thread (rollout.mode=one_step_off): rewards that spin are
     killed at task.timeout_s (episodes_timeout), none is left running (calls_hung 0, no child), every
     step trains."""
-    from inprocess import trainer
+    from testing.inprocess import trainer
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": [4 + i, 5, 6]}) + "\n" for i in range(8)))

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from rl.tasks.base import Task
-from tests.inprocess import SMALL, compose
+from testing.inprocess import SMALL, compose
 from tests.test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 
 TOL = 1e-4  # fp32: |vLLM log-prob - training forward log-prob| of the same tokens, measured ~5e-7
@@ -160,7 +160,7 @@ def test_vllm_tensor_parallel_with_a_rollout_thread_is_refused_before_vllm_is_im
 
 
 def test_mismatch_metrics_with_the_hf_engine():
-    from tests.inprocess import trainer
+    from testing.inprocess import trainer
 
     tr = trainer("model=dense_tiny", "trainer.device=cpu", *SMALL)
     m = tr.step(0)
@@ -194,7 +194,7 @@ def _gap(tr, records) -> float:
 
 @pytest.fixture(scope="module")
 def vtrainer():
-    from tests.inprocess import trainer
+    from testing.inprocess import trainer
 
     tr = trainer(*VLLM_TINY)
     yield tr
@@ -373,7 +373,7 @@ def test_lora_adapters_reach_vllm_as_adapter_versions_and_only_they_sync():
     next vLLM adapter version, the previous one removed; vLLM's log-probs are the adapted
     training forward's. Control: the same engine generating without the adapter misses."""
     from model.lora import adapter_bytes
-    from tests.inprocess import trainer
+    from testing.inprocess import trainer
 
     tr = trainer(*VLLM_TINY, "model.lora.rank=8", "trainer.lr=1e-2")
     try:
@@ -429,7 +429,7 @@ MOE_TINY = ("model=moe_tiny", "+model.overrides.head_dim=32", "trainer.device=cp
 
 @pytest.fixture(scope="module")
 def moe_trainer():
-    from tests.inprocess import trainer
+    from testing.inprocess import trainer
 
     tr = trainer(*MOE_TINY)  # algo.routing_replay=true (the default): the engine records its routes
     yield tr
@@ -571,7 +571,7 @@ def test_three_turn_episodes_train_with_vllm_within_the_computed_length(retry_ru
     (`rl.config.longest_sample`), the last turn's longest context still gets its full reply,
     episodes reach turn 3 and two steps train on them as vLLM sampled them."""
     from rl.config import longest_sample
-    from tests.inprocess import trainer
+    from testing.inprocess import trainer
 
     tr = trainer(*retry_run)
     try:

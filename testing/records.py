@@ -1,7 +1,10 @@
 """`make_records`: seeded per-sample records (the replay contract, no batch axis) sized for
-the tiny models of model/models.py; shared by tests/, bench/ and the parity programs."""
+the tiny models of model/models.py; `grpo_records`: records of prompt groups sharing their prompt
+tokens, as the rollout writes them. Shared by tests/, bench/, scripts/ and the parity programs."""
 
 from __future__ import annotations
+
+import random
 
 import torch
 
@@ -40,4 +43,30 @@ def make_records(lengths, *, vocab: int | None = None, seed=0, prompt_len=None, 
             order = torch.rand(layers, n, experts, generator=gen).argsort(-1)
             rec.routed_experts = order[..., :topk].permute(0, 2, 1).contiguous()
         records.append(rec)
+    return records
+
+
+# (prompt length, response lengths) per GRPO group, plus a sample alone
+GROUPS = [(7, [3, 5, 1, 9]), (12, [4, 4, 2, 6]), (5, [8, 2, 3, 3]), (9, [6])]
+
+
+def grpo_records(groups=GROUPS, *, seed: int = 0, vocab: int = 256, hole: bool = True) -> list[Experience]:
+    """Records as the rollout writes them (rl/rollout/engine.py `make_record`): a group's
+    samples share the prompt tokens, `action_mask` is True from slot P-1; shuffled, so a
+    pack interleaves the groups. With `hole`, group 0's 9-token response has a masked hole (a
+    tool turn): it is still a response (after the first action slot), its prompt unchanged."""
+    gen = torch.Generator().manual_seed(seed)
+    records = []
+    for index, (p, responses) in enumerate(groups):
+        prompt = torch.randint(0, vocab, (p,), generator=gen)
+        for r in responses:
+            t = p + r
+            mask = torch.arange(t - 1) >= p - 1
+            records.append(Experience(sequences=torch.cat([prompt, torch.randint(0, vocab, (r,), generator=gen)]),
+                                      action_mask=mask, advantages=torch.randn(t - 1, generator=gen),
+                                      prompt_index=torch.tensor(index)))
+    if hole:
+        records[3].action_mask[-4:-1] = False
+        assert records[3].action_mask.sum() == 9 - 3 and records[3].action_mask[6]
+    random.Random(seed).shuffle(records)
     return records
