@@ -7,19 +7,22 @@ the ranks the plan runs it on.
 * advantages (grpo, rloo, reinforce_pp, reinforce_pp_baseline, whitened or not) on the
   stand-ins equal those on the records all-gathered the old way (`all_gather_object`);
 * CP peers that generated different samples stop every rank with the same error;
-* the trainer: same seed -> the same metrics as the old `all_gather_object` path (kept
-  below as the reference), at 1 and 4 ranks (dp2 x cp2, ep2), with dynamic sampling.
+* the trainer: same seed -> the same metrics as the old `all_gather_object` path (recorded with
+  it in tests/exchange_old_path_metrics.json), at 1 and 4 ranks (dp2 x cp2, ep2), with dynamic sampling.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from testing.distributed import run_distributed
+from testing.inprocess import matches_recorded
 from packing import Experience, plan_microbatches
 from packing.exchange import FIELDS, StandIn, exchange, gather_metadata, routing_dtype
 
@@ -199,121 +202,37 @@ def test_cp_peers_that_generated_other_samples_stop_every_rank():
 
 
 # ---------------------------------------------------------- the trainer, old vs new
+# The old data path's metrics (every rank all-gathered every record and planned and collated the whole
+# step), recorded with it before it was retired: see the file's "recorded" note.
+OLD_PATH = json.loads(Path(__file__).with_name("exchange_old_path_metrics.json").read_text())["cases"]
+
+
 def _untimed(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not k.endswith("_s")}  # seconds and rates
 
 
-def _old_path(tr) -> None:
-    """The data path before issue #20, as the reference: every rank all-gathers every
-    record (pickled) and plans and collates from the whole step (rl/trainer/trainer.py at 570b134)."""
-    import time
-
-    from packing import make_experience_batch
-    from rl.algos.losses import LossAgg, loss_normalizer
-    from rl.tasks.reward import apply_overlong_penalty, filter_uniform_groups
-    from rl.tasks.calls import assign_rewards
-    from rl.trainer.trainer import MiniBatch, MiniBatchPlan, Rollouts, StepPlan, _groups
-
-    def _rollout(step, round_):
-        task, dims, algo = tr.cfg.task, tr.dims, tr.cfg.algo
-        per_rank = task.prompts_per_step // dims.dp
-        first = dims.dp_rank * per_rank
-        seed = tr.cfg.seed * 1_000_003 + step + round_ * 1_000_000_007
-        prompts = tr.task.prompts(task.prompts_per_step, seed=seed)[first:first + per_rank]
-        rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
-        base = (step * rounds + round_) * task.prompts_per_step + first
-        index = [base + i for i in range(per_rank) for _ in range(task.samples_per_prompt)]
-        records = tr.engine.generate(
-            [p for p, _ in prompts for _ in range(task.samples_per_prompt)], prompt_indices=index,
-            max_new_tokens=task.max_new_tokens, temperature=tr.cfg.model.temperature, seed=tr.cfg.seed * 7919 + step)
-        assign_rewards(tr.task, records, [m for _, m in prompts for _ in range(task.samples_per_prompt)])
-        if algo.overlong_buffer is not None:
-            apply_overlong_penalty(records, task.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor)
-        for rec in records:
-            rec.policy_version = torch.tensor(step)  # sync: the policy the step starts from (issue 26)
-            if not algo.routing_replay:
-                rec.routed_experts = None
-        if not dims.distributed:
-            return records
-        gathered = [None] * dims.world_size
-        dist.all_gather_object(gathered, records if dims.cp_rank == 0 else None)
-        return [rec for part in gathered if part is not None for rec in part]
-
-    def rollout(step):
-        t0, algo, want = time.perf_counter(), tr.cfg.algo, tr.cfg.task.prompts_per_step
-        records = _rollout(step, 0)
-        if not algo.dynamic_sampling:
-            return Rollouts(records, {}, {}, time.perf_counter() - t0)
-        kept, dropped = filter_uniform_groups(records)
-        rounds = 1
-        while _groups(kept) < want and rounds < algo.max_sampling_rounds:
-            more, lost = filter_uniform_groups(_rollout(step, rounds))
-            kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
-        first = set(sorted({int(r.prompt_index) for r in kept})[:want])
-        kept = [r for r in kept if int(r.prompt_index) in first]
-        sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
-        return Rollouts(kept or records, {}, sampling, time.perf_counter() - t0)
-
-    def plan(records):
-        k, dims, b = tr.cfg.algo.mini_batches, tr.dims, tr.cfg.batch
-        bounds = [round(i * len(records) / k) for i in range(k + 1)]
-        out = []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            part = records[lo:hi]
-            shared = tr.cfg.model.share_prompts and b.packed  # the trainer's balance and grouping
-            plan = plan_microbatches([r.sequences.numel() for r in part], b.max_tokens, dims.dp,
-                                     micro_batch_size=b.micro_batch_size, cost=tr.cost,
-                                     groups=[int(r.prompt_index) for r in part] if shared else None,
-                                     prompt_lengths=[r.sequences.numel() - int(r.response_length) for r in part])
-            mine = plan[dims.dp_rank]
-            out.append(MiniBatchPlan([[lo + i for i in items] if items else [lo] for items in mine],
-                                     [1.0 if items else 0.0 for items in mine],
-                                     tokens=loss_normalizer(part, LossAgg.TOKEN_MEAN),
-                                     normalizer=loss_normalizer(part, tr.cfg.algo.loss_agg),
-                                     all_tokens=sum(r.sequences.numel() for r in part)))
-        return StepPlan(out, [])
-
-    def collate(rollouts, plan):  # every rank holds every record: nothing moves
-        return [MiniBatch(**vars(mb), batches=[
-            make_experience_batch([rollouts.samples[j] for j in rows], packed=tr.cfg.batch.packed).to(tr.dims.device)
-            for rows in mb.rows]) for mb in plan.minibatches]
-
-    tr.rollout, tr.plan, tr.collate = rollout, plan, collate
-
-
-def paths_rank(rank: int, world_size: int, overrides: tuple[str, ...], steps: int) -> dict:
-    """`steps` steps with the new data path and, from the same seed, with the old one."""
-    from testing.inprocess import compose
+def paths_rank(rank: int, world_size: int, overrides: tuple[str, ...], steps: int) -> list[dict]:
+    """`steps` steps with the data path, from the seed."""
     from model.parallel_dims import init_distributed
     from rl.trainer.trainer import build_trainer
+    from testing.inprocess import compose
 
     cfg = compose(*overrides, world_size=world_size)
     dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device="cpu")
-    out = {}
-    for name in ("new", "old"):
-        torch.manual_seed(cfg.seed)
-        tr = build_trainer(cfg, dims)
-        if name == "old":
-            _old_path(tr)
-        out[name] = [_untimed(tr.step(s)) for s in range(steps)]
-    return out
-
-
-SMALL = ("task.prompts_per_step=4", "task.samples_per_prompt=4", "trainer.progress=false")
+    torch.manual_seed(cfg.seed)
+    return [_untimed(m) for m in map(build_trainer(cfg, dims).step, range(steps))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size,extra", [
-    (1, ("algo.dynamic_sampling=true", "algo.mini_batches=2", "algo.advantage=reinforce_pp_baseline")),
-    (4, ("parallel.cp=2", "parallel.ep=2", "algo.dynamic_sampling=true", "algo.mini_batches=2",
-         "batch.max_tokens=40")),
-])
-def test_the_trainer_gives_the_old_paths_metrics(world_size, extra):
-    overrides = SMALL + extra
+@pytest.mark.parametrize("case", ["1", "4"], ids=["1_rank", "dp2_cp2_ep2"])
+def test_the_trainer_gives_the_old_paths_metrics(case):
+    """At 1 rank (dynamic sampling, 2 mini-batches, reinforce_pp_baseline) and 4 (dp2 x cp2, ep2, a
+    40-token budget): every rank's metrics of 2 steps are the old path's, step for step."""
+    world_size, overrides, want = (OLD_PATH[case][k] for k in ("world_size", "overrides", "metrics"))
     if world_size == 1:
-        results = [paths_rank(0, 1, overrides, 2)]
+        results = [paths_rank(0, 1, tuple(overrides), len(want))]
     else:
-        results = run_distributed(paths_rank, world_size, overrides, 2, timeout=600)
-    for r in results:
-        assert r["new"] == r["old"]
-    assert results[0]["new"][0]["tokens"] > 0
+        results = run_distributed(paths_rank, world_size, tuple(overrides), len(want), timeout=600)
+    for got in results:
+        assert matches_recorded(got, want), (got, want)
+    assert results[0][0]["tokens"] > 0

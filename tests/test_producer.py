@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from testing.inprocess import SMALL, compose, trainer
+from testing.inprocess import SMALL, compose, matches_recorded, trainer
 
 from packing.experience import Experience
 from rl.config import max_staleness
@@ -62,14 +62,6 @@ def _untimed(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if k not in TIMING}
 
 
-def _matches(got: list[dict], want: list[dict]) -> bool:
-    """Every step's untimed metrics: the same keys, counts and samples exactly, the losses within
-    1e-3 (what one CPU kernel set gives another: 3e-5 measured between default and avx2)."""
-    return len(got) == len(want) and all(
-        g.keys() == w.keys() and all(g[k] == pytest.approx(v, rel=1e-3, abs=1e-6) for k, v in w.items())
-        for g, w in zip(got, want))
-
-
 def test_max_staleness_1_trains_as_one_step_off_did_and_2_on_rollouts_two_versions_old():
     """max_staleness=1 gives the retired one_step_off producer's metrics, step for step (recorded
     with it: tests/one_step_off_metrics.json), and rollout.mode=one_step_off is the same run.
@@ -85,8 +77,8 @@ def test_max_staleness_1_trains_as_one_step_off_did_and_2_on_rollouts_two_versio
     one, _ = run(*K1)
     off, _ = run(*OFF)
     two, taken = run(*ASYNC, "rollout.max_staleness=2")
-    assert _matches([_untimed(m) for m in one], want) and _matches([_untimed(m) for m in off], want)
-    assert not _matches([_untimed(m) for m in two], want)
+    assert matches_recorded([_untimed(m) for m in one], want) and matches_recorded([_untimed(m) for m in off], want)
+    assert not matches_recorded([_untimed(m) for m in two], want)
     assert [m["rollout_staleness_max"] for m in one] == [0.0, 1.0, 1.0, 1.0]
     assert [m["rollout_staleness_max"] for m in two] == [0.0, 1.0, 2.0, 2.0]  # rollout j: version max(0, j - 2)
     assert two[2]["loss"] != pytest.approx(one[2]["loss"], rel=1e-3)
