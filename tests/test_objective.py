@@ -39,7 +39,7 @@ def objective_alone(tr, mb, batch, **change):
     with router_aux_loss(tr.actor.model) as aux:
         log_probs, entropy = tr.actor(batch, return_entropy=True)
     values = change.pop("values") if "values" in change else tr.critic(batch)
-    sizes = {"normalizer": mb.normalizer, "tokens": mb.tokens, "all_tokens": mb.all_tokens} | change
+    sizes = {"normalizer": mb.plan.normalizer, "tokens": mb.plan.tokens, "all_tokens": mb.plan.all_tokens} | change
     loss, terms = tr.objective(batch, log_probs, entropy, values, aux, **sizes)
     loss.backward()
     return terms, grads(tr)
@@ -63,7 +63,7 @@ def test_the_objective_alone_gives_train_microbatchs_terms_and_gradients(step):
     assert all(torch.equal(got_grads[k], g) for k, g in want_grads.items())
 
     # controls: another normalizer changes the loss and every gradient; no values, no critic gradients
-    wrong, wrong_grads = objective_alone(tr, mb, batch, normalizer=2 * mb.normalizer)
+    wrong, wrong_grads = objective_alone(tr, mb, batch, normalizer=2 * mb.plan.normalizer)
     assert not torch.equal(wrong["loss"].double(), want["loss"])
     assert not any(torch.equal(wrong_grads[k], g) for k, g in want_grads.items() if g.abs().max() > 0)
     no_critic, actor_only = objective_alone(tr, mb, batch, values=None)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from packing import Experience
-from rl.algos.losses import aggregate, k3, kl_penalty, policy_loss, value_loss
+from rl.algos.losses import KLMode, aggregate, k3, kl_penalty, policy_loss, value_loss
 
 if TYPE_CHECKING:
     from rl.config import AlgoConfig
@@ -59,7 +59,7 @@ class Objective:
         pg, info = policy_loss(log_probs, batch, algo)
         loss = self.aggregate(pg, batch, normalizer)
         terms = {"policy_loss": loss.detach()}
-        if algo.kl_coef and algo.kl_mode == "loss":
+        if algo.kl_coef and algo.kl_mode == KLMode.LOSS:
             kl_loss = self.aggregate(self.kl(log_probs, batch.base_action_log_probs) * batch.action_mask, batch,
                                      normalizer)
             loss = loss + self.kl_ctl.value * kl_loss

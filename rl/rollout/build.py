@@ -24,7 +24,7 @@ from model.lora import has_adapters, merged_state_dict
 from model.models import compute_copy
 from rl.config import longest_sample, model_family
 from rl.rollout.engine import HFRolloutEngine, PolicyRolloutEngine, RolloutEngine
-from rl.rollout.replica import RolloutEngineName, choose_replica
+from rl.rollout.replica import ReplicaMode, RolloutEngineName, choose_replica
 from rl.rollout.sync import resolve_bucket_bytes, sync_weights
 from rl.rollout.vllm_engine import VLLMRolloutEngine, require_vllm
 
@@ -42,7 +42,7 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
     replica = choose_replica(cfg, dims, actor)  # rollout.replica: keep a copy, or generate from the sharded policy
     if dims.rank == 0:
         logging.getLogger("train").info("%s", replica.describe())
-    if replica.mode == "sharded":
+    if replica.mode == ReplicaMode.SHARDED:
         engine: RolloutEngine = PolicyRolloutEngine(
             actor, stop_token_id=stop, group=torch.distributed.group.WORLD if dims.distributed else None)
     elif RolloutEngineName(r.engine) is RolloutEngineName.HF:

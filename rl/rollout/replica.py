@@ -98,7 +98,7 @@ def choose(setting: ReplicaMode | str, *, engine: str, replica_bytes: int, state
     sizes = (f"it needs {plan.replica_bytes / GIB:.3f} GiB ({plan.replica_bytes} bytes) + the training state to "
              f"come {plan.state_bytes / GIB:.3f} GiB per rank, over the budget of {plan.budget_bytes / GIB:.3f} GiB "
              f"({budget_source})")
-    if engine != "hf":
+    if engine != RolloutEngineName.HF:
         if setting is ReplicaMode.SHARDED:
             raise ValueError(f"rollout.replica=sharded: {sharded_unsupported or f'rollout.engine={engine}'}")
         mode = "external"
@@ -168,7 +168,7 @@ def sharded_unsupported(cfg) -> str | None:
     dense and MoE policies with cp and ep up to 2 (tests/test_sharded_rollout.py); it needs
     the transformers engine."""
     engine = str(cfg.rollout.engine)
-    if engine != "hf":
+    if engine != RolloutEngineName.HF:
         return f"rollout.engine={engine} generates with its own copy of the weights; sharded needs rollout.engine=hf"
     return None
 

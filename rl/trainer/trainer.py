@@ -67,6 +67,7 @@ from rl.algos.advantages import compute_advantages
 from rl.algos.distill import build_teacher
 from rl.trainer.checkpoint import load_sharded_state, sharded_state
 from rl.config import Balance, Config, check_task_fits, max_staleness, model_config_value
+from rl.config.schema import OldLogProbs
 from rl.trainer.guard import DivergenceGuard, poison
 from rl.algos.losses import LossAgg, build_kl_controller, loss_normalizer
 from rl.algos.objective import Objective
@@ -185,9 +186,10 @@ class StepPlan:
 
 
 @dataclass
-class MiniBatch(MiniBatchPlan):
-    """A planned mini-batch, collated: `batches[i]` holds the samples `rows[i]`, on this rank's device."""
+class MiniBatch:
+    """A planned mini-batch, collated: `batches[i]` holds the samples `plan.rows[i]`, on this rank's device."""
 
+    plan: MiniBatchPlan
     batches: list[Experience]
 
 
@@ -405,8 +407,8 @@ class Trainer:
                         group=dims.dp_group, device=dims.device)
         rollouts.records.clear()
         packed = self.cfg.batch.packed
-        return [MiniBatch(**vars(mb), batches=[make_experience_batch([mine[j] for j in rows], packed=packed)
-                                               .to(dims.device, non_blocking=True) for rows in mb.rows])
+        return [MiniBatch(mb, [make_experience_batch([mine[j] for j in rows], packed=packed)
+                               .to(dims.device, non_blocking=True) for rows in mb.rows])
                 for mb in plan.minibatches]
 
     # ------------------------------------------------------------------- score
@@ -418,7 +420,7 @@ class Trainer:
         for mb in minibatches:
             for batch in mb.batches:
                 student_argmax = None  # distillation: the student's most likely tokens, for the agreement metric
-                if algo.old_log_probs == "rollout":
+                if algo.old_log_probs == OldLogProbs.ROLLOUT:
                     batch.action_log_probs = batch.rollout_log_probs
                 elif self.teacher is not None:  # distillation: the student's log-probs, always
                     self.actor.eval()
@@ -450,8 +452,8 @@ class Trainer:
         of the step (the moments summed over the DP ranks)."""
         algo = self.cfg.algo
         compute_advantages([b for mb in minibatches for b in mb.batches], algo.advantage, samples=samples,
-                           rows=[r for mb in minibatches for r in mb.rows],
-                           weights=[w for mb in minibatches for w in mb.weights], group=self.dims.dp_group,
+                           rows=[r for mb in minibatches for r in mb.plan.rows],
+                           weights=[w for mb in minibatches for w in mb.plan.weights], group=self.dims.dp_group,
                            whiten=algo.whiten_advantages, gamma=algo.gamma, lam=algo.lam,
                            kl_coef=self.kl_ctl.value if algo.kl_in_reward else 0.0,
                            scale_by_std=algo.grpo_scale_by_std, distill_coef=algo.distill_coef,
@@ -467,7 +469,7 @@ class Trainer:
         total, done = self.cfg.algo.epochs * sum(len(mb.batches) for mb in minibatches), 0
         for _ in range(self.cfg.algo.epochs):
             for mb in minibatches:
-                for batch, weight in zip(mb.batches, mb.weights):
+                for batch, weight in zip(mb.batches, mb.plan.weights):
                     self._progress(train=f"{done}/{total}")
                     self.train_microbatch(batch, weight, mb, stats)
                     done += 1
@@ -480,8 +482,8 @@ class Trainer:
         with router_aux_loss(self.actor.model, enabled=bool(self.cfg.algo.router_aux_loss_coef)) as aux:
             log_probs, entropy = self.actor(batch, return_entropy=True)
         values = self.critic(batch) if self.critic is not None else None
-        loss, terms = self.objective(batch, log_probs, entropy, values, aux, normalizer=mb.normalizer,
-                                     tokens=mb.tokens, all_tokens=mb.all_tokens)
+        loss, terms = self.objective(batch, log_probs, entropy, values, aux, normalizer=mb.plan.normalizer,
+                                     tokens=mb.plan.tokens, all_tokens=mb.plan.all_tokens)
         self.guard.check("loss", terms["loss"], terms.get("value_loss"))
         (loss * weight).backward()
         stats.add(terms, weight)
@@ -513,10 +515,10 @@ class Trainer:
     def metrics(self, step: int, rollouts: Rollouts, minibatches: list[MiniBatch], stats: "Stats", *,
                 elapsed: float) -> dict[str, float]:
         """The step's metrics, every term reduced over the DP ranks in one collective."""
-        dims, records, t_rollout = self.dims, rollouts.samples, rollouts.seconds
-        real = sum(_length(r) for r in records)  # the gathered metadata: no rank holds every record
+        dims, samples, t_rollout = self.dims, rollouts.samples, rollouts.seconds
+        real = sum(_length(r) for r in samples)  # the gathered metadata: no rank holds every record
         local_real = sum(b.sequences.numel() * w if b.is_packed else int(b.attention_mask.sum()) * w
-                         for mb in minibatches for b, w in zip(mb.batches, mb.weights))
+                         for mb in minibatches for b, w in zip(mb.batches, mb.plan.weights))
         processed = sum(b.sequences.numel() for mb in minibatches for b in mb.batches)
         sums = stats.sums | {"_real": torch.tensor(float(local_real)), "_processed": torch.tensor(float(processed))}
         sums |= {f"_count_{k}": torch.tensor(v) for k, v in rollouts.counts.items()}  # tool calls, environment turns
@@ -528,11 +530,11 @@ class Trainer:
         train_s = elapsed - t_rollout
         metrics.update(
             step=step,
-            reward_mean=float(torch.stack([r.rewards for r in records]).mean()),
-            reward_varied_groups=varied_groups(records),  # 0: no group-relative advantage (guard.py warns)
-            response_length=float(torch.stack([torch.as_tensor(r.response_length) for r in records]).float().mean()),
+            reward_mean=float(torch.stack([r.rewards for r in samples]).mean()),
+            reward_varied_groups=varied_groups(samples),  # 0: no group-relative advantage (guard.py warns)
+            response_length=float(torch.stack([torch.as_tensor(r.response_length) for r in samples]).float().mean()),
             tokens=real,
-            action_tokens=int(sum(mb.tokens for mb in minibatches)),
+            action_tokens=int(sum(mb.plan.tokens for mb in minibatches)),
             tokens_per_s=real / elapsed,
             rollout_tokens_per_s=real / max(t_rollout if rollouts.generated_s is None else rollouts.generated_s, 1e-9),
             train_tokens_per_s=real * self.cfg.algo.epochs / max(train_s, 1e-9),
@@ -542,14 +544,14 @@ class Trainer:
             microbatches=sum(len(mb.batches) for mb in minibatches),
             optimizer_steps=stats.steps,
         )
-        metrics.update(episode_metrics(records))  # episodes_done, _max_turns, _truncated, _error, _timeout
+        metrics.update(episode_metrics(samples))  # episodes_done, _max_turns, _truncated, _error, _timeout
         metrics.update({k[len("_count_"):]: v for k, v in reduced.items() if k.startswith("_count_")})
         if self.task.calls is not None:
             metrics["calls_hung"] = float(self.task.calls.hung)  # user calls past task.timeout_s still running
-        if records and records[0].turns is not None:  # a multi-turn task: model turns per episode
-            metrics["turns_mean"] = float(torch.stack([r.turns for r in records]).float().mean())
-        if records and records[0].policy_version is not None:  # policy versions behind the step, per sample
-            staleness = [step - int(r.policy_version) for r in records]
+        if samples and samples[0].turns is not None:  # a multi-turn task: model turns per episode
+            metrics["turns_mean"] = float(torch.stack([r.turns for r in samples]).float().mean())
+        if samples and samples[0].policy_version is not None:  # policy versions behind the step, per sample
+            staleness = [step - int(r.policy_version) for r in samples]
             metrics.update(rollout_staleness_mean=sum(staleness) / len(staleness),
                            rollout_staleness_max=float(max(staleness)))
         metrics.update(expert_load_metrics(self.actor.model, dims))
@@ -594,13 +596,13 @@ class Trainer:
             sync_weights(self.engine, self.actor.model)
 
 
-def _groups(records: list[Experience]) -> int:
-    return len({int(r.prompt_index) for r in records})
+def _groups(samples: list[Experience]) -> int:
+    return len({int(r.prompt_index) for r in samples})
 
 
-def _length(record: Experience) -> int:
+def _length(sample: Experience) -> int:
     """Tokens (prompt + response) of a record or a stand-in."""
-    return int(record.total_length) if record.total_length is not None else record.sequences.numel()
+    return int(sample.total_length) if sample.total_length is not None else sample.sequences.numel()
 
 
 class Stats:
