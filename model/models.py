@@ -17,9 +17,12 @@ sharding, so no rank reads the whole checkpoint.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import torch
 import transformers
@@ -81,11 +84,10 @@ def checkpoint_family(path: str | Path, *, key: str = "model.pretrained_path") -
     """The family of the checkpoint folder `path`, read from its `config.json` (no weights
     are read); errors name the folder (as config `key`) and what is missing or unsupported."""
     folder = Path(path)
-    config = folder / "config.json"
-    if not config.is_file():
+    config, fields = folder / "config.json", checkpoint_config(folder)
+    if fields is None:
         raise ValueError(f"{key}={str(path)!r}: no config.json in the folder (a Hugging Face "
                          f"checkpoint folder, as written by save_pretrained, is expected)")
-    fields = json.loads(config.read_text())
     if fields.get("model_type") is None:
         raise ValueError(f"{key}={str(path)!r}: config.json has no model_type")
     name = family(fields["model_type"], key=f"model_type in {config}", config=fields)  # unsupported: said first
@@ -93,6 +95,46 @@ def checkpoint_family(path: str | Path, *, key: str = "model.pretrained_path") -
         raise ValueError(f"{key}={str(path)!r}: no weights in the folder (expected one of "
                          f"{list(_WEIGHTS)})")
     return name
+
+
+def checkpoint_config(path: str | Path) -> Mapping[str, Any] | None:
+    """The fields of the checkpoint folder `path`'s config.json (read-only), None without one. Read once
+    per version of the file (its path, size and modification time): the start-up checks, the teacher's
+    and the trainer's build ask for it again and again."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    stat = config.stat()
+    return _read_config(str(config.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_config(path: str, size: int, mtime_ns: int) -> Mapping[str, Any]:
+    return MappingProxyType(json.loads(Path(path).read_text()))
+
+
+def model_config_value(cfg: Any, key: str) -> tuple[Any, str]:
+    """A Hugging Face config field of the run's model (`cfg.model`, rl/config/schema.py) and where
+    it comes from, read without building the model: `model.overrides`, else the checkpoint's
+    config.json, else the tiny family default."""
+    if key in cfg.model.overrides:
+        return cfg.model.overrides[key], f"model.overrides.{key}"
+    if cfg.model.pretrained_path is not None:
+        fields = checkpoint_config(cfg.model.pretrained_path)
+        return (fields or {}).get(key), f"{key} of {Path(cfg.model.pretrained_path) / 'config.json'}"
+    return MODELS[cfg.model.name.value][2].get(key), f"model.overrides.{key} (default)"
+
+
+def model_family(cfg: Any) -> str:
+    """The run's model family: the checkpoint's `model_type` (checked against `model.name`
+    when both are given), else `model.name`."""
+    if cfg.model.pretrained_path is None:
+        return cfg.model.name.value
+    found = checkpoint_family(cfg.model.pretrained_path)
+    if cfg.model.name is not None and cfg.model.name.value != found:
+        raise ValueError(f"model.name={cfg.model.name.value!r} but model.pretrained_path={cfg.model.pretrained_path!r} "
+                         f"holds a {found!r} checkpoint (set model.name=null: the checkpoint names its family)")
+    return found
 
 
 def build_model(

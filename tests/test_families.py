@@ -153,6 +153,30 @@ def test_a_model_name_that_disagrees_with_the_checkpoint_is_refused(tmp_path):
     assert compose("model=pretrained", f"model.pretrained_path={path}").model.name is None
 
 
+
+def test_a_checkpoints_config_json_is_read_once_per_start_up(tmp_path, monkeypatch):
+    """The start-up checks ask the student's config.json for its family (three times), its expert count and
+    its vocabulary, the teacher's for its family, experts and vocabulary; train.py checks the command line
+    and then validates again in the run, and the build asks once more: each file is read once
+    (model/models.py checkpoint_config). Control: a file written again is read again, its new value seen."""
+    from model.models import _read_config, model_config_value, model_family
+
+    student = tiny_checkpoint(tmp_path / "student", "qwen3_moe", False, **RUN_SIZE)
+    teacher = tiny_checkpoint(tmp_path / "teacher", "qwen3_moe", False, **RUN_SIZE)
+    _read_config.cache_clear()
+    reads, read_text = [], Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (
+        reads.append(self.parent.name) if self.name == "config.json" else None, read_text(self, *a, **k))[1])
+    run = ("model=pretrained", f"model.pretrained_path={student}", "algo.advantage=distill",
+           f"algo.teacher.path={teacher}", "parallel.ep=2")
+    cfg = compose(*run, world_size=2)
+    compose(*run, world_size=2)
+    assert model_family(cfg) == "qwen3_moe" and model_config_value(cfg, "vocab_size")[0] == RUN_SIZE["vocab_size"]
+    assert sorted(reads) == ["student", "teacher"], reads
+    fields = json.loads(read_text(Path(student) / "config.json"))
+    (Path(student) / "config.json").write_text(json.dumps({**fields, "vocab_size": 1000}))
+    assert model_config_value(cfg, "vocab_size")[0] == 1000 and sorted(reads) == ["student", "student", "teacher"]
+
 # ----------------------------------------- tied head: train, sync, checkpoint, export
 def test_a_tied_checkpoint_trains_syncs_checkpoints_and_exports_to_the_same_logits(tmp_path):
     from rl.trainer.checkpoint import save_checkpoint

@@ -62,10 +62,10 @@ def check_teacher(cfg: Any) -> None:
     if not Path(t.path).is_dir():
         raise ValueError(f"algo.teacher.path={t.path!r}: folder not found (a local checkpoint folder is expected; "
                          "nothing is downloaded)")
-    from model.models import checkpoint_family
+    from model.models import checkpoint_config, checkpoint_family
 
     checkpoint_family(t.path, key="algo.teacher.path")
-    fields = json.loads((Path(t.path) / "config.json").read_text())
+    fields = checkpoint_config(t.path)
     experts = fields.get("num_experts") or fields.get("num_local_experts")  # transformers writes either
     if experts and cfg.parallel.ep > 1 and experts % cfg.parallel.ep:
         raise ValueError(f"parallel.ep={cfg.parallel.ep} does not divide the teacher's num_experts={experts} "
@@ -76,11 +76,11 @@ def check_teacher(cfg: Any) -> None:
 def check_vocabulary(cfg: Any) -> None:
     """The teacher's `vocab_size` is the student's and their tokenizers are the same files;
     else a ValueError naming both sizes, or each tokenizer item that differs."""
-    from rl.config import model_config_value
+    from model.models import checkpoint_config, model_config_value
 
     path = cfg.algo.teacher.path
     student, where = model_config_value(cfg, "vocab_size")
-    teacher = json.loads((Path(path) / "config.json").read_text()).get("vocab_size")
+    teacher = checkpoint_config(path).get("vocab_size")
     if teacher != student:
         raise ValueError(f"algo.teacher.path={path!r} has vocab_size={teacher} (its config.json), the student "
                          f"{student} ({where}): a teacher must share the student's vocabulary and tokenizer")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 import re
 import typing
@@ -530,7 +529,7 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
         if not Path(cfg.model.pretrained_path).is_dir():
             raise ValueError(f"model.pretrained_path={cfg.model.pretrained_path!r}: folder not found (a local "
                              "checkpoint folder is expected; nothing is downloaded)")
-        model_family(cfg)  # config.json, weights and a supported model_type, before any weight is read
+        _model_family(cfg)  # config.json, weights and a supported model_type, before any weight is read
     elif cfg.model.name is None:
         raise ValueError("model.name=null needs model.pretrained_path (a random-init model needs a family: "
                          f"one of {ModelName.values()})")
@@ -547,7 +546,7 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
                              f"model.overrides.max_position_embeddings={limit}")
     _check_task(cfg)
     _check_experts(cfg, dims.ep)
-    family = model_family(cfg) if cfg.model.pretrained_path is not None else cfg.model.name.value
+    family = _model_family(cfg) if cfg.model.pretrained_path is not None else cfg.model.name.value
     check_lora(cfg.model.lora, moe=family in MOE, engine=RolloutEngineName(cfg.rollout.engine).value)
     cfg.model.param_dtype = compute_dtype(cfg.model.dtype, cfg.model.param_dtype,
                                           resolve_device(cfg.trainer.device.value))  # auto, resolved once
@@ -653,45 +652,20 @@ def _check_task(cfg: Config) -> None:
 def _check_experts(cfg: Config, ep: int) -> None:
     """ep divides the expert count (what model.moe.shard_experts would refuse later, named by
     config key here); the sizes against the world are ParallelDims' check."""
-    if ep > 1 and model_family(cfg) == ModelName.QWEN3_MOE.value:
-        experts, key = _num_experts(cfg)
+    if ep > 1 and _model_family(cfg) == ModelName.QWEN3_MOE.value:
+        from model.models import model_config_value  # imports transformers: only when needed
+
+        experts, key = model_config_value(cfg, "num_experts")
         if experts is not None and experts % ep:
             raise ValueError(f"parallel.ep={ep} does not divide {key}={experts}: each EP rank holds "
                              f"num_experts / ep experts")
 
 
-def _num_experts(cfg: Config) -> tuple[int | None, str]:
-    """The MoE expert count and the key it comes from, read without building the model."""
-    return model_config_value(cfg, "num_experts")
+def _model_family(cfg: Config) -> str:
+    """model/models.py `model_family`, imported when asked (it imports transformers)."""
+    from model.models import model_family
 
-
-def model_config_value(cfg: Config, key: str) -> tuple[Any, str]:
-    """A Hugging Face config field of the run's model and where it comes from, read without
-    building the model: `model.overrides`, else the checkpoint's config.json, else the tiny
-    family default."""
-    if key in cfg.model.overrides:
-        return cfg.model.overrides[key], f"model.overrides.{key}"
-    if cfg.model.pretrained_path is not None:
-        config = Path(cfg.model.pretrained_path) / "config.json"
-        value = json.loads(config.read_text()).get(key) if config.is_file() else None
-        return value, f"{key} of {config}"
-    from model.models import MODELS  # the tiny defaults (imports transformers: only when needed)
-
-    return MODELS[cfg.model.name.value][2].get(key), f"model.overrides.{key} (default)"
-
-
-def model_family(cfg: Config) -> str:
-    """The run's model family: the checkpoint's `model_type` (checked against `model.name`
-    when both are given), else `model.name`."""
-    if cfg.model.pretrained_path is None:
-        return cfg.model.name.value
-    from model.models import checkpoint_family
-
-    found = checkpoint_family(cfg.model.pretrained_path)
-    if cfg.model.name is not None and cfg.model.name.value != found:
-        raise ValueError(f"model.name={cfg.model.name.value!r} but model.pretrained_path={cfg.model.pretrained_path!r} "
-                         f"holds a {found!r} checkpoint (set model.name=null: the checkpoint names its family)")
-    return found
+    return model_family(cfg)
 
 
 def _check_rollout(cfg: Config, world_size: int) -> None:
@@ -712,7 +686,7 @@ def _check_rollout(cfg: Config, world_size: int) -> None:
         return
     from rl.rollout.vllm_engine import check_vllm_config  # imports vllm: only for rollout.engine=vllm
 
-    check_vllm_config(cfg, world_size, model_family(cfg))
+    check_vllm_config(cfg, world_size, _model_family(cfg))
 
 
 def max_staleness(r: RolloutConfig) -> int:

@@ -21,8 +21,8 @@ import torch
 from model.families import MOE
 from model.loading import materialize
 from model.lora import has_adapters, merged_state_dict
-from model.models import compute_copy
-from rl.config import longest_sample, model_family
+from model.models import compute_copy, model_family
+from rl.config import longest_sample
 from rl.rollout.engine import HFRolloutEngine, PolicyRolloutEngine, RolloutEngine
 from rl.rollout.replica import ReplicaMode, RolloutEngineName, choose_replica
 from rl.rollout.sync import resolve_bucket_bytes, sync_weights

@@ -117,7 +117,7 @@ def check_family(model_type: str, architectures: Sequence[str]) -> None:
 
 def check_vllm_config(cfg, world_size: int, family: str) -> None:
     """`validate`'s checks for `rollout.engine=vllm` (`rl.config.validate`); `family`:
-    the run's model family (`rl.config.model_family`)."""
+    the run's model family (model/models.py `model_family`)."""
     require_vllm()
     if cfg.model.pretrained_path is not None:
         model_type, archs = checkpoint_architectures(cfg.model.pretrained_path)

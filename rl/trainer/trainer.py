@@ -56,7 +56,7 @@ from model.actor import Actor, Critic
 from model.allocator import release_memory
 from model.loading import load_sharded
 from model.lora import adapters_disabled, apply_lora, has_adapters, trainable_parameters
-from model.models import build_model
+from model.models import build_model, model_config_value
 from model.moe import moe_blocks, reset_expert_load, router_aux_loss
 from model.parallel_dims import ParallelDims
 from model.parallelize import clip_grad_norm_, expert_load_metrics, parallelize, sharded_on_host
@@ -66,7 +66,7 @@ from packing.exchange import StandIn, exchange, gather_metadata
 from rl.algos.advantages import compute_advantages
 from rl.algos.distill import build_teacher
 from rl.trainer.checkpoint import load_sharded_state, sharded_state
-from rl.config import Balance, Config, check_task_fits, max_staleness, model_config_value
+from rl.config import Balance, Config, check_task_fits, max_staleness
 from rl.config.schema import OldLogProbs
 from rl.trainer.guard import DivergenceGuard, poison
 from rl.algos.losses import LossAgg, build_kl_controller, loss_normalizer
