@@ -38,6 +38,7 @@ REQUIRED = "${required:}"
 def _required(default: Any = None, *, _node_: Any) -> Any:
     if default is not None:
         return default
+    # OmegaConf has no public accessor for the full key of a resolver's node (`_node_`)
     raise ValueError(f"{_node_._get_full_key(None)}: required but not set (pass it on the command line)")
 
 
@@ -147,7 +148,7 @@ def _unknown_key(key: str, base: Any) -> str:
     """The message for a `key` the config `base` does not have (or should not): the closest
     valid keys, the keys of its section, and for a free-form dict (`model.overrides`,
     `task.options`) how to add one."""
-    keys = [k for k in _dotted_keys(base) if not _within(key, k) and not _within(k, key)]
+    keys = [k for k, _ in _entries(base) if not _within(key, k) and not _within(k, key)]
     parent, _, name = key.rpartition(".")
     node = OmegaConf.select(base, parent) if parent else base
     message = f"{key}: no such key" + (did_you_mean(key, keys, n=3, cutoff=0.75) or ".")
@@ -159,31 +160,28 @@ def _unknown_key(key: str, base: Any) -> str:
     return message
 
 
-def _dotted_keys(node: Any, prefix: str = "") -> list[str]:
+def _entries(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value as written) of every entry of the config `node`, each section before its
+    keys: OmegaConf.to_container, nothing resolved (a missing value is '???', an interpolation its text)."""
+    raw = OmegaConf.to_container(node, resolve=False) if not isinstance(node, dict) else node
     out = []
-    for k in node.keys():
-        full = f"{prefix}{k}"
-        out.append(full)
-        child = node._get_node(k)
-        if OmegaConf.is_dict(child) and not child._is_missing() and not child._is_none():
-            out += _dotted_keys(child, f"{full}.")
+    for key, value in raw.items():
+        out.append((f"{prefix}{key}", value))
+        if isinstance(value, dict):
+            out += _entries(value, f"{prefix}{key}.")
     return out
 
 
-def _extra_keys(node: Any, cls: Any = None, prefix: str = "") -> list[str]:
-    """Keys of `node` that its schema dataclass does not have (`+trainer.max_step=1` composes:
-    Hydra adds the key, and the typed config would silently drop it)."""
-    cls = cls or Config
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+def _extra_keys(node: Any) -> list[str]:
+    """Keys of `node` that their schema dataclass does not have (`+trainer.max_step=1` composes:
+    Hydra adds the key, and the typed config would silently drop it); a free-form dict's keys
+    (`model.overrides`) and the keys under an extra one are not looked at."""
     out = []
-    for k in node.keys():
-        if k not in fields:
-            out.append(f"{prefix}{k}")
-            continue
-        sub = _schema_type(f"{prefix}{k}")
-        child = node._get_node(k)
-        if dataclasses.is_dataclass(sub) and OmegaConf.is_dict(child) and not child._is_none():
-            out += _extra_keys(child, sub, f"{prefix}{k}.")
+    for key, _ in _entries(node):
+        parent, _, name = key.rpartition(".")
+        cls = _schema_type(parent) if parent else Config
+        if dataclasses.is_dataclass(cls) and name not in {f.name for f in dataclasses.fields(cls)}:
+            out.append(key)
     return out
 
 
@@ -202,7 +200,7 @@ def _schema_type(key: str) -> Any:
 def load(dict_cfg: Any) -> Config:
     """The Hydra config as a typed `Config`; a key left unset (`${required:}` from the chosen
     config group, or '???' where the schema has no default) is an error naming every such key."""
-    missing = _unset_required(dict_cfg, dict_cfg) or sorted(OmegaConf.missing_keys(dict_cfg))  # (the latter resolves)
+    missing = _unset_required(dict_cfg) or sorted(OmegaConf.missing_keys(dict_cfg))  # (the latter resolves)
     if missing:
         raise ValueError(f"{', '.join(missing)}: required but not set (the chosen config group needs it); "
                          f"pass {missing[0]}=...")
@@ -212,14 +210,8 @@ def load(dict_cfg: Any) -> Config:
     return OmegaConf.to_object(dict_cfg)
 
 
-def _unset_required(node: Any, root: Any, prefix: str = "") -> list[str]:
+def _unset_required(root: Any) -> list[str]:
     """Dotted keys still holding `REQUIRED`, or a `${required:${other.key}}` whose other key is null."""
-    raw = OmegaConf.to_container(node, resolve=False) if not isinstance(node, dict) else node
-    out = []
-    for key, value in raw.items():
-        if isinstance(value, dict):
-            out += _unset_required(value, root, f"{prefix}{key}.")
-        elif value == REQUIRED or (isinstance(value, str) and value.startswith(REQUIRED[:-1]) and OmegaConf.select(
-                root, f"{prefix}{key}", throw_on_resolution_failure=False) is None):
-            out.append(f"{prefix}{key}")
-    return out
+    return [key for key, value in _entries(root) if value == REQUIRED or (
+        isinstance(value, str) and value.startswith(REQUIRED[:-1])
+        and OmegaConf.select(root, key, throw_on_resolution_failure=False) is None)]
