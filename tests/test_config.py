@@ -213,7 +213,7 @@ def test_a_key_missing_from_a_free_form_dict_says_how_to_add_one():
 
 # ---------------------------------------------------------- numeric ranges
 def _out_of(check) -> float:
-    from rl.config.schema import _fraction, _non_negative
+    from rl.config.checks import _fraction, _non_negative
 
     return {_fraction: 1.5, _non_negative: -1}.get(check, 0)
 

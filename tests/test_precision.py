@@ -98,7 +98,7 @@ def test_auto_compute_dtype_is_bf16_on_cuda_over_fp32_masters_and_the_masters_dt
 
 
 def test_validate_resolves_model_param_dtype_for_the_runs_device(monkeypatch):
-    import rl.config.schema as config
+    import rl.config.checks as config
     from testing.inprocess import compose
 
     assert compose("model=dense_tiny", "trainer.device=cpu").model.param_dtype is None

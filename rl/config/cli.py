@@ -16,7 +16,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf, open_dict
 
 from rl.choice import Choice, did_you_mean
-from rl.config.schema import Config, validate
+from rl.config.checks import validate
+from rl.config.schema import Config
 
 
 def register() -> None:
