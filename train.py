@@ -21,12 +21,12 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from model.library_noise import silence_library_noise  # noqa: E402
-from model.parallel_dims import init_distributed  # noqa: E402
+from model.parallel_dims import ParallelDims, init_distributed  # noqa: E402
 from rl.trainer.checkpoint import Checkpointer  # noqa: E402
 from rl.config import (Config, check_command_line, learning_rate_warning, load, plot_warning, register,  # noqa: E402
                        validate)
 from rl.trainer.metrics import MetricsWriter, code_commit, run_failed  # noqa: E402
-from rl.trainer.run_folder import RunFolderInUse, claim, start_folder  # noqa: E402
+from rl.trainer.run_folder import Held, RunFolderInUse, claim, start_folder  # noqa: E402
 from rl.trainer.stop import StopSignal  # noqa: E402
 
 register()
@@ -49,21 +49,7 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
     silence_library_noise()  # before the imports that print it (torchao's kernels, its enums)
     from rl.trainer.trainer import build_trainer  # transformers and the model code: after the config is checked
 
-    cfg: Config = load(dict_cfg)
-    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    # model.param_dtype is FSDP2's mixed precision: one process gets a one-rank group to apply it
-    dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device=cfg.trainer.device.value,
-                            one_rank_group=cfg.model.param_dtype is not None)
-    if dims.rank != 0:
-        logging.getLogger().setLevel(logging.WARNING)  # train.log gets one copy of each line
-    torch.manual_seed(cfg.seed)
-    torch.set_num_threads(1 if dims.world_size > 1 else torch.get_num_threads())
-
-    # the run folder (and checkpoint.dir) locked for the run's life and seen by every rank, else a refusal on every rank
-    held = claim([out_dir, cfg.checkpoint.dir], dims)
-    if dims.rank == 0:  # the rank that logs and plots: each warning once, in the run's own train.log (after the claim)
-        for warning in filter(None, (learning_rate_warning(cfg), plot_warning(cfg))):  # no matplotlib: plot off
-            log.warning(warning)
+    cfg, dims, held = start_up(dict_cfg, out_dir)
     ckpt = Checkpointer(cfg, dims, out_dir)  # checkpoint.* and resume checked before any model is built
 
     trainer = build_trainer(cfg, dims)
@@ -114,6 +100,27 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
     if torch.distributed.is_initialized():  # a clean exit: no communicator torn down under a live thread
         torch.distributed.destroy_process_group()
     return writer.history[-1] if writer.history else {}
+
+
+def start_up(dict_cfg: DictConfig, out_dir: str) -> tuple[Config, ParallelDims, Held]:
+    """The config checked and resolved (`validate`'s return), the process group and device, the run
+    folder claimed, the start-up warnings logged: before any model is built."""
+    checked = validate(load(dict_cfg), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    cfg, sizes = checked.cfg, checked.dims
+    # model.param_dtype is FSDP2's mixed precision: one process gets a one-rank group to apply it
+    dims = init_distributed(sizes.dp, sizes.cp, sizes.ep, device=cfg.trainer.device.value,
+                            one_rank_group=cfg.model.param_dtype is not None)
+    if dims.rank != 0:
+        logging.getLogger().setLevel(logging.WARNING)  # train.log gets one copy of each line
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(1 if dims.world_size > 1 else torch.get_num_threads())
+
+    # the run folder (and checkpoint.dir) locked for the run's life and seen by every rank, else a refusal on every rank
+    held = claim([out_dir, cfg.checkpoint.dir], dims)
+    if dims.rank == 0:  # the rank that logs and plots: each warning once, in the run's own train.log (after the claim)
+        for warning in filter(None, (learning_rate_warning(cfg), plot_warning(cfg))):  # no matplotlib: plot off
+            log.warning(warning)
+    return cfg, dims, held
 
 
 def _accuracy(metrics: dict) -> str:

@@ -490,7 +490,7 @@ def run(steps: int, overrides: list[str]) -> tuple[dict[str, list[dict]], int]:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             cfg = load(compose("config", overrides=[*overrides, *mode_overrides, f"trainer.max_steps={steps}",
                                                     "eval.every=0", "trainer.progress=false"]))
-        validate(cfg, world_size=1)
+        cfg = validate(cfg, world_size=1).cfg  # model.param_dtype resolved, as train.py's
         dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device=cfg.trainer.device.value,
                                 one_rank_group=cfg.model.param_dtype is not None)  # as train.py
         torch.manual_seed(cfg.seed)

@@ -21,7 +21,7 @@ def compose(*overrides: str, world_size: int = 1, check: bool = True) -> Config:
     """`load` (and `validate`, when `check`) of conf/config.yaml with `overrides`."""
     cfg = load(compose_config(overrides))  # train.py's composition, its errors explained
     if check:
-        validate(cfg, world_size=world_size)
+        cfg = validate(cfg, world_size=world_size).cfg  # the config as the run uses it (model.param_dtype resolved)
     return cfg
 
 

@@ -212,7 +212,8 @@ def test_validation_returns_the_run_parallel_dims():
     from testing.inprocess import compose
     from rl.config import validate
 
-    dims = validate(compose("parallel.cp=2", "parallel.ep=2", "task.prompts_per_step=8", check=False), world_size=8)
+    cfg = compose("parallel.cp=2", "parallel.ep=2", "task.prompts_per_step=8", check=False)
+    dims = validate(cfg, world_size=8).dims
     assert (dims.dp, dims.cp, dims.ep, dims.edp, dims.world_size) == (4, 2, 2, 2, 8)
 
 

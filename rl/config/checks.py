@@ -1,14 +1,16 @@
 """The checks of a typed `Config` that types cannot make (sizes, paths, combinations, what a
 checkpoint or the machine allows), before any model is built: `validate`, each error naming its
-key; the start-up warnings; and what the run resolves from the config (`compute_dtype`,
-`max_staleness`), with the check of a built task against the batch (`check_task_fits`)."""
+key, returning what it resolves (`Checked`: the config as the run uses it, the parallel sizes);
+the start-up warnings; `max_staleness`; and the check of a built task against the batch
+(`check_task_fits`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import typing
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -25,16 +27,39 @@ from rl.rollout.scheduler import RolloutMode
 from rl.tasks.base import Task
 
 
-def validate(cfg: Config, world_size: int) -> ParallelDims:
-    """Everything checkable before a model is built; each error names its key. Returns the
-    run's `ParallelDims` (sizes only: `init_distributed` joins the group and builds the meshes)."""
+class Checked(NamedTuple):
+    """What `validate` resolves: the config as the run uses it and the run's parallel sizes."""
+
+    cfg: Config  # a copy of the config given, model.param_dtype's auto (null) resolved for the device
+    dims: ParallelDims  # sizes only: `init_distributed` joins the group and builds the meshes
+
+
+def validate(cfg: Config, world_size: int) -> Checked:
+    """Everything checkable before a model is built; each error names its key. Returns what it
+    resolves (`Checked`); `cfg` itself is not written."""
     _check_ranges(cfg)
     # the one check of the parallel sizes (cp, dp, ep against the world): ParallelDims' own
     dims = ParallelDims(dp=cfg.parallel.dp, cp=cfg.parallel.cp, ep=cfg.parallel.ep, world_size=world_size)
-    dp, cp = dims.dp, dims.cp
-    if cfg.task.prompts_per_step % dp:
-        raise ValueError(f"task.prompts_per_step={cfg.task.prompts_per_step} does not divide over dp={dp} ranks "
-                         f"(world_size={world_size}, parallel.cp={cp})")
+    if cfg.task.prompts_per_step % dims.dp:
+        raise ValueError(f"task.prompts_per_step={cfg.task.prompts_per_step} does not divide over dp={dims.dp} "
+                         f"ranks (world_size={world_size}, parallel.cp={dims.cp})")
+    _check_algo(cfg)
+    check_teacher(cfg)  # rl/algos/distill.py: the keys, the checkpoint, its vocabulary and tokenizer
+    _check_paths(cfg)
+    _check_task(cfg)
+    _check_experts(cfg, dims.ep)
+    family = _model_family(cfg) if cfg.model.pretrained_path is not None else cfg.model.name.value
+    check_lora(cfg.model.lora, moe=family in MOE, engine=RolloutEngineName(cfg.rollout.engine).value)
+    compute = compute_dtype(cfg.model.dtype, cfg.model.param_dtype, resolve_device(cfg.trainer.device.value))
+    run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, param_dtype=compute))  # auto, resolved once
+    _check_device(run)
+    _check_rollout(run, world_size)
+    return Checked(run, dims)
+
+
+def _check_algo(cfg: Config) -> None:
+    """`algo.*` against the step's size and each other: the policy loss's own check, overlong
+    shaping, the estimator's groups, and where the KL to the reference goes."""
     samples = cfg.task.prompts_per_step * cfg.task.samples_per_prompt
     if cfg.algo.mini_batches > samples:
         raise ValueError(f"algo.mini_batches={cfg.algo.mini_batches} exceeds the step's {samples} samples "
@@ -60,7 +85,11 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
         raise ValueError(f"algo.advantage={advantage.name} with algo.kl_coef={cfg.algo.kl_coef} and "
                          f"algo.kl_mode=loss: {advantage.name} puts the KL in the reward (-kl_coef * kl per "
                          f"token), not in the loss; set algo.kl_mode=reward")
-    check_teacher(cfg)  # rl/algos/distill.py: the keys, the checkpoint, its vocabulary and tokenizer
+
+
+def _check_paths(cfg: Config) -> None:
+    """The model's checkpoint folder (config.json, weights, a supported family) or its family, and
+    the task's files, exist; a random-init model's context leaves room for a prompt."""
     if cfg.model.pretrained_path is not None:
         if not Path(cfg.model.pretrained_path).is_dir():
             raise ValueError(f"model.pretrained_path={cfg.model.pretrained_path!r}: folder not found (a local "
@@ -80,15 +109,6 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
         if limit is not None and cfg.task.max_new_tokens >= limit:
             raise ValueError(f"task.max_new_tokens={cfg.task.max_new_tokens} leaves no room for a prompt within "
                              f"model.overrides.max_position_embeddings={limit}")
-    _check_task(cfg)
-    _check_experts(cfg, dims.ep)
-    family = _model_family(cfg) if cfg.model.pretrained_path is not None else cfg.model.name.value
-    check_lora(cfg.model.lora, moe=family in MOE, engine=RolloutEngineName(cfg.rollout.engine).value)
-    cfg.model.param_dtype = compute_dtype(cfg.model.dtype, cfg.model.param_dtype,
-                                          resolve_device(cfg.trainer.device.value))  # auto, resolved once
-    _check_device(cfg)
-    _check_rollout(cfg, world_size)
-    return dims
 
 
 # above it, full fine-tuning of a pretrained checkpoint warns at start-up (`learning_rate_warning`): the

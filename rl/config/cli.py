@@ -108,8 +108,7 @@ def check_command_line(argv: list[str]) -> tuple[Config, str | None] | None:
     run_dir = OmegaConf.to_container(dict_cfg.hydra.run, resolve=False)["dir"]
     with open_dict(dict_cfg):
         del dict_cfg["hydra"]
-    cfg = load(dict_cfg)
-    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    cfg = validate(load(dict_cfg), world_size=int(os.environ.get("WORLD_SIZE", "1"))).cfg  # as the run uses it
     return cfg, None if len(overrides) < len(argv) else run_dir
 
 
