@@ -26,10 +26,11 @@ from rl.trainer.checkpoint import Checkpointer  # noqa: E402
 from rl.config import (Config, check_command_line, learning_rate_warning, load, plot_warning, register,  # noqa: E402
                        validate)
 from rl.trainer.metrics import MetricsWriter, code_commit, run_failed  # noqa: E402
-from rl.trainer.run_folder import Held, RunFolderInUse, claim, start_folder  # noqa: E402
+from rl.trainer.run_folder import Held, RunFolderInUse, claim, register_run_id, start_folder  # noqa: E402
 from rl.trainer.stop import StopSignal  # noqa: E402
 
 register()
+register_run_id()
 log = logging.getLogger("train")
 
 

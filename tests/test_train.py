@@ -187,7 +187,7 @@ def test_two_runs_started_together_get_their_own_folders_metrics_and_log(tmp_pat
 
 
 def test_run_ids_taken_in_the_same_second_differ(monkeypatch):
-    from rl.config import run_id
+    from rl.trainer.run_folder import run_id
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     ids = [run_id() for _ in range(20)]

@@ -568,9 +568,9 @@ def retry_run(tmp_path_factory, tokenizer, tokenizer_dir):
 @pytest.mark.vllm
 def test_three_turn_episodes_train_with_vllm_within_the_computed_length(retry_run):
     """rollout.engine=vllm with a 3-turn task: `max_model_len` is the task's longest sample
-    (`rl.config.longest_sample`), the last turn's longest context still gets its full reply,
+    (`rl.tasks.base.longest_sample`), the last turn's longest context still gets its full reply,
     episodes reach turn 3 and two steps train on them as vLLM sampled them."""
-    from rl.config import longest_sample
+    from rl.tasks.base import longest_sample
     from testing.inprocess import trainer
 
     tr = trainer(*retry_run)

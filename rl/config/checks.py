@@ -24,7 +24,7 @@ from rl.algos.losses import KLMode, check_policy_loss_config
 from rl.config.schema import Config, DType, ModelName, OldLogProbs, RolloutConfig
 from rl.rollout.replica import ReplicaMode, RolloutEngineName, check_sharded
 from rl.rollout.scheduler import RolloutMode
-from rl.tasks.base import Task
+from rl.tasks.base import Task, longest_sample
 
 
 class Checked(NamedTuple):
@@ -309,18 +309,6 @@ def _check_device(cfg: Config) -> None:
                                  f"sampling; use float32 or bfloat16 (or run on CUDA)")
     compute = cfg.model.param_dtype or cfg.model.dtype
     resolve_kernel(cfg.model.attention.value, device, getattr(torch, compute.value))  # model.attention can run here
-
-
-def longest_sample(task: Task, max_new_tokens: int) -> int | None:
-    """The most tokens one sample of `task` can hold with replies of up to `max_new_tokens`: its
-    longest prompt, plus a reply per turn of a multi-turn task (`max_turns`) and an environment
-    answer of up to `max_observation_len` between two turns. None when the task does not say how
-    long its prompts are. What start-up checks against `batch.max_tokens`, and the vLLM engine's
-    `max_model_len` (rl/rollout/build.py): the last turn's context holds every earlier one."""
-    prompt, turns = task.max_prompt_len, task.max_turns
-    if prompt is None:
-        return None
-    return int(prompt) + max_new_tokens * turns + (turns - 1) * task.max_observation_len
 
 
 def check_task_fits(cfg: Config, task: Task) -> None:

@@ -22,8 +22,6 @@ from rl.config.schema import Config
 
 def register() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
-    if not OmegaConf.has_resolver("run_id"):
-        OmegaConf.register_new_resolver("run_id", run_id, use_cache=True)
     if not OmegaConf.has_resolver("required"):
         OmegaConf.register_new_resolver("required", _required)
 
@@ -41,19 +39,6 @@ def _required(default: Any = None, *, _node_: Any) -> Any:
         return default
     # OmegaConf has no public accessor for the full key of a resolver's node (`_node_`)
     raise ValueError(f"{_node_._get_full_key(None)}: required but not set (pass it on the command line)")
-
-
-def run_id() -> str:
-    """The run folder's name, the same on every rank of a job: torchrun's run id (`--rdzv-id`,
-    kept across restarts), else a timestamp plus a random suffix (two runs never share a
-    folder) drawn by rank 0 and read by every rank through torchrun's store, kept across
-    restarts too (rl/trainer/run_folder.py)."""
-    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
-    if elastic and elastic != "none":
-        return elastic
-    from rl.trainer.run_folder import agreed_before_init, new_run_id
-
-    return agreed_before_init("run_id", new_run_id, per_job=True)
 
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

@@ -19,7 +19,6 @@ from rl.rollout.replica import ReplicaMode, RolloutEngineName
 from rl.rollout.scheduler import RolloutMode
 from rl.tasks.calls import Isolation, OnError
 from rl.tasks.registry import TaskName
-from rl.trainer.metrics import Logger
 
 
 # the supported families (model/families.py); a checkpoint names its own in config.json
@@ -55,6 +54,15 @@ class TeacherConfig:
     self_test: bool = True
     # the self-test's bound on the largest |log-prob difference|; null = 1e-3 for float32 compute, 0.1 for bf16/fp16
     self_test_tol: Optional[float] = None
+
+
+class Logger(Choice):
+    """`trainer.loggers`: where the step metrics go (rl/trainer/metrics.py). jsonl is always written."""
+
+    JSONL = "jsonl"
+    TENSORBOARD = "tensorboard"  # <run>/tensorboard/
+    WANDB = "wandb"  # project `trainer.project`, run name = the run folder's; WANDB_MODE=offline works without a network
+    MLFLOW = "mlflow"  # MLFLOW_TRACKING_URI, else a file store at <run>/mlruns; experiment `trainer.project`
 
 
 class OldLogProbs(Choice):

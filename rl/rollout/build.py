@@ -22,11 +22,11 @@ from model.families import MOE
 from model.loading import materialize
 from model.lora import has_adapters, merged_state_dict
 from model.models import compute_copy, model_family
-from rl.config import longest_sample
 from rl.rollout.engine import HFRolloutEngine, PolicyRolloutEngine, RolloutEngine
 from rl.rollout.replica import ReplicaMode, RolloutEngineName, choose_replica
 from rl.rollout.sync import resolve_bucket_bytes, sync_weights
 from rl.rollout.vllm_engine import VLLMRolloutEngine, require_vllm
+from rl.tasks.base import longest_sample
 
 
 def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
@@ -72,7 +72,7 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
 
 def engine_max_len(cfg, task) -> int | None:
     """vLLM's `max_model_len`: `rollout.max_model_len`, else the longest sample the task can
-    make (`rl.config.longest_sample`: the longest prompt plus every turn's reply and the
+    make (`rl.tasks.base.longest_sample`: the longest prompt plus every turn's reply and the
     environment's answers between turns) with the longer of the training and the evaluation
     reply budgets; None (the model's own limit) when the task does not say how long its prompts are."""
     if cfg.rollout.max_model_len is not None:

@@ -196,3 +196,15 @@ def load_callable(spec: str, key: str = "task.reward_fn") -> Callable:
     if not callable(obj):
         raise TypeError(f"{key} '{spec}': '{attr}' is a {type(obj).__name__}, not a callable")
     return obj
+
+
+def longest_sample(task: Task, max_new_tokens: int) -> int | None:
+    """The most tokens one sample of `task` can hold with replies of up to `max_new_tokens`: its
+    longest prompt, plus a reply per turn of a multi-turn task (`max_turns`) and an environment
+    answer of up to `max_observation_len` between two turns. None when the task does not say how
+    long its prompts are. What start-up checks against `batch.max_tokens`, and the vLLM engine's
+    `max_model_len` (rl/rollout/build.py): the last turn's context holds every earlier one."""
+    prompt, turns = task.max_prompt_len, task.max_turns
+    if prompt is None:
+        return None
+    return int(prompt) + max_new_tokens * turns + (turns - 1) * task.max_observation_len

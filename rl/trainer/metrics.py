@@ -22,19 +22,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Iterable
 
-from rl.choice import Choice
+from rl.config.schema import Logger
 
 FAILED = "FAILED"
 RUN_IDS = "loggers.json"  # the W&B / MLflow run ids of this run folder: a resumed run continues them
-
-
-class Logger(Choice):
-    """`trainer.loggers`: where the step metrics go. jsonl is always written."""
-
-    JSONL = "jsonl"
-    TENSORBOARD = "tensorboard"  # <run>/tensorboard/
-    WANDB = "wandb"  # project `trainer.project`, run name = the run folder's; WANDB_MODE=offline works without a network
-    MLFLOW = "mlflow"  # MLFLOW_TRACKING_URI, else a file store at <run>/mlruns; experiment `trainer.project`
 
 
 class MetricsWriter:

@@ -43,6 +43,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from omegaconf import OmegaConf
+
 from model.parallel_dims import ParallelDims, decided_on_rank0, gathered
 
 LOCK = ".run.lock"
@@ -123,6 +125,23 @@ def new_run_id() -> str:
     return f"{datetime.datetime.now():%Y-%m-%d_%H-%M-%S}_{uuid.uuid4().hex[:6]}"
 
 
+def run_id() -> str:
+    """The run folder's name, the same on every rank of a job: torchrun's run id (`--rdzv-id`,
+    kept across restarts), else a timestamp plus a random suffix (two runs never share a
+    folder) drawn by rank 0 and read by every rank through torchrun's store, kept across
+    restarts too (module docstring)."""
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    if elastic and elastic != "none":
+        return elastic
+    return agreed_before_init("run_id", new_run_id, per_job=True)
+
+
+def register_run_id() -> None:
+    """Hydra's `${run_id:}` (conf/config.yaml's run folders) resolves to `run_id`, drawn once per process."""
+    if not OmegaConf.has_resolver("run_id"):
+        OmegaConf.register_new_resolver("run_id", run_id, use_cache=True)
+
+
 def start_folder(cfg, run_dir: str | None) -> str | None:
     """train.py before Hydra, on every rank: the run id agreed now when Hydra's folder name
     uses it (`run_dir` None: a sweep, whose folder does), and the folder `resume=auto`
@@ -130,7 +149,6 @@ def start_folder(cfg, run_dir: str | None) -> str | None:
     known now (that one, or a `hydra.run.dir` without interpolation) is locked now by rank 0,
     before Hydra writes into it: a run holding it is refused (`RunFolderInUse`, on every rank)
     with nothing of its folder touched."""
-    from rl.config import run_id
     from rl.trainer.checkpoint import run_to_continue
 
     if world_size() > 1 and (run_dir is None or "${run_id:" in run_dir):
