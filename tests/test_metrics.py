@@ -271,3 +271,29 @@ def test_cuda_peak_memory_per_stage_is_in_the_step_metrics(monkeypatch):
                    "peak_memory_sync_gib": 4.0}  # each stage its own, reset between them
     assert [c for c, _ in calls] == ["reset", "read", "reset", "read", "reset", "read", "reset", "read", "reset"]
     assert {d for _, d in calls} == {str(torch.device("cpu"))}  # the run's device, handed to the CUDA calls
+
+
+def _maxes_of_two_cp_peers(rank: int, world_size: int) -> dict:
+    """dp=1 x cp=2: rank 1, a CP peer, peaked higher; `reduce_maxes` and the DP-only reduction it replaced."""
+    import torch
+
+    from model.parallel_dims import init_distributed
+    from rl.trainer.trainer import reduce_maxes
+
+    dims = init_distributed(1, 2, 1, device="cpu")
+    mine = {"peak_memory_train_gib": torch.tensor(1.0 + rank)}
+    dp_only = float(mine["peak_memory_train_gib"])  # dims.dp_group is None (dp=1): no collective over DP
+    return {"reduced": reduce_maxes(mine, dims)["peak_memory_train_gib"], "dp_only": dp_only,
+            "dp_group": dims.dp_group is None}
+
+
+@pytest.mark.slow
+def test_a_cp_peers_larger_peak_is_the_steps_peak():
+    """The step's `_max` metrics (memory peaks, the largest rollout log-prob gap) are the maximum over
+    every rank: on dp=1 x cp=2 rank 1's peak of 2 GiB is what both ranks report. Control: the DP-only
+    reduction (the DP group is one rank here) leaves rank 0 with its own 1 GiB."""
+    from testing.distributed import run_distributed
+
+    got = run_distributed(_maxes_of_two_cp_peers, 2, timeout=120)
+    assert [r["reduced"] for r in got] == [2.0, 2.0]
+    assert all(r["dp_group"] for r in got) and got[0]["dp_only"] == 1.0  # the control misses the peer's peak

@@ -616,7 +616,7 @@ class Stats:
 
     def add(self, terms: dict[str, torch.Tensor], weight: float = 1.0) -> None:
         """Sums of `weight` x each term; a `_max` key's maximum instead (over microbatches, updates and
-        DP ranks: `reduce_maxes`), a zero-weight microbatch's left out."""
+        ranks: `reduce_maxes`), a zero-weight microbatch's left out."""
         for k, v in terms.items():
             if k.endswith("_max"):
                 if weight:
@@ -632,13 +632,14 @@ class Stats:
 
 
 def reduce_maxes(maxes: dict[str, torch.Tensor], dims: ParallelDims) -> dict[str, float]:
-    """Every value's maximum over the DP ranks in one all-reduce (MAX)."""
+    """Every value's maximum over all ranks in one all-reduce (MAX): CP peers hold different
+    values here (their token shards' largest gap, their own memory peaks), unlike the sums."""
     if not maxes:
         return {}
     keys = sorted(maxes)
     flat = torch.stack([torch.as_tensor(maxes[k], dtype=torch.float64, device=dims.device).reshape(()) for k in keys])
-    if dims.dp_group is not None:
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=dims.dp_group)
+    if dims.distributed:
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
     return dict(zip(keys, flat.tolist()))
 
 
