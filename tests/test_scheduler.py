@@ -149,7 +149,10 @@ class _Engine:
     needs_sync, holds_base, sync_bucket_bytes, replica = True, False, None, None
 
     def __init__(self):
-        self.version, self.loads = 0, []
+        self.version, self.loads, self.slept = 0, [], 0
+
+    def sleep(self):
+        self.slept += 1
 
     def load_weights(self, items):
         self.version = int(dict(items)["weight"].item())
@@ -204,6 +207,25 @@ def test_max_staleness_1_syncs_into_the_engine_once_the_thread_is_idle():
     s._done_with = lambda v: True  # the control: a sync that does not wait
     with pytest.raises(AssertionError):
         _train(s, range(3), model)
+
+
+def test_at_max_staleness_0_extra_rounds_are_generated_now_and_the_engine_sleeps_after_the_rollout():
+    """k=0: `more` generates dynamic sampling's round r with the policy the step starts from, and
+    `rest` (the rollout stage over) sleeps the engine until the sync. Control: at k=1 the thread's
+    engine never sleeps and an extra round is refused (rl.config.validate forbids the pair)."""
+    model = torch.nn.Linear(1, 1, bias=False)
+    engine = _Engine()
+    s = _scheduler(engine, 0)
+    assert _train(s, [0], model) == [[[0, 0]]]
+    assert [r.sequences.tolist() for r in s.more(1, 2)] == [[1, 1]] and s.source.seen[-1] == (1, 1)
+    s.rest()
+    assert engine.slept == 1
+    engine = _Engine()
+    s = _scheduler(engine, 1)
+    s.rest()
+    assert engine.slept == 0
+    with pytest.raises(RuntimeError, match="max_staleness=0, got 1"):
+        s.more(0, 1)
 
 
 def test_a_stale_rollout_is_dropped_counted_and_its_prompts_generated_again():

@@ -3,11 +3,14 @@
 
     scheduler = RolloutScheduler(source, engine, max_staleness=k, ...)
     taken = scheduler.take(step)        # the step's Buffered rollout: this rank's records, their version
+    records = scheduler.more(step, r)   # k = 0: dynamic sampling's round r, generated now
+    scheduler.rest()                    # the rollout stage is over (k = 0: the engine sleeps)
     ... gather metadata, plan, collate, score, advantages, train (rl/trainer/trainer.py) ...
     metrics |= scheduler.sync(model)    # the step's update, into the engine or (k >= 2) its stage
 
 k = 0   `take` generates the step's rollout now (`source.records`), with the policy the step
-        starts from; nothing runs between steps.
+        starts from (and `more` any extra round of dynamic sampling); the engine sleeps from `rest`
+        to the sync; nothing runs between steps.
 k >= 1  a rollout thread generates rollout after rollout, rollout j with policy version
         max(base, j - k) (base: 0, or the resumed step), into a queue `take` pops from; it starts
         rollout j once step j - k has been taken, so it runs at most k rollouts ahead. At k = 1
@@ -138,6 +141,19 @@ class RolloutScheduler:
         self._metrics = {"rollout_stale_dropped": float(dropped), "rollout_wait_s": taken.waited,
                          "rollout_generate_s": taken.seconds, "rollout_queue": float(ready)}
         return taken
+
+    def more(self, step: int, round_: int) -> list[Experience]:
+        """Dynamic sampling's extra round `round_` of `step`, generated now with the policy the step
+        starts from (k = 0 only: rl.config.validate refuses dynamic sampling beside a rollout thread)."""
+        if self.k:
+            raise RuntimeError(f"RolloutScheduler.more: extra rollout rounds need max_staleness=0, got {self.k}")
+        return self.source.records(step, round_, step)
+
+    def rest(self) -> None:
+        """The step's rollout is complete. k = 0: nothing generates until the sync, so the engine
+        sleeps (its memory free for training; the sync refills it); k >= 1: the thread goes on."""
+        if not self.k:
+            self.engine.sleep()
 
     def sync(self, model) -> dict[str, float]:
         """The step's update (version v + 1) into the engine, once no rollout needs version v there

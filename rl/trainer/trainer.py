@@ -298,8 +298,7 @@ class Trainer:
         self.stage_peaks.mark(None)
         rollouts = self.rollout(step)
         self.stage_peaks.mark("rollout")
-        if not self.rollout_scheduler.k:  # nothing generates until the sync
-            self.engine.sleep()  # the rollout copy's memory is free for training; the sync refills it
+        self.rollout_scheduler.rest()  # max_staleness=0: the engine sleeps until the sync refills it
         self._release_memory()
         minibatches = self.collate(rollouts, self.plan(rollouts.samples))
         self.score(minibatches)
@@ -344,7 +343,7 @@ class Trainer:
                 kept, dropped = filter_uniform_groups(samples)
                 rounds = 1
                 while _groups(kept) < want and rounds < algo.max_sampling_rounds:
-                    generated, local = self._share(self.source.records(step, rounds, step), rounds)
+                    generated, local = self._share(self.rollout_scheduler.more(step, rounds), rounds)
                     records |= local
                     more, lost = filter_uniform_groups(generated)
                     kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
