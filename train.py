@@ -48,7 +48,7 @@ def main(dict_cfg: DictConfig) -> dict:
 
 def run(dict_cfg: DictConfig, out_dir: str) -> dict:
     silence_library_noise()  # before the imports that print it (torchao's kernels, its enums)
-    from rl.trainer.trainer import build_trainer  # transformers and the model code: after the config is checked
+    from rl.trainer.build import build_trainer  # transformers and the model code: after the config is checked
 
     cfg, dims, held = start_up(dict_cfg, out_dir)
     ckpt = Checkpointer(cfg, dims, out_dir)  # checkpoint.* and resume checked before any model is built

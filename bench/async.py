@@ -482,7 +482,7 @@ def run(steps: int, overrides: list[str]) -> tuple[dict[str, list[dict]], int]:
 
     from model.parallel_dims import init_distributed
     from rl.config import load, register, validate
-    from rl.trainer.trainer import build_trainer
+    from rl.trainer.build import build_trainer
 
     register()
     trainers, cfg = {}, None

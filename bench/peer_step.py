@@ -61,7 +61,7 @@ def ours(seed: int, rewards: str, eps: float | None = None, steps: int = 1) -> d
 
     from model.parallel_dims import init_distributed
     from rl.config import load, register
-    from rl.trainer.trainer import build_trainer
+    from rl.trainer.build import build_trainer
 
     register()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):

@@ -175,11 +175,11 @@ def _wrap(owner, name: str, before=None, after=None) -> None:
 
 def instrument(train_module, probe: PhaseMemory) -> None:
     """Mark the phases of `train_module.main` (train.py) on `probe`."""
-    from rl.trainer import trainer as trainer_module
+    from rl.trainer import build as build_module, trainer as trainer_module
     from rl.trainer.checkpoint import Checkpointer
     from rl.trainer.trainer import Trainer
 
-    _wrap(trainer_module, "build_trainer", lambda: probe.begin("load"), probe.end)
+    _wrap(build_module, "build_trainer", lambda: probe.begin("load"), probe.end)
     _wrap(Trainer, "rollout", lambda: probe.begin("rollout"), lambda: probe.begin("training"))
     _wrap(trainer_module, "sync_weights", lambda: probe.begin("sync"))  # the step's last part
     _wrap(Trainer, "step", after=probe.end)

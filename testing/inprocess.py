@@ -28,7 +28,7 @@ def compose(*overrides: str, world_size: int = 1, check: bool = True) -> Config:
 def trainer(*overrides: str):
     """A one-process Trainer as train.py builds it (seeded like a run)."""
     from model.parallel_dims import init_distributed
-    from rl.trainer.trainer import build_trainer
+    from rl.trainer.build import build_trainer
 
     cfg = compose(*overrides)
     dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device=cfg.trainer.device.value,
@@ -74,7 +74,7 @@ def steps_rank(rank: int, world_size: int, overrides: tuple[str, ...], steps: in
     """`steps` steps on `world_size` ranks; the metrics of each step and whether each rank
     ever ran a zero-weight (empty) microbatch."""
     from model.parallel_dims import init_distributed
-    from rl.trainer.trainer import build_trainer
+    from rl.trainer.build import build_trainer
 
     cfg = compose(*overrides, world_size=world_size)
     dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device="cpu")
@@ -99,7 +99,7 @@ def nan_loss_on_one_rank(rank: int, world_size: int, bad_rank: int) -> dict:
     import rl.algos.objective as objective_module
     from model.parallel_dims import init_distributed
     from rl.trainer.guard import DivergenceError
-    from rl.trainer.trainer import build_trainer
+    from rl.trainer.build import build_trainer
 
     cfg = compose(*SMALL, "trainer.max_bad_steps=2", world_size=world_size)
     dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device="cpu")

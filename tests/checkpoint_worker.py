@@ -14,7 +14,8 @@ from model.parallel_dims import init_distributed
 from model.parallelize import full_parameters
 from rl.trainer.checkpoint import load_checkpoint, save_checkpoint, sharded_state
 from rl.config import Config, load, register
-from rl.trainer.trainer import Trainer, build_trainer
+from rl.trainer.build import build_trainer
+from rl.trainer.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -109,13 +109,14 @@ def _releases_in_a_step(*overrides: str) -> tuple[int, int, int]:
     import torch.distributed as dist
 
     from model import parallelize
-    from rl.trainer import trainer as trainer_module
+    from rl.trainer import build as build_module, trainer as trainer_module
     from testing.inprocess import SMALL, trainer
 
     calls = []
     count = lambda: calls.append(1) or True  # noqa: E731
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer_module, "release_memory", count)
+        mp.setattr(build_module, "release_memory", count)  # build_trainer's
+        mp.setattr(trainer_module, "release_memory", count)  # the step's
         mp.setattr(parallelize, "release_memory", count)
         try:
             tr = trainer(*SMALL, "model=dense_tiny", "trainer.device=cpu", *overrides)

@@ -214,7 +214,7 @@ def _untimed(metrics: dict) -> dict:
 def paths_rank(rank: int, world_size: int, overrides: tuple[str, ...], steps: int) -> list[dict]:
     """`steps` steps with the data path, from the seed."""
     from model.parallel_dims import init_distributed
-    from rl.trainer.trainer import build_trainer
+    from rl.trainer.build import build_trainer
     from testing.inprocess import compose
 
     cfg = compose(*overrides, world_size=world_size)

@@ -117,7 +117,7 @@ def audited_step(rank: int, world_size: int, control: bool = False) -> dict:
     from model.parallel_dims import init_distributed
     from packing import Experience
     from rl.config import Config
-    from rl.trainer.trainer import build_trainer
+    from rl.trainer.build import build_trainer
 
     cfg = Config()
     cfg.parallel.cp, cfg.parallel.ep = 2, 2

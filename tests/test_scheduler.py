@@ -355,9 +355,9 @@ def test_a_k2_checkpoint_holds_the_queued_rollouts_with_their_versions_and_the_s
 
     run = (*SMALL, *ASYNC, "rollout.max_staleness=2", "trainer.max_steps=3")
     tr = trainer(*run)
-    assert tr._eval_engine() is not tr.engine and not tr._eval_engine().needs_sync
+    assert tr.eval_engine is not tr.engine and not tr.eval_engine.needs_sync
     off = trainer(*SMALL, *OFF)
-    assert off._eval_engine() is off.engine
+    assert off.eval_engine is off.engine
     tr.step(0)
     staged = sum(t.numel() * t.element_size() for _, t in tr.rollout_scheduler.stage.items())
     assert staged == sum(t.numel() * t.element_size() for _, t in full_parameters(tr.actor.model)) > 0

@@ -169,7 +169,7 @@ def one_step(rank: int, world_size: int, overrides: tuple[str, ...], current: bo
     """Step 0's untimed metrics and the policy after it; `current`: today's path (a plain load
     on every rank, then sharded) instead of the sharded load."""
     import rl.rollout.build as build_module
-    import rl.trainer.trainer as trainer_module
+    import rl.trainer.build as trainer_module  # build_trainer and the model code it calls
     from testing.inprocess import compose
 
     cfg = compose(*overrides, world_size=world_size)

@@ -145,7 +145,7 @@ def sharded_vs_replica(rank: int, world: int, family: str, tied: bool, ep: int =
 def sharded_run_vs_replica_run(rank: int, world: int, overrides: tuple[str, ...], steps: int) -> dict:
     """The same seeded run twice, rollout.replica=keep then sharded, on these ranks."""
     from model.parallel_dims import init_distributed
-    from rl.trainer.trainer import build_trainer
+    from rl.trainer.build import build_trainer
     from testing.inprocess import compose
 
     torch.set_num_threads(1)

@@ -359,7 +359,7 @@ def shared_forward_rank(rank: int, world_size: int, overrides: tuple[str, ...]) 
     from testing.inprocess import compose
 
     from model.parallel_dims import init_distributed
-    from rl.trainer.trainer import build_trainer
+    from rl.trainer.build import build_trainer
 
     cfg = compose(*overrides, world_size=world_size)
     dims = init_distributed(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.ep, device="cpu")

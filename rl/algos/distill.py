@@ -158,23 +158,18 @@ def tokenizer_differences(s: dict[str, str], t: dict[str, str]) -> list[str]:
 
 
 # ------------------------------------------------------------------ the teacher
-def build_teacher(cfg: Any, dims, *, param_dtype: torch.dtype | None):
-    """The teacher as an `Actor` (no grad, its own routing: `replay=False`), parallelized like
-    the reference model (EP, FSDP2 shards without gradients or optimizer state) and read shard
-    by shard from `algo.teacher.path`; self-tested when `algo.teacher.self_test`. Scored at
+def build_teacher(cfg: Any, dims, frozen, *, param_dtype: torch.dtype | None):
+    """The teacher as an `Actor` (no grad, its own routing: `replay=False`), built by `frozen` the
+    way the reference copy is (rl/trainer/build.py `ModelBuilder.frozen`: EP, FSDP2 shards without
+    gradients or optimizer state, read shard by shard from `algo.teacher.path`; a dense teacher
+    of an MoE run whole on each EP rank); self-tested when `algo.teacher.self_test`. Scored at
     temperature 1: the teacher's own distribution."""
-    from model.actor import Actor
-    from model.loading import load_sharded
     from model.models import build_model
-    from model.parallelize import parallelize
 
     t, m = cfg.algo.teacher, cfg.model
     dtype = getattr(torch, (t.dtype or m.dtype).value)
-    lm = build_model(None, pretrained_path=t.path, dtype=dtype, device="meta").requires_grad_(False)
-    teacher = Actor(lm, temperature=1.0, chunk_bytes=m.logprob_chunk_bytes, dims=dims, replay=False,
-                    actions_only=True, share_prompts=m.share_prompts)
-    # a dense teacher of an MoE run (ep > 1) is whole on each EP rank, FSDP2-sharded like the policy's dense layers
-    teacher = load_sharded(parallelize(teacher, dims, param_dtype=param_dtype, dense_ok=True), t.path, dims).eval()
+    teacher = frozen(lambda device: build_model(None, pretrained_path=t.path, dtype=dtype, device=device), t.path,
+                     temperature=1.0, replay=False, activation_checkpointing=False, dense_ok=True)
     if t.self_test:
         compute = param_dtype or dtype
         tol = t.self_test_tol if t.self_test_tol is not None else SELF_TEST_TOL[compute]

@@ -6,6 +6,7 @@
     rollout.engine=vllm (keep)   -> VLLMRolloutEngine (rl/rollout/vllm_engine.py)
 
 Every engine gets the policy's weights once here, bucket by bucket (rl/rollout/sync.py).
+`evaluation_engine`: the held-out evaluation's (the rollout engine, or at max_staleness >= 2 the policy).
 """
 
 from __future__ import annotations
@@ -68,6 +69,17 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
     engine.sync_bucket_bytes, engine.replica = bucket, replica
     sync_weights(engine, actor.model)  # bucket by bucket (rl/rollout/sync.py); nothing for the sharded policy
     return engine
+
+
+def evaluation_engine(dims, task, actor, engine: RolloutEngine, max_staleness: int) -> RolloutEngine:
+    """The held-out evaluation's engine: the rollout `engine`, idle at a step's start and holding the
+    policy it starts from (max_staleness=1: the thread starts the next rollout at `take`); with
+    max_staleness >= 2 the rollout thread's (holding an older policy), so the policy itself
+    generates (PolicyRolloutEngine: its FSDP shards, gathered layer by layer)."""
+    if max_staleness < 2:
+        return engine
+    return PolicyRolloutEngine(actor, stop_token_id=task.stop_token_id,
+                               group=torch.distributed.group.WORLD if dims.distributed else None)
 
 
 def engine_max_len(cfg, task) -> int | None:

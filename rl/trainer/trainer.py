@@ -46,97 +46,31 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 import torch.distributed as dist
 
-from model import kernels
-from model.actor import Actor, Critic
 from model.allocator import release_memory
-from model.loading import load_sharded
-from model.lora import adapters_disabled, apply_lora, has_adapters, trainable_parameters
-from model.models import build_model, model_config_value
+from model.lora import trainable_parameters
 from model.moe import moe_blocks, reset_expert_load, router_aux_loss
-from model.parallel_dims import ParallelDims
-from model.parallelize import clip_grad_norm_, expert_load_metrics, parallelize, sharded_on_host
+from model.parallelize import clip_grad_norm_, expert_load_metrics, sharded_on_host
 from packing import Experience, make_experience_batch, plan_microbatches
 from packing.planner import flop_cost
 from packing.exchange import StandIn, exchange, gather_metadata
 from rl.algos.advantages import compute_advantages
-from rl.algos.distill import build_teacher
 from rl.trainer.checkpoint import load_sharded_state, sharded_state
-from rl.config import Balance, Config, check_task_fits, max_staleness
+from rl.config import Balance, Config
 from rl.config.schema import OldLogProbs
 from rl.trainer.guard import DivergenceGuard, poison
 from rl.algos.losses import LossAgg, build_kl_controller, loss_normalizer
 from rl.algos.objective import Objective
 from rl.algos.schedule import make_lr_scheduler
 from rl.tasks.reward import filter_uniform_groups, varied_groups
-from rl.rollout.engine import PolicyRolloutEngine
-from rl.rollout.scheduler import RolloutScheduler
-from rl.rollout.source import RolloutSource
 from rl.rollout.sync import sync_weights
-from rl.rollout.build import build_engine
-from rl.rollout.evaluate import evaluate, heldout_problems
+from rl.rollout.evaluate import evaluate
 from rl.rollout.episodes import episode_metrics
 from rl.rollout.samples import sample_rows, turn_counts
-from rl.tasks.calls import UserCalls
-from rl.tasks.registry import build_task
-
-
-def build_trainer(cfg: Config, dims: ParallelDims) -> "Trainer":
-    """Policy, critic, reference (each parallelized: EP, activation checkpointing, FSDP2),
-    task and rollout engine (an unsharded copy synced from the policy, or the sharded policy itself:
-    rollout.replica, rl/rollout/replica.py)."""
-    m = cfg.model
-    dtype = getattr(torch, m.dtype.value)
-    param_dtype = getattr(torch, m.param_dtype.value) if m.param_dtype is not None else None
-    kernels.select(m.attention, dims.device, param_dtype or dtype)  # logs the packed attention kernel
-    # the task first: its errors (files, tokenizer, held-out size) come before any weight loads
-    vocab_size = model_config_value(cfg, "vocab_size")[0]
-    task = build_task(cfg.task.name, prompts_path=cfg.task.prompts_path, reward_fn=cfg.task.reward_fn,
-                      tokenizer_path=cfg.task.tokenizer_path, vocab_size=vocab_size, **cfg.task.options,
-                      calls=UserCalls(cfg.task.on_error, cfg.task.timeout_s,  # how its user code is called
-                                      cfg.task.isolation))
-    check_task_fits(cfg, task)  # batch.max_tokens holds the task's longest prompt + task.max_new_tokens
-    heldout = heldout_problems(task, cfg.eval.num_prompts, cfg.task.name.value) if cfg.eval.every else []
-
-    def new_model(device=None):
-        name = m.name.value if m.name is not None else None
-        return build_model(name, pretrained_path=m.pretrained_path, seed=cfg.seed, dtype=dtype, device=device,
-                           **m.overrides)
-
-    def policy_model(device=None, adapters_on=None):
-        """The policy's causal LM: with model.lora.rank > 0 the base with adapters (model/lora.py),
-        allocated on `adapters_on` when the base is a meta skeleton (None: left on meta)."""
-        lm = new_model(device)
-        return apply_lora(lm, m.lora, seed=cfg.seed, device=adapters_on) if m.lora.rank else lm
-
-    def build(wrap, lm=new_model):
-        """`wrap(lm())` (an Actor or Critic), parallelized. A checkpoint is built on the meta
-        device and each rank reads only its shard of it (model/loading.py); a random-init model
-        is built whole from the seed on every rank alike, then sharded."""
-        meta = m.pretrained_path is not None
-        module = parallelize(wrap(lm("meta" if meta else None)), dims, param_dtype=param_dtype,
-                             activation_checkpointing=cfg.trainer.activation_checkpointing)
-        return load_sharded(module, m.pretrained_path, dims) if meta else module
-
-    actor = build(lambda lm: Actor(lm, temperature=m.temperature, chunk_bytes=m.logprob_chunk_bytes, dims=dims,
-                                   actions_only=True, share_prompts=m.share_prompts),
-                  lambda device: policy_model(device, adapters_on=dims.device))
-    critic = build(lambda lm: Critic(lm, dims=dims, share_prompts=m.share_prompts)) if cfg.algo.uses_critic else None
-    reference = None  # LoRA: the policy with its adapters disabled (Trainer.score), no copy built
-    if cfg.algo.kl_coef and not m.lora.rank:
-        reference = build(lambda lm: Actor(lm.requires_grad_(False), temperature=m.temperature,
-                                           chunk_bytes=m.logprob_chunk_bytes, dims=dims, actions_only=True,
-                                           share_prompts=m.share_prompts))
-    # on-policy distillation's teacher (rl/algos/distill.py): its own shards, before the engine's memory plan
-    teacher = build_teacher(cfg, dims, param_dtype=param_dtype) if cfg.algo.teacher.path else None
-    engine = build_engine(cfg, dims, task, actor, policy_model)  # rollout.engine: hf | vllm (rl/rollout/build.py)
-    release_memory()  # what loading and sharding freed, back to the OS (model/allocator.py)
-    return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine, task=task,
-                   heldout=heldout, teacher=teacher)
 
 
 def adamw_options(device: torch.device) -> dict:
@@ -217,13 +151,18 @@ class StagePeaks:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, dims: ParallelDims, *, actor: Actor, critic: Critic | None,
-                 reference: Actor | None, engine, task, heldout: list | None = None,
-                 teacher: Actor | None = None) -> None:
+    """The step (`step`) over the parts rl/trainer/build.py `build_trainer` builds: the policy, the
+    critic, the reference copy (None: none built) and `base`, what the base log-probs come from
+    (the copy, or the LoRA policy with its adapters off), the teacher, the rollout and evaluation
+    engines, and the scheduler that says when each rollout is generated."""
+
+    def __init__(self, cfg: Config, dims, *, actor, critic, reference, base: Callable | None, engine, eval_engine,
+                 scheduler, task, heldout: list | None = None, teacher=None) -> None:
         self.cfg, self.dims = cfg, dims
-        self.actor, self.critic, self.reference = actor, critic, reference
+        self.actor, self.critic, self.reference, self.base = actor, critic, reference, base
         self.teacher = teacher  # on-policy distillation (algo.teacher.path): frozen, scored in `score`
-        self.engine, self.task = engine, task
+        self.engine, self.eval_engine, self.task = engine, eval_engine, task
+        self.rollout_scheduler, self.source = scheduler, scheduler.source  # when, and what, each rollout generates
         self.heldout = heldout or []  # the held-out problems of `evaluate` (eval.every > 0)
         fused = adamw_options(dims.device)
         # LoRA: the adapters only (model/lora.py `trainable_parameters` refuses a trainable base weight)
@@ -244,18 +183,11 @@ class Trainer:
                                      signal_hint=task.signal_hint())  # what the task's reward reads
         # batch.balance=flops: the planner evens out a * tokens + b * tokens^2 (linear layers + attention)
         self.cost = flop_cost(self.hf_config) if cfg.batch.balance is Balance.FLOPS else None
-        # where and when the rollout stage's samples are generated (rl/rollout/source.py, scheduler.py)
-        self.source = RolloutSource(cfg, dims, engine, task)
-        self.rollout_scheduler = RolloutScheduler(
-            self.source, engine, max_staleness=max_staleness(cfg.rollout), max_steps=cfg.trainer.max_steps,
-            samples_per_step=cfg.task.prompts_per_step * cfg.task.samples_per_prompt, rank=dims.rank,
-            device=dims.device)
         self.samples: list[dict] = []  # the last step's first trainer.log_samples episodes, on rank 0 (samples.py)
-        self._policy_engine = None  # rollout.max_staleness >= 2: the held-out evaluation's (`_eval_engine`)
         self._sharded_on_host = sharded_on_host(actor)
         self.on_progress = None  # train.py's progress bar: on_progress(**what the step is doing now), or None
         self.stage_peaks = StagePeaks(dims.device)  # CUDA: peak memory per stage in the step's metrics
-        engine.on_progress = self._progress  # decode steps and turns of a generation
+        engine.on_progress = eval_engine.on_progress = self._progress  # decode steps and turns of a generation
 
     def _release_memory(self) -> None:
         """A rank of a sharded CPU run hands what a stage freed back to the OS (model/allocator.py),
@@ -271,22 +203,9 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Greedy pass@1 of the current policy on the held-out problems (rl/rollout/evaluate.py)."""
         e = self.cfg.eval
-        return evaluate(self._eval_engine(), self.task, self.heldout, self.dims, batch_size=e.batch_size,
+        return evaluate(self.eval_engine, self.task, self.heldout, self.dims, batch_size=e.batch_size,
                         max_new_tokens=e.max_new_tokens or self.cfg.task.max_new_tokens,
                         progress=self.cfg.trainer.progress and self.dims.rank == 0)
-
-    def _eval_engine(self):
-        """The rollout engine, idle at the step's start and holding the policy it starts from
-        (max_staleness=1: the thread starts the next rollout at `take`); with max_staleness >= 2
-        it is the rollout thread's (and holds an older policy), so the policy itself generates
-        (PolicyRolloutEngine: its FSDP shards, gathered layer by layer)."""
-        if self.rollout_scheduler.k < 2:
-            return self.engine
-        if self._policy_engine is None:
-            self._policy_engine = PolicyRolloutEngine(self.actor, stop_token_id=self.task.stop_token_id,
-                                                      group=dist.group.WORLD if self.dims.distributed else None)
-            self._policy_engine.on_progress = self._progress
-        return self._policy_engine
 
     def step(self, step: int) -> dict[str, float]:
         """One step, stage by stage (the module docstring); the held-out evaluation of the
@@ -427,12 +346,8 @@ class Trainer:
                 elif updates or algo.kl_in_reward:
                     self.actor.eval()
                     batch.action_log_probs = self.actor(batch)
-                if self.reference is not None:
-                    batch.base_action_log_probs = self.reference(batch)
-                elif algo.kl_coef and has_adapters(self.actor.model):  # LoRA: the base is the reference
-                    self.actor.eval()
-                    with adapters_disabled(self.actor.model):
-                        batch.base_action_log_probs = self.actor(batch)
+                if self.base is not None:  # the reference copy, or the LoRA policy with its adapters off
+                    batch.base_action_log_probs = self.base(batch)
                 if self.teacher is not None:  # its own routing, never the student's replay records
                     batch.teacher_action_log_probs, teacher_argmax = self.teacher(batch, return_argmax=True)
                     if student_argmax is not None:
@@ -591,8 +506,7 @@ class Trainer:
         self.kl_ctl.value = float(state["kl_coef"])
         self.guard.bad_steps = int(state["bad_steps"])  # a streak of skipped updates continues
         self.rollout_scheduler.load_state_dict(state.get("rollout"), int(state.get("step", 0)))
-        if self.engine is not None:
-            sync_weights(self.engine, self.actor.model)
+        sync_weights(self.engine, self.actor.model)
 
 
 def _groups(samples: list[Experience]) -> int:
@@ -630,7 +544,7 @@ class Stats:
             self.step_sums[k] = self.step_sums.get(k, 0.0) + float(v)
 
 
-def reduce_maxes(maxes: dict[str, torch.Tensor], dims: ParallelDims) -> dict[str, float]:
+def reduce_maxes(maxes: dict[str, torch.Tensor], dims) -> dict[str, float]:
     """Every value's maximum over all ranks in one all-reduce (MAX): CP peers hold different
     values here (their token shards' largest gap, their own memory peaks), unlike the sums."""
     if not maxes:
@@ -642,7 +556,7 @@ def reduce_maxes(maxes: dict[str, torch.Tensor], dims: ParallelDims) -> dict[str
     return dict(zip(keys, flat.tolist()))
 
 
-def reduce_sums(sums: dict[str, torch.Tensor], dims: ParallelDims) -> dict[str, float]:
+def reduce_sums(sums: dict[str, torch.Tensor], dims) -> dict[str, float]:
     """Sum every value over the DP ranks in one all-reduce (CP peers hold the same values)."""
     keys = sorted(sums)
     flat = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=dims.device).reshape(()) for k in keys])
