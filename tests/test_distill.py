@@ -323,6 +323,64 @@ def test_a_dense_teacher_for_an_moe_student_and_the_other_way_round(tmp_path, st
     assert -math.log(VOCAB) - 2 < metrics["teacher_log_prob"] < 0
 
 
+# ------------------------------------------------------------------ where the teacher lives
+def test_an_offloaded_teacher_is_on_the_device_for_the_score_stage_only_and_scores_as_a_resident_one(
+        tmp_path, monkeypatch):
+    """algo.teacher.placement=offload: parked on the host after its self-test, moved onto the
+    device before the score stage's first forward and back after its last (on CPU both are
+    'cpu': the order of the moves and forwards is what is checked), an exception in the stage
+    too; the step's figures equal the resident (sharded) teacher's exactly."""
+    import rl.algos.distill as distill
+
+    teacher = checkpoint(tmp_path / "t", "qwen3_moe", seed=1)
+    run = (*SMALL, "algo.advantage=distill", f"algo.teacher.path={teacher}", "eval.every=0", "trainer.log_samples=0")
+    events, move = [], distill.move_teacher
+    monkeypatch.setattr(distill, "move_teacher", lambda t, device: (events.append("move"), move(t, device)))
+    tr = trainer(*run)
+    resident = tr.step(0), weights(tr)
+    assert events == []  # the control: a sharded teacher never moves
+    tr = trainer(*run, "algo.teacher.placement=offload")
+    assert events == ["move"]  # parked on the host at build, after the self-test
+    tr.teacher.register_forward_pre_hook(lambda *_: events.append("forward"))
+    offloaded = tr.step(0), weights(tr)
+    forwards = events.count("forward")
+    assert forwards > 0 and events == ["move", "move", *["forward"] * forwards, "move"], events
+    figures = ("reward_mean", "loss", "grad_norm", "distill_reverse_kl", "teacher_log_prob", "distill_argmax_agreement")
+    assert [offloaded[0][k] for k in figures] == [resident[0][k] for k in figures]
+    assert _changed(resident[1], offloaded[1]) == 0.0
+    events.clear()
+    with pytest.raises(RuntimeError, match="in the stage"):
+        with distill.teacher_on_device(tr.teacher, "offload", tr.dims.device):
+            raise RuntimeError("in the stage")
+    assert events == ["move", "move"]  # back on the host all the same
+
+
+def test_the_memory_plan_counts_the_teachers_shards_by_placement(tmp_path):
+    """The rollout's start-up plan (rl/rollout/replica.py) names the teacher's shard bytes; an
+    offloaded teacher comes back beside the awake copy with max_staleness >= 1 and is counted to
+    come (a budget that fits the copy and the state but not the teacher then drops the copy, which
+    one step off refuses), a resident one is already out of the measured budget, and at
+    max_staleness=0 the copy sleeps through the score stage."""
+    from rl.rollout.replica import GIB, local_shard_bytes
+
+    teacher = checkpoint(tmp_path / "t", "qwen3", seed=1)
+    run = (*SMALL, "model=dense_tiny", "algo.advantage=distill", f"algo.teacher.path={teacher}", "eval.every=0")
+    off = ("rollout.mode=one_step_off", "algo.tis_cap=2.0")
+    sharded = trainer(*run, *off).engine.replica
+    tr = trainer(*run, *off, "algo.teacher.placement=offload")
+    offload, shards = tr.engine.replica, local_shard_bytes(tr.teacher)
+    assert shards == sum(p.numel() * p.element_size() for p in tr.teacher.parameters()) > 0
+    assert (sharded.teacher_placement, sharded.teacher_bytes, sharded.teacher_to_come) == ("sharded", shards, 0)
+    assert (offload.teacher_placement, offload.teacher_bytes, offload.teacher_to_come) == ("offload", shards, shards)
+    assert "algo.teacher.placement=offload" in offload.describe() and "the teacher to come" in offload.describe()
+    assert trainer(*run, "algo.teacher.placement=offload").engine.replica.teacher_to_come == 0  # sync: it sleeps
+    between = (offload.replica_bytes + offload.state_bytes + shards // 2) / GIB  # fits all but the teacher
+    budget = (f"rollout.memory_budget_gb={between!r}", *off)
+    assert trainer(*run, *budget).engine.replica.mode == "keep"  # the control: resident, nothing to come
+    with pytest.raises(ValueError, match=r"rollout.replica=auto -> sharded generates with the training policy's"):
+        trainer(*run, *budget, "algo.teacher.placement=offload")  # the copy dropped: one step off cannot run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3"])
 def test_train_py_distills_and_one_process_equals_cp2_ep2(tmp_path, family):

@@ -14,17 +14,25 @@ tokenizer file, the special tokens and the chat template compared by sha256). Af
 teacher is built (`build_teacher`), `self_test` compares its log-probs on a few fixed
 sequences with a plain transformers forward of the checkpoint and refuses a difference
 above `algo.teacher.self_test_tol`.
+
+Where the teacher lives (`algo.teacher.placement`, `TeacherPlacement`): its own FSDP2 shards on
+the training device for the whole run (`sharded`), or the same shards parked in host memory
+between steps and moved onto the device for the score stage only (`offload`, `teacher_on_device`).
+The rollout's memory plan (rl/rollout/replica.py) counts the teacher's shard bytes either way.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from rl.choice import Choice
 
 # the tokenizer files compared whole (a file one side has and the other lacks differs too)
 TOKENIZER_FILES = ("tokenizer.json", "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -34,6 +42,13 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "added
 # the self-test's bound on max |log p_teacher - log p_plain| when algo.teacher.self_test_tol is null
 SELF_TEST_TOL = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
 SELF_TEST_LENGTHS = (9, 6, 12)  # the fixed sequences' lengths (token ids from a fixed seed)
+
+
+class TeacherPlacement(Choice):
+    """`algo.teacher.placement`: where the teacher's weights live between score stages."""
+
+    SHARDED = "sharded"  # its own FSDP2 shards on the training device, resident (no gradients, no optimizer state)
+    OFFLOAD = "offload"  # the same shards in host memory, on the device only for the score stage
 
 
 # ------------------------------------------------------------------ start-up
@@ -162,8 +177,8 @@ def build_teacher(cfg: Any, dims, frozen, *, param_dtype: torch.dtype | None):
     """The teacher as an `Actor` (no grad, its own routing: `replay=False`), built by `frozen` the
     way the reference copy is (rl/trainer/build.py `ModelBuilder.frozen`: EP, FSDP2 shards without
     gradients or optimizer state, read shard by shard from `algo.teacher.path`; a dense teacher
-    of an MoE run whole on each EP rank); self-tested when `algo.teacher.self_test`. Scored at
-    temperature 1: the teacher's own distribution."""
+    of an MoE run whole on each EP rank); self-tested when `algo.teacher.self_test`, then parked on the
+    host with `algo.teacher.placement=offload`. Scored at temperature 1: the teacher's own distribution."""
     from model.models import build_model
 
     t, m = cfg.algo.teacher, cfg.model
@@ -174,7 +189,33 @@ def build_teacher(cfg: Any, dims, frozen, *, param_dtype: torch.dtype | None):
         compute = param_dtype or dtype
         tol = t.self_test_tol if t.self_test_tol is not None else SELF_TEST_TOL[compute]
         self_test(teacher, t.path, dims, dtype=compute, tol=tol)
+    if TeacherPlacement(t.placement) is TeacherPlacement.OFFLOAD:
+        move_teacher(teacher, HOST)
     return teacher
+
+
+HOST = torch.device("cpu")  # where an offloaded teacher waits between score stages
+
+
+def move_teacher(teacher, device: torch.device) -> None:
+    """Every shard (parameters and buffers) of `teacher` onto `device`, in place. FSDP2's
+    `module.to` re-registers the moved shards with its parameter groups, so the next forward
+    all-gathers from where they now are."""
+    teacher.to(device)
+
+
+@contextmanager
+def teacher_on_device(teacher, placement, device: torch.device):
+    """`algo.teacher.placement=offload`: the teacher's shards on `device` inside the block, back
+    on the host after it (an exception too); `sharded`: they stay where they are."""
+    if teacher is None or TeacherPlacement(placement) is TeacherPlacement.SHARDED:
+        yield
+        return
+    move_teacher(teacher, device)
+    try:
+        yield
+    finally:
+        move_teacher(teacher, HOST)
 
 
 def fixed_sequences(vocab_size: int, lengths=SELF_TEST_LENGTHS) -> list[torch.Tensor]:

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional
 from model.families import FAMILIES
 from model.kernels import KERNELS
 from model.lora import LoraSettings
+from rl.algos.distill import TeacherPlacement
 from rl.algos.advantages import AdvantageConfig, get_advantage_estimator
 from rl.algos.losses import KLConfig, KLMode, PolicyLossConfig
 from rl.algos.schedule import LRSchedule
@@ -42,8 +43,8 @@ class Device(Choice):
 @dataclass
 class TeacherConfig:
     """`algo.teacher.*`: the frozen model whose log-probs of the student's samples are the
-    distillation signal (rl/algos/distill.py, docs/algorithms.md Distillation). It lives as its own
-    FSDP2 shards on the training device, without gradients or optimizer state, like the reference model."""
+    distillation signal (rl/algos/distill.py, docs/algorithms.md Distillation). It is its own FSDP2
+    shards, without gradients or optimizer state, like the reference model; `placement` says where they live."""
 
     # a local checkpoint folder of a supported family (dense or MoE) with the student's vocabulary and
     # tokenizer; null = no teacher
@@ -54,6 +55,9 @@ class TeacherConfig:
     self_test: bool = True
     # the self-test's bound on the largest |log-prob difference|; null = 1e-3 for float32 compute, 0.1 for bf16/fp16
     self_test_tol: Optional[float] = None
+    # sharded: its shards resident on the training device; offload: in host memory between steps, moved onto the
+    # device for the score stage and back after (the rollout's memory plan counts the teacher's bytes either way)
+    placement: TeacherPlacement = TeacherPlacement.SHARDED
 
 
 class Logger(Choice):

@@ -30,8 +30,10 @@ from rl.rollout.vllm_engine import VLLMRolloutEngine, require_vllm
 from rl.tasks.base import longest_sample
 
 
-def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
-    """The rollout engine `cfg.rollout.engine` names, holding the policy's weights.
+def build_engine(cfg, dims, task, actor, new_model, teacher=None, max_staleness: int = 0) -> RolloutEngine:
+    """The rollout engine `cfg.rollout.engine` names, holding the policy's weights (`teacher`: the
+    distillation teacher, or None, and `max_staleness`, the resolved rollout.max_staleness, for
+    the memory plan).
     `new_model(device=None)` builds a fresh unsharded policy-shaped model (on meta: the HF engine's copy; for
     vLLM it is saved once as the checkpoint folder of a random-init run)."""
     stop = task.stop_token_id
@@ -40,7 +42,8 @@ def build_engine(cfg, dims, task, actor, new_model) -> RolloutEngine:
     # no systematic rollout/train gap from the dtype
     compute = cfg.model.param_dtype or cfg.model.dtype
     bucket = resolve_bucket_bytes(actor.model, r.sync_bucket_bytes)  # smaller than the largest tensor: an error
-    replica = choose_replica(cfg, dims, actor)  # rollout.replica: keep a copy, or generate from the sharded policy
+    # rollout.replica: keep a copy, or generate from the sharded policy
+    replica = choose_replica(cfg, dims, actor, teacher, max_staleness=max_staleness)
     if dims.rank == 0:
         logging.getLogger("train").info("%s", replica.describe())
     if replica.mode == ReplicaMode.SHARDED:

@@ -23,8 +23,14 @@ the rollout, and the step's peak is the training, where it is released.
 The plan counts, per rank: the copy (every full tensor of the policy, `full_tensor_bytes`),
 the training state still to come at start-up (gradients and the two AdamW moments: 3 x
 this rank's shard bytes of the policy's trainable parameters, with LoRA its adapters only,
-and of a whole policy's for the critic when the algorithm has one), and
-the budget: `rollout.memory_budget_gb` when set, else the device's free memory now (cuda:
+and of a whole policy's for the critic when the algorithm has one), the distillation teacher
+(rl/algos/distill.py: this rank's shard bytes, by `algo.teacher.placement`: `sharded` shards are
+resident from before the plan, so already out of the budget it measures, and counted as 0 to
+come; `offload` shards are on the host when the plan measures and come back onto the device
+for each score stage, counted to come when the copy is awake then, i.e. with
+`rollout.max_staleness` >= 1 (the rollout thread generates with it through the step; at 0 the
+copy sleeps before the score stage and the teacher is back on the host before the sync refills
+it)), and the budget: `rollout.memory_budget_gb` when set, else the device's free memory now (cuda:
 `torch.cuda.mem_get_info`; cpu: psutil's available memory shared by the ranks of this host)
 less a reserve of `RESERVE` of it (activations, the KV cache, the allocator). The copy fits
 when copy + state to come <= budget. Every rank takes the same decision: the budget is the
@@ -75,29 +81,42 @@ class ReplicaChoice:
     state_bytes: int  # training state still to come (gradients, AdamW moments)
     budget_bytes: int
     budget_source: str
+    teacher_placement: str = ""  # algo.teacher.placement; "" without a teacher
+    teacher_bytes: int = 0  # this rank's shard bytes of the teacher
+    teacher_to_come: int = 0  # of those, what comes onto the device beside the copy (module docstring)
 
     @property
     def fits(self) -> bool:
-        return self.replica_bytes + self.state_bytes <= self.budget_bytes
+        return self.replica_bytes + self.state_bytes + self.teacher_to_come <= self.budget_bytes
 
     def describe(self) -> str:
         verdict = "fits" if self.fits else "does not fit"
+        teacher = ""
+        if self.teacher_placement:
+            where = ("resident on the device, out of the budget" if self.teacher_placement == "sharded" else
+                     "on the host between steps, on the device for the score stage")
+            teacher = (f" + the teacher to come {self.teacher_to_come / GIB:.3f} GiB (algo.teacher.placement="
+                       f"{self.teacher_placement}: {self.teacher_bytes / GIB:.3f} GiB of shards, {where})")
         return (f"rollout.replica={self.setting} -> {self.mode}: an unsharded copy needs "
                 f"{self.replica_bytes / GIB:.3f} GiB + training state to come {self.state_bytes / GIB:.3f} GiB "
-                f"(gradients and AdamW moments of the trainable parameters) "
+                f"(gradients and AdamW moments of the trainable parameters){teacher} "
                 f"per rank against a budget of {self.budget_bytes / GIB:.3f} GiB ({self.budget_source}): {verdict}")
 
 
 def choose(setting: ReplicaMode | str, *, engine: str, replica_bytes: int, state_bytes: int, budget_bytes: int,
-           budget_source: str, sharded_unsupported: str | None = None) -> ReplicaChoice:
+           budget_source: str, sharded_unsupported: str | None = None,
+           teacher: tuple[str, int, int] = ("", 0, 0)) -> ReplicaChoice:
     """The plan for `rollout.replica=setting` with `rollout.engine=engine`; a ValueError
     naming the setting and the sizes when it cannot be followed. `sharded_unsupported`:
-    why generation from the sharded policy cannot serve this run (None: it can)."""
+    why generation from the sharded policy cannot serve this run (None: it can). `teacher`:
+    (placement, shard bytes, bytes to come) of a distillation teacher."""
     setting = ReplicaMode(setting)
-    plan = ReplicaChoice(setting.value, "", int(replica_bytes), int(state_bytes), int(budget_bytes), budget_source)
+    plan = ReplicaChoice(setting.value, "", int(replica_bytes), int(state_bytes), int(budget_bytes), budget_source,
+                         teacher[0], int(teacher[1]), int(teacher[2]))
+    with_teacher = f" + the teacher to come {plan.teacher_to_come / GIB:.3f} GiB" if plan.teacher_to_come else ""
     sizes = (f"it needs {plan.replica_bytes / GIB:.3f} GiB ({plan.replica_bytes} bytes) + the training state to "
-             f"come {plan.state_bytes / GIB:.3f} GiB per rank, over the budget of {plan.budget_bytes / GIB:.3f} GiB "
-             f"({budget_source})")
+             f"come {plan.state_bytes / GIB:.3f} GiB{with_teacher} per rank, over the budget of "
+             f"{plan.budget_bytes / GIB:.3f} GiB ({budget_source})")
     if engine != RolloutEngineName.HF:
         if setting is ReplicaMode.SHARDED:
             raise ValueError(f"rollout.replica=sharded: {sharded_unsupported or f'rollout.engine={engine}'}")
@@ -140,8 +159,11 @@ def local_shard_bytes(module: nn.Module, trainable: bool = False) -> int:
                if p.requires_grad or not trainable)
 
 
-def choose_replica(cfg, dims, actor: nn.Module) -> ReplicaChoice:
-    """`choose` for the run: `actor` is the parallelized policy (its `.model` the causal LM)."""
+def choose_replica(cfg, dims, actor: nn.Module, teacher: nn.Module | None = None, *,
+                   max_staleness: int = 0) -> ReplicaChoice:
+    """`choose` for the run: `actor` is the parallelized policy (its `.model` the causal LM),
+    `teacher` the distillation teacher (None: no teacher), `max_staleness` the run's
+    `rollout.max_staleness` as resolved (rl/config/checks.py `max_staleness`)."""
     from rl.rollout.sync import full_tensor_bytes
 
     r = cfg.rollout
@@ -151,15 +173,20 @@ def choose_replica(cfg, dims, actor: nn.Module) -> ReplicaChoice:
     replica = sum(full_tensor_bytes(actor.model).values()) * copy // master
     # grads + AdamW moments of what trains (LoRA: the adapters); a critic trains all of about the policy's size
     state = 3 * (local_shard_bytes(actor, trainable=True) + (local_shard_bytes(actor) if cfg.algo.uses_critic else 0))
+    placement, shards, to_come = "", 0, 0
+    if teacher is not None:  # its shards, resident (sharded) or back for each score stage (offload): module docstring
+        placement, shards = str(cfg.algo.teacher.placement), local_shard_bytes(teacher)
+        to_come = shards if placement == "offload" and max_staleness >= 1 else 0
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size if dims.device.type == "cpu" else 1))
     budget, source = device_budget(dims.device, budget_gb=r.memory_budget_gb, local_ranks=local_ranks)
     if dims.distributed:  # one plan for every rank (sharded generation is a collective): the tightest rank's figures
-        figures = torch.tensor([budget, -state], dtype=torch.int64, device=dims.device)
+        figures = torch.tensor([budget, -state, -shards, -to_come], dtype=torch.int64, device=dims.device)
         torch.distributed.all_reduce(figures, op=torch.distributed.ReduceOp.MIN)
-        budget, state = int(figures[0]), -int(figures[1])
+        budget, state, shards, to_come = int(figures[0]), -int(figures[1]), -int(figures[2]), -int(figures[3])
         source = f"the least over {dims.world_size} ranks of: {source}"
     return choose(r.replica, engine=str(r.engine), replica_bytes=replica, state_bytes=state, budget_bytes=budget,
-                  budget_source=source, sharded_unsupported=sharded_unsupported(cfg))
+                  budget_source=source, sharded_unsupported=sharded_unsupported(cfg),
+                  teacher=(placement, shards, to_come))
 
 
 def sharded_unsupported(cfg) -> str | None:

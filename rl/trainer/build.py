@@ -122,7 +122,9 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> Trainer:
     base = None if not cfg.algo.kl_coef else reference if reference is not None else adapters_off(actor)
     # on-policy distillation's teacher (rl/algos/distill.py): its own shards, before the engine's memory plan
     teacher = build_teacher(cfg, dims, build.frozen, param_dtype=build.param_dtype) if cfg.algo.teacher.path else None
-    engine = build_engine(cfg, dims, task, actor, build.policy_lm)  # rollout.engine: hf | vllm (rl/rollout/build.py)
+    # rollout.engine: hf | vllm (rl/rollout/build.py); its memory plan counts the teacher
+    engine = build_engine(cfg, dims, task, actor, build.policy_lm, teacher=teacher,
+                          max_staleness=max_staleness(cfg.rollout))
     release_memory()  # what loading and sharding freed, back to the OS (model/allocator.py)
     source = RolloutSource(cfg, dims, engine, task)  # what each rollout round generates; the scheduler says when
     scheduler = RolloutScheduler(

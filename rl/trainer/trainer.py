@@ -59,6 +59,7 @@ from packing import Experience, make_experience_batch, plan_microbatches
 from packing.planner import flop_cost
 from packing.exchange import StandIn, exchange, gather_metadata
 from rl.algos.advantages import compute_advantages
+from rl.algos.distill import teacher_on_device
 from rl.trainer.checkpoint import load_sharded_state, sharded_state
 from rl.config import Balance, Config
 from rl.config.schema import OldLogProbs
@@ -335,27 +336,29 @@ class Trainer:
         """Fields read before the update, in place on the collated batches."""
         algo = self.cfg.algo
         updates = algo.mini_batches * algo.epochs > 1
-        for mb in minibatches:
-            for batch in mb.batches:
-                student_argmax = None  # distillation: the student's most likely tokens, for the agreement metric
-                if algo.old_log_probs == OldLogProbs.ROLLOUT:
-                    batch.action_log_probs = batch.rollout_log_probs
-                elif self.teacher is not None:  # distillation: the student's log-probs, always
-                    self.actor.eval()
-                    batch.action_log_probs, student_argmax = self.actor(batch, return_argmax=True)
-                elif updates or algo.kl_in_reward:
-                    self.actor.eval()
-                    batch.action_log_probs = self.actor(batch)
-                if self.base is not None:  # the reference copy, or the LoRA policy with its adapters off
-                    batch.base_action_log_probs = self.base(batch)
-                if self.teacher is not None:  # its own routing, never the student's replay records
-                    batch.teacher_action_log_probs, teacher_argmax = self.teacher(batch, return_argmax=True)
-                    if student_argmax is not None:
-                        batch.teacher_argmax_agrees = (student_argmax == teacher_argmax).float()
-                if self.critic is not None:
-                    batch.values = self.critic(batch)
-                if algo.kl_in_reward:
-                    batch.kl = self.objective.kl(batch.action_log_probs, batch.base_action_log_probs)
+        # algo.teacher.placement=offload: the teacher onto the device for this stage, back to the host after
+        with teacher_on_device(self.teacher, algo.teacher.placement, self.dims.device):
+            for mb in minibatches:
+                for batch in mb.batches:
+                    student_argmax = None  # distillation: the student's most likely tokens, for the agreement metric
+                    if algo.old_log_probs == OldLogProbs.ROLLOUT:
+                        batch.action_log_probs = batch.rollout_log_probs
+                    elif self.teacher is not None:  # distillation: the student's log-probs, always
+                        self.actor.eval()
+                        batch.action_log_probs, student_argmax = self.actor(batch, return_argmax=True)
+                    elif updates or algo.kl_in_reward:
+                        self.actor.eval()
+                        batch.action_log_probs = self.actor(batch)
+                    if self.base is not None:  # the reference copy, or the LoRA policy with its adapters off
+                        batch.base_action_log_probs = self.base(batch)
+                    if self.teacher is not None:  # its own routing, never the student's replay records
+                        batch.teacher_action_log_probs, teacher_argmax = self.teacher(batch, return_argmax=True)
+                        if student_argmax is not None:
+                            batch.teacher_argmax_agrees = (student_argmax == teacher_argmax).float()
+                    if self.critic is not None:
+                        batch.values = self.critic(batch)
+                    if algo.kl_in_reward:
+                        batch.kl = self.objective.kl(batch.action_log_probs, batch.base_action_log_probs)
         self.actor.train()
 
     def advantages(self, samples: list[StandIn], minibatches: list[MiniBatch]) -> None:
