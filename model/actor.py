@@ -26,7 +26,7 @@ from torch import nn
 from model.attention import VARLEN, packed_attn_kwargs
 from model.checks import check_on_device
 from model.context_parallel import CP_VARLEN, Segments, ShardedView, shard_forward
-from model.logprobs import LOGPROB_CHUNK_BYTES, token_log_probs
+from model.logprobs import LOGPROB_CHUNK_BYTES, token_log_probs, topk_reverse_kl
 from model.moe import ep_suffix_length, moe_blocks, moe_token_weights, routing_replay
 from model.parallel_dims import ParallelDims
 from packing.experience import Experience
@@ -246,10 +246,17 @@ class Actor(nn.Module):
         self.share_prompts = share_prompts
 
     def forward(
-        self, experience: Experience, return_entropy: bool = False, return_argmax: bool = False
+        self, experience: Experience, return_entropy: bool = False, return_argmax: bool = False,
+        return_topk: int = 0, teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """`action_log_probs` fp32 `[B, T-1]` / `[1, N]` (plus `entropy`, same shape, if asked; plus,
-        without grad, each slot's most likely id as fp32, `return_argmax`: model/logprobs.py)."""
+        without grad, each slot's most likely id as fp32, `return_argmax`: model/logprobs.py).
+        Distillation's top-k reverse KL: `return_topk=k` (a teacher, without grad) adds each scored
+        row's k largest log-probs and their ids `[rows, k]` as this rank's forward holds them (not
+        on the action axis: the student's forward of the same batch on the same rank has the same
+        rows); `teacher_topk=(log-probs, ids)` from it (the student) adds, last and on the action
+        axis, each slot's exact reverse KL over those k ids renormalized (`topk_reverse_kl`),
+        differentiable."""
         hidden, view = _forward_slots(self.model, experience, self.dims, self.replay,
                                       share_prompts=self.share_prompts)
         rows = self._scored_rows(experience, view)
@@ -257,16 +264,26 @@ class Actor(nn.Module):
             hidden, targets = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), view.targets.reshape(-1)[rows]
         else:
             targets = view.targets
+        if teacher_topk is not None and tuple(teacher_topk[1].shape[:-1]) != tuple(targets.shape):
+            raise ValueError(f"Actor: teacher_topk holds rows of shape {tuple(teacher_topk[1].shape[:-1])}, this "
+                             f"forward scores {tuple(targets.shape)}: the teacher's top-k comes from its forward of "
+                             "the same batch on the same rank (the same layout, model.share_prompts and parallel dims)")
         out = token_log_probs(
             hidden, self.model.get_output_embeddings().weight, targets,
             temperature=self.temperature, chunk_bytes=self.chunk_bytes,
-            return_entropy=return_entropy, return_argmax=return_argmax,
+            return_entropy=return_entropy, return_argmax=return_argmax, return_topk=return_topk,
+            extra_targets=teacher_topk[1] if teacher_topk is not None else None,
         )
         outs = out if isinstance(out, tuple) else (out,)
+        local = ()
+        if teacher_topk is not None:  # the student's log-probs of the teacher's ids -> the KL per row
+            outs = (*outs[:-1], topk_reverse_kl(outs[-1], teacher_topk[0]))
+        if return_topk:  # this rank's rows, as they are
+            outs, local = outs[:-2], outs[-2:]
         if rows is not None:
             outs = tuple(o.new_zeros(view.targets.numel()).index_copy(0, rows, o).view(view.targets.shape)
                          for o in outs)
-        outs = tuple(_action_axis(view.restore(o.masked_fill(~view.valid, 0.0)), experience) for o in outs)
+        outs = tuple(_action_axis(view.restore(o.masked_fill(~view.valid, 0.0)), experience) for o in outs) + local
         return outs if len(outs) > 1 else outs[0]
 
     def _scored_rows(self, experience: Experience, view: ShardedView) -> torch.Tensor | None:

@@ -25,6 +25,11 @@ costs ~0.2 s of page faults alone, more than the in-place softmax over it (bench
 the Actor's docstring). Without grad (scoring with the old policy or the reference)
 nothing is kept. The kept buffer is consumed by backward: the head does not support
 `retain_graph` (a second backward raises).
+
+Two more reads of the same chunk buffer serve distillation's exact reverse KL over a teacher's
+top-k (`topk_reverse_kl`): `return_topk=k` (scoring, no grad) gives each row's k most likely
+ids and their log-probs, and `extra_targets [..., k]` gives each row's log-probs of k given ids,
+with their gradient `onehot(id) - p` per id, in the same backward pass as the target's.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ def token_log_probs(
     chunk_bytes: int = LOGPROB_CHUNK_BYTES,
     return_entropy: bool = False,
     return_argmax: bool = False,
+    return_topk: int = 0,
+    extra_targets: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """log softmax(hidden @ W^T / temperature)[target], fp32, for every token position.
 
@@ -64,6 +71,10 @@ def token_log_probs(
     through a bf16 head does. A chunk holds `chunk_rows(V, chunk_bytes)` rows.
     `return_argmax` (without grad only: a metric of scoring) adds each position's most likely
     id `[..., S]`, as fp32 (exact below 2^24), read from each chunk's buffer: no `[N, V]` tensor.
+    `return_topk=k` (without grad only) adds each position's k largest log-probs `[..., S, k]` fp32
+    and their ids `[..., S, k]` int64; `extra_targets [..., S, k]` int ids adds their log-probs
+    `[..., S, k]` fp32, differentiable. Outputs in that order: log-probs, entropy, argmax, top-k
+    log-probs and ids, extra log-probs (each only if asked).
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(
@@ -75,23 +86,59 @@ def token_log_probs(
             f"token_log_probs: lm_head_weight has shape {tuple(lm_head_weight.shape)}, "
             f"expected [V, {hidden.shape[-1]}] (hidden size of hidden {tuple(hidden.shape)})"
         )
+    if extra_targets is not None and extra_targets.shape[:-1] != targets.shape:
+        raise ValueError(f"token_log_probs: extra_targets has shape {tuple(extra_targets.shape)}, expected "
+                         f"[{', '.join(map(str, targets.shape))}, k] (targets' shape and k ids per position)")
     rows = chunk_rows(lm_head_weight.shape[0], chunk_bytes)
 
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1).long()
+    flat_extra = extra_targets.reshape(flat_targets.shape[0], -1).long() if extra_targets is not None else None
     chunks = _chunks(flat_hidden.shape[0], rows)
-    argmax = None
+    argmax = top = None
     if torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad):
-        if return_argmax:
-            raise ValueError("token_log_probs: return_argmax is a scoring metric; call it without grad")
-        log_probs, entropy = _LogProbHead.apply(flat_hidden, lm_head_weight, flat_targets, float(temperature),
-                                                return_entropy, chunks)
+        if return_argmax or return_topk:
+            raise ValueError("token_log_probs: return_argmax and return_topk are scoring reads; call it without grad")
+        log_probs, entropy, extra = _LogProbHead.apply(flat_hidden, lm_head_weight, flat_targets, float(temperature),
+                                                       return_entropy, chunks, flat_extra)
     else:  # scoring: nothing kept
-        log_probs, entropy, _, argmax = _head_forward(flat_hidden, lm_head_weight, flat_targets, float(temperature),
-                                                      return_entropy, chunks, keep=False, argmax=return_argmax)
-    outs = (log_probs, *([entropy] if return_entropy else []), *([argmax] if return_argmax else []))
-    outs = tuple(o.view(targets.shape) for o in outs)
+        log_probs, entropy, _, argmax, top, extra = _head_forward(
+            flat_hidden, lm_head_weight, flat_targets, float(temperature), return_entropy, chunks, keep=False,
+            argmax=return_argmax, topk=return_topk, extra=flat_extra)
+    shape = tuple(targets.shape)
+    outs = tuple(o.view(shape) for o in (log_probs, *([entropy] if return_entropy else []),
+                                         *([argmax] if return_argmax else [])))
+    if return_topk:
+        outs += tuple(t.view(*shape, return_topk) for t in top)
+    if extra is not None:
+        outs += (extra.view(*shape, -1),)
     return outs if len(outs) > 1 else outs[0]
+
+
+def topk_reverse_kl(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Per position, the exact reverse KL(q_s || q_t) = sum_v q_s(v) (log q_s(v) - log q_t(v))
+    between the student's and the teacher's distributions renormalized over the same k ids:
+    `student`, `teacher` `[..., k]` log-probs of those ids (`token_log_probs`' `extra_targets`
+    and `return_topk`). With k = the vocabulary it is the full reverse KL. Differentiable in
+    `student`, by the closed form `q_s (log q_s - log q_t - KL)` on the k ids (their probabilities
+    sum to 1, so the softmax term of the logits cancels): where the two agree on the k ids the
+    term and its gradient are exactly 0 (counted by the caller, never clamped)."""
+    return _TopKReverseKL.apply(student, teacher)
+
+
+class _TopKReverseKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, student, teacher):
+        ls, lt = torch.log_softmax(student.float(), dim=-1), torch.log_softmax(teacher.float(), dim=-1)
+        q, diff = ls.exp(), ls - lt
+        kl = (q * diff).sum(-1)
+        ctx.save_for_backward(q, diff, kl)
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, diff, kl = ctx.saved_tensors
+        return grad.unsqueeze(-1) * q * (diff - kl.unsqueeze(-1)), None
 
 
 def _chunks(m: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -166,14 +213,19 @@ def _entropy(logp: torch.Tensor) -> torch.Tensor:
 
 
 def _head_forward(hidden, weight, targets, temperature: float, return_entropy: bool, chunks, *, keep: bool,
-                  argmax: bool = False):
+                  argmax: bool = False, topk: int = 0, extra: torch.Tensor | None = None):
     """Log-probs `[N]` (and entropy `[N]`) chunk by chunk through one reused buffer; with
     `keep` (a single chunk) the chunk's log-softmax is returned for backward; with `argmax`
-    each row's most likely id `[N]` (fp32), else None."""
+    each row's most likely id `[N]` (fp32), else None; with `topk` each row's k largest
+    log-probs and their ids `([N, k], [N, k])`, else None; with `extra [N, k]` ids their
+    log-probs `[N, k]`, else None."""
     n = hidden.shape[0]
     logps = torch.empty(n, dtype=torch.float32, device=hidden.device)
     ents = torch.empty(n, dtype=torch.float32, device=hidden.device) if return_entropy else None
     top = torch.empty(n, dtype=torch.float32, device=hidden.device) if argmax else None
+    best = ((torch.empty(n, topk, dtype=torch.float32, device=hidden.device),
+             torch.empty(n, topk, dtype=torch.long, device=hidden.device)) if topk else None)
+    gathered = torch.empty(extra.shape, dtype=torch.float32, device=hidden.device) if extra is not None else None
     buf = None
     for start, end in chunks:
         logp_all = _log_softmax_into(buf, hidden[start:end], weight, temperature)
@@ -183,28 +235,33 @@ def _head_forward(hidden, weight, targets, temperature: float, return_entropy: b
             ents[start:end] = _entropy(logp_all)
         if argmax:
             top[start:end] = logp_all.argmax(-1)
-    return logps, ents, (buf if keep else None), top
+        if topk:
+            torch.topk(logp_all, topk, dim=-1, out=(best[0][start:end], best[1][start:end]))
+        if extra is not None:
+            torch.gather(logp_all, -1, extra[start:end], out=gathered[start:end])
+    return logps, ents, (buf if keep else None), top, best, gathered
 
 
 class _LogProbHead(torch.autograd.Function):
     """`[N, H]` -> log-probs `[N]` (and entropy `[N]`), fp32; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, return_entropy: bool, chunks):
+    def forward(ctx, hidden, weight, targets, temperature: float, return_entropy: bool, chunks, extra=None):
         keep = len(chunks) == 1
-        logps, ents, kept, _ = _head_forward(hidden, weight, targets, temperature, return_entropy, chunks, keep=keep)
+        logps, ents, kept, _, _, gathered = _head_forward(hidden, weight, targets, temperature, return_entropy,
+                                                          chunks, keep=keep, extra=extra)
         ctx.set_materialize_grads(False)  # an unused entropy (a logged metric) costs no backward work
-        ctx.save_for_backward(hidden, weight, targets)
+        ctx.save_for_backward(hidden, weight, targets, extra)
         ctx.kept = kept  # not a saved tensor: backward turns it into the gradient in place
         ctx.entropy = ents.detach() if ents is not None else None
         ctx.temperature, ctx.chunks = temperature, chunks
-        return logps, ents
+        return logps, ents, gathered
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, targets = ctx.saved_tensors
-        if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None
+    def backward(ctx, grad_logp, grad_entropy, grad_extra):
+        hidden, weight, targets, extra = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None and grad_extra is None:
+            return None, None, None, None, None, None, None
         if ctx.chunks is None:
             raise RuntimeError("token_log_probs: backward ran twice through the log-prob head; its buffers are "
                                "consumed by the first backward (retain_graph is not supported)")
@@ -221,7 +278,8 @@ class _LogProbHead(torch.autograd.Function):
             g_lp = grad_logp[start:end] if grad_logp is not None else None
             g_h = grad_entropy[start:end] if grad_entropy is not None else None
             ent = ctx.entropy[start:end] if g_h is not None else None
-            grad = _grad_logits_(logp_all, targets[start:end], g_lp, g_h, ent)  # in place on logp_all
+            g_x = (extra[start:end], grad_extra[start:end]) if grad_extra is not None else None
+            grad = _grad_logits_(logp_all, targets[start:end], g_lp, g_h, ent, g_x)  # in place on logp_all
             if temperature != 1.0:
                 grad.div_(temperature)
             grad = grad if weight.dtype == torch.float32 else grad.to(weight.dtype)
@@ -236,25 +294,32 @@ class _LogProbHead(torch.autograd.Function):
                 else:
                     grad_weight.addmm_(grad.T, h.to(grad.dtype))
         ctx.entropy = None
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def _grad_logits_(logp: torch.Tensor, targets, g_lp, g_h, entropy) -> torch.Tensor:
+def _grad_logits_(logp: torch.Tensor, targets, g_lp, g_h, entropy, g_x=None) -> torch.Tensor:
     """d loss / d z for one chunk, written over `logp [c, V]` in place:
-    `-p * (g_lp + g_h * (log p + H)) + onehot(t) * g_lp` (absent terms are 0)."""
+    `-p * (a + g_h * (log p + H)) + onehot(t) * g_lp + sum_j onehot(id_j) * g_x_j` with
+    a = g_lp + sum_j g_x_j (absent terms are 0; `g_x`: the extra targets' ids `[c, k]` and
+    their gradients `[c, k]`)."""
+    a = g_lp
+    if g_x is not None:  # the extra ids' softmax term joins the target's
+        a = g_x[1].sum(-1) if a is None else a + g_x[1].sum(-1)
     if g_h is None:  # the common case: one pass, no temporary
-        grad = logp.exp_().mul_(-g_lp.unsqueeze(-1))
+        grad = logp.exp_().mul_(-a.unsqueeze(-1))
     else:
         c, v = logp.shape
-        coef = g_lp if g_lp is not None else torch.zeros_like(g_h)
+        coef = a if a is not None else torch.zeros_like(g_h)
         step = max(1, _BLOCK_BYTES // (4 * v))
         block = torch.empty(min(step, c), v, dtype=logp.dtype, device=logp.device)
         for s in range(0, c, step):
             lp = logp[s:s + step]
             p = torch.exp(lp, out=block[:lp.shape[0]])
-            gh, e, a = g_h[s:s + step, None], entropy[s:s + step, None], coef[s:s + step, None]
-            lp.add_(e).mul_(gh).add_(a).mul_(p).neg_()
+            gh, e, a_ = g_h[s:s + step, None], entropy[s:s + step, None], coef[s:s + step, None]
+            lp.add_(e).mul_(gh).add_(a_).mul_(p).neg_()
         grad = logp
     if g_lp is not None:
         grad.scatter_add_(-1, targets.unsqueeze(-1), g_lp.unsqueeze(-1))
+    if g_x is not None:
+        grad.scatter_add_(-1, g_x[0], g_x[1].to(grad.dtype))
     return grad

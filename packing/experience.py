@@ -38,6 +38,9 @@ class Kind(enum.Enum):
     EPISODE = "episode"  # one value per sample: 0-d / [B]
     MEDIA = "media"  # VLM inputs, opaque per sample; a batch holds a list
     PACK = "pack"  # describes a pack: position_ids [1, N], packed_seq_lens
+    # this rank's rows of one forward of the batch (model/actor.py), no layout axis: set by the score stage and
+    # read by the same rank's training forward of the same batch; never collated, split or exchanged
+    FORWARD = "forward"
 
 
 def _field(kind: Kind, doc: str) -> Any:
@@ -62,6 +65,10 @@ class Experience:
     returns: torch.Tensor | None = _field(Kind.ACTION, "per-token returns")
     values: torch.Tensor | None = _field(Kind.ACTION, "critic values")
     kl: torch.Tensor | None = _field(Kind.ACTION, "per-token KL to the reference")
+    # one forward's rows (Kind.FORWARD): the distillation teacher's top-k (algo.distill_kl=topk)
+    teacher_topk_log_probs: torch.Tensor | None = _field(
+        Kind.FORWARD, "the teacher's k largest log-probs per scored row of this rank's forward [..., k]")
+    teacher_topk_ids: torch.Tensor | None = _field(Kind.FORWARD, "their token ids [..., k]")
     # routing replay
     routed_experts: torch.Tensor | None = _field(Kind.ROUTING, "top-k expert ids per MoE layer, -1 = live")
     # episode

@@ -118,8 +118,128 @@ def test_the_chunked_head_returns_each_rows_argmax_without_a_full_logits_tensor(
     assert torch.equal(top, full.argmax(-1).float()) and top.shape == targets.shape
     assert torch.allclose(lp, full.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1), atol=1e-5)
     assert torch.equal(token_log_probs(hidden, weight, targets, chunk_bytes=budget), lp)  # one output: as before
-    with pytest.raises(ValueError, match="return_argmax is a scoring metric; call it without grad"):
+    with pytest.raises(ValueError, match="return_argmax and return_topk are scoring reads; call it without grad"):
         token_log_probs(hidden.requires_grad_(), weight, targets, return_argmax=True)
+
+
+# ------------------------------------------------------------------ the exact top-k reverse KL
+def _head(n=7, v=8, h=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=gen, dtype=torch.float64).float().requires_grad_()
+    weight = torch.randn(v, h, generator=gen).requires_grad_()
+    teacher = torch.randn(n, v, generator=gen).log_softmax(-1)
+    return hidden, weight, teacher, torch.randint(0, v, (n,), generator=gen), torch.rand(n, generator=gen)
+
+
+def _exact_topk_kl(hidden, weight, teacher, k: int, w, chunk_bytes: int):
+    """The head's (model/logprobs.py) top-k reverse KL, sum_i w_i KL_i, and its gradients."""
+    from model.logprobs import token_log_probs, topk_reverse_kl
+
+    t_lp, ids = teacher.topk(k, dim=-1)
+    targets = torch.zeros(hidden.shape[0], dtype=torch.long)
+    _, student = token_log_probs(hidden, weight, targets, chunk_bytes=chunk_bytes, extra_targets=ids)
+    kl = topk_reverse_kl(student, t_lp)
+    return kl.detach(), torch.autograd.grad((w * kl).sum(), (hidden, weight))
+
+
+def test_the_full_vocabulary_reverse_kl_and_its_gradient_equal_the_analytic_ones_by_enumeration():
+    """k = the vocabulary (8): per token KL(p_s || p_t) = sum over every v of p_s (log p_s - log p_t)
+    from the full logits, its gradient in the logits the closed form p_s (log p_s - log p_t - KL);
+    the chunked head (2 rows a chunk: 4 chunks) gives both. Top-k (k = 4) equals the same sums
+    over the teacher's 4 ids renormalized, and is not the full KL (the control)."""
+    hidden, weight, teacher, _, w = _head()
+    z = hidden.detach() @ weight.detach().T
+    lp = z.log_softmax(-1)
+    full = (lp.exp() * (lp - teacher)).sum(-1)
+    grad_z = w[:, None] * lp.exp() * (lp - teacher - full[:, None])  # the analytic gradient, no autograd
+    kl, (g_h, g_w) = _exact_topk_kl(hidden, weight, teacher, 8, w, chunk_bytes=2 * 4 * 8)
+    assert torch.allclose(kl, full, atol=1e-6)
+    assert torch.allclose(g_h, grad_z @ weight.detach(), atol=1e-5)
+    assert torch.allclose(g_w, grad_z.T @ hidden.detach(), atol=1e-5)
+    ids = teacher.topk(4, dim=-1).indices
+    qs, qt = z.gather(-1, ids).log_softmax(-1), teacher.gather(-1, ids).log_softmax(-1)
+    want = (qs.exp() * (qs - qt)).sum(-1)
+    grad_z4 = torch.zeros_like(z).scatter_(-1, ids, w[:, None] * qs.exp() * (qs - qt - want[:, None]))
+    kl4, (g_h4, g_w4) = _exact_topk_kl(hidden, weight, teacher, 4, w, chunk_bytes=2 * 4 * 8)
+    assert torch.allclose(kl4, want, atol=1e-6) and torch.allclose(g_h4, grad_z4 @ weight.detach(), atol=1e-5)
+    assert torch.allclose(g_w4, grad_z4.T @ hidden.detach(), atol=1e-5)
+    assert (kl4 - full).abs().max() > 1e-2 and (g_h4 - g_h).abs().max() > 1e-3  # the control: top-4 is not full
+    same, _ = _exact_topk_kl(hidden, weight, lp, 8, w, chunk_bytes=2 * 4 * 8)  # teacher == student: ~0
+    assert same.abs().max() < 1e-6
+
+
+def test_extra_targets_log_probs_and_gradient_equal_autograd_through_the_full_logits():
+    """The head's log-probs of k given ids per row, beside the target's, and their gradient in
+    one backward (one chunk: the kept buffer; 2 rows a chunk: recomputed), against autograd
+    through `log_softmax(hidden @ W^T)`; the entropy's term with them. Control: the extra
+    ids' softmax term left out of the gradient (a wrong head) fails the comparison."""
+    import model.logprobs as logprobs
+
+    hidden, weight, _, targets, w = _head(v=12)
+    ids = torch.randint(0, 12, (7, 3), generator=torch.Generator().manual_seed(1))
+    u = torch.randn(7, 3, generator=torch.Generator().manual_seed(2))
+    full = (hidden @ weight.T).log_softmax(-1)
+    ent = -(full.exp() * full).sum(-1)
+    ref = (w * full.gather(-1, targets[:, None])[:, 0]).sum() + (u * full.gather(-1, ids)).sum() + 0.5 * ent.sum()
+    want = torch.autograd.grad(ref, (hidden, weight))
+
+    def ours(chunk_bytes):
+        lp, h, extra = logprobs.token_log_probs(hidden, weight, targets, chunk_bytes=chunk_bytes, return_entropy=True,
+                                                extra_targets=ids)
+        assert torch.allclose(extra, full.gather(-1, ids), atol=1e-6)
+        return torch.autograd.grad((w * lp).sum() + (u * extra).sum() + 0.5 * h.sum(), (hidden, weight))
+
+    for budget in (2**20, 2 * 4 * 12):
+        for g, e in zip(ours(budget), want):
+            assert torch.allclose(g, e, atol=1e-5), (budget, (g - e).abs().max())
+    real = logprobs._grad_logits_
+
+    def broken(logp, targets, g_lp, g_h, entropy, g_x=None):
+        grad = real(logp, targets, g_lp, g_h, entropy, None)
+        return grad.scatter_add_(-1, g_x[0], g_x[1]) if g_x is not None else grad
+
+    logprobs._grad_logits_ = broken
+    try:
+        assert not torch.allclose(ours(2**20)[0], want[0], atol=1e-3)
+    finally:
+        logprobs._grad_logits_ = real
+
+
+def test_the_topk_reverse_kl_never_holds_a_tokens_by_vocabulary_tensor():
+    """Every tensor allocated by the teacher's top-k read and by the student's extra-target
+    forward and backward (a TorchDispatchMode sees each op's outputs), with 4 rows a chunk of
+    64 tokens: none reaches [tokens, vocab]; the control (one chunk) does."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from model.logprobs import token_log_probs, topk_reverse_kl
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    n, v, h = 64, 200, 16
+    hidden, weight, _, _, w = _head(n=n, v=v, h=h)
+    targets = torch.zeros(n, dtype=torch.long)
+
+    def largest(chunk_bytes):
+        with Largest() as seen:
+            with torch.no_grad():
+                _, t_lp, ids = token_log_probs(hidden, weight.detach() * 0.5, targets, chunk_bytes=chunk_bytes,
+                                               return_topk=5)
+            _, s_lp = token_log_probs(hidden, weight, targets, chunk_bytes=chunk_bytes, extra_targets=ids)
+            (w * topk_reverse_kl(s_lp, t_lp)).sum().backward()
+        return seen.numel
+
+    assert largest(4 * 4 * v) <= max(4 * v, n * h, v * h) < n * v  # a chunk [4, V], the gradients [N, H], [V, H]
+    assert largest(2**20) >= n * v  # the control: one chunk holds [tokens, vocab]
 
 
 # ------------------------------------------------------------------ start-up refusals
@@ -141,6 +261,14 @@ def test_the_keys_must_agree(tmp_path):
     with pytest.raises(ValueError, match=r"algo.teacher.path='.*empty': no config.json"):
         compose("algo.advantage=distill", f"algo.teacher.path={tmp_path / 'empty'}")
     compose("algo.advantage=distill", f"algo.teacher.path={teacher}")  # the control: accepted
+    with pytest.raises(ValueError, match=r"algo.distill_kl=topk needs a teacher"):
+        compose("algo.distill_kl=topk")
+    topk = ("algo.distill_kl=topk", f"algo.teacher.path={teacher}")
+    with pytest.raises(ValueError, match=r"algo.distill_topk=1: expected >= 2 \(over one token both renormalized"):
+        compose(*topk, "algo.distill_topk=1")
+    with pytest.raises(ValueError, match=r"algo.distill_topk=65: above the vocabulary's 64 tokens"):
+        compose(*topk, "algo.distill_topk=65")
+    compose(*topk, "algo.distill_topk=64")  # the control: k = the vocabulary, the full KL; topk alone reads it
     six = checkpoint(tmp_path / "six", "qwen3_moe", seed=0, num_experts=6)
     with pytest.raises(ValueError, match=r"parallel.ep=4 does not divide the teacher's num_experts=6"):
         compose("algo.advantage=distill", f"algo.teacher.path={six}", "parallel.ep=4", world_size=4)
@@ -281,14 +409,41 @@ def test_teacher_equal_to_the_student_gives_zero_advantages_and_no_update(tmp_pa
     assert 0.0 <= metrics["distill_argmax_agreement"] < 1.0
 
 
-def test_packed_and_padded_agree(tmp_path):
+@pytest.mark.parametrize("kl", ["sampled", "topk"])
+def test_packed_and_padded_agree(tmp_path, kl):
     teacher = checkpoint(tmp_path / "t", "qwen3_moe", seed=1)
     run = (*SMALL, "algo.advantage=distill", f"algo.teacher.path={teacher}", "algo.distill_discount=1.0",
-           "eval.every=0", "trainer.log_samples=0")
+           "eval.every=0", "trainer.log_samples=0", f"algo.distill_kl={kl}", "algo.distill_topk=8")
     packed, padded = trainer(*run).step(0), trainer(*run, "batch=padded").step(0)
     assert packed["reward_mean"] == padded["reward_mean"] and packed["action_tokens"] == padded["action_tokens"]
-    for key in ("distill_reverse_kl", "teacher_log_prob", "distill_argmax_agreement", "loss", "grad_norm"):
+    assert ("distill_topk_kl" in packed) == (kl == "topk")
+    for key in ("distill_reverse_kl", "teacher_log_prob", "distill_argmax_agreement", "loss", "grad_norm",
+                *(["distill_topk_kl", "distill_topk_kl_zero"] if kl == "topk" else [])):
         assert abs(packed[key] - padded[key]) <= 1e-4 * max(1.0, abs(packed[key])), (key, packed[key], padded[key])
+
+
+def test_the_topk_kl_term_is_zero_and_counted_for_the_teacher_itself_and_moves_the_student_otherwise(tmp_path):
+    """algo.distill_kl=topk beside the sampled signal: with teacher == student the term is exactly
+    0 on every action token, counted as such (distill_topk_kl_zero = 1), and the update is exactly
+    none (its closed-form gradient is 0 where the two agree; autograd through log_softmax left a
+    ~1e-8 gradient that AdamW turned into a 4e-4 step); another teacher gives a positive term on
+    every token, and the term changes the update (distill_kl_coef 1 against 0, the same samples)."""
+    same, other = checkpoint(tmp_path / "same", "qwen3_moe", seed=0), checkpoint(tmp_path / "o", "qwen3_moe", seed=1)
+    run = (*SMALL, "algo.advantage=distill", "algo.distill_kl=topk", "algo.distill_topk=8", "eval.every=0",
+           "trainer.log_samples=0")
+    tr = trainer(*run, f"algo.teacher.path={same}")
+    before = weights(tr)
+    metrics = tr.step(0)
+    assert metrics["distill_topk_kl"] == 0.0 and metrics["distill_topk_kl_zero"] == pytest.approx(1.0, abs=1e-12)
+    assert _changed(before, weights(tr)) == 0.0
+    moved = []
+    for coef in (1.0, 0.0):
+        tr = trainer(*run, f"algo.teacher.path={other}", f"algo.distill_kl_coef={coef}")
+        before = weights(tr)
+        metrics = tr.step(0)
+        assert metrics["distill_topk_kl"] > 0 and metrics["distill_topk_kl_zero"] == 0.0, metrics
+        moved.append({k: weights(tr)[k] - before[k] for k in before})
+    assert _changed(*moved) > 1e-6  # the control: without the term the update is another
 
 
 def test_a_lora_student_distills_with_no_reference_copy_and_only_its_adapters_move(tmp_path):
@@ -382,20 +537,23 @@ def test_the_memory_plan_counts_the_teachers_shards_by_placement(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3"])
-def test_train_py_distills_and_one_process_equals_cp2_ep2(tmp_path, family):
-    """train.py end to end with an MoE teacher (its own EP shards and routing) or a dense one for
-    the MoE student: one process and torchrun 4 ranks (dp2 x cp2, ep2) give the same samples and
-    figures."""
+@pytest.mark.parametrize("family, student", [
+    ("qwen3_moe", ("algo.distill_kl=topk", "algo.distill_topk=8")),
+    ("qwen3", ()),
+], ids=["moe_teacher_topk", "dense_teacher"])
+def test_train_py_distills_and_one_process_equals_cp2_ep2(tmp_path, family, student):
+    """train.py end to end with an MoE teacher (its own EP shards and routing; with the exact
+    top-k reverse KL term) or a dense one for the MoE student: one process and torchrun 4 ranks
+    (dp2 x cp2, ep2) give the same samples and figures."""
     from tests.test_train import layout_gaps, train
 
     teacher = checkpoint(tmp_path / "t", family, seed=1)
     run = ("trainer.max_steps=2", "algo.advantage=distill", f"algo.teacher.path={teacher}", "trainer.plot=false",
-           "checkpoint.final=false", "trainer.log_samples=0")
+           "checkpoint.final=false", "trainer.log_samples=0", *student)
     one = train(tmp_path, "one", *run)
     four = train(tmp_path, "cp2_ep2", *run, "parallel=cp2_ep2", nproc=4)
     figures = ("reward_mean", "tokens", "loss", "grad_norm", "distill_reverse_kl", "teacher_log_prob",
-               "distill_argmax_agreement")
+               "distill_argmax_agreement", *(("distill_topk_kl", "distill_topk_kl_zero") if student else ()))
     assert layout_gaps(one, four, keys=figures, rel=1e-4) == []
     assert one[0]["distill_reverse_kl"] > 0 and one[0]["teacher_log_prob"] < 0
 

@@ -51,10 +51,23 @@ class TeacherPlacement(Choice):
     OFFLOAD = "offload"  # the same shards in host memory, on the device only for the score stage
 
 
+class DistillKL(Choice):
+    """`algo.distill_kl`: what the student is trained on besides the sampled tokens' signal."""
+
+    SAMPLED = "sampled"  # the sampled tokens' -(log p_s - log p_t) only (algo.advantage=distill, algo.distill_coef)
+    TOPK = "topk"  # + the exact reverse KL over the teacher's top-k renormalized, a loss term (model/logprobs.py)
+
+
 # ------------------------------------------------------------------ start-up
 def distilling(algo: Any) -> bool:
-    """The step reads the teacher: `algo.advantage=distill` or `algo.distill_coef > 0`."""
-    return algo.advantage == "distill" or bool(algo.distill_coef)
+    """The step reads the teacher: `algo.advantage=distill`, `algo.distill_coef > 0` or
+    `algo.distill_kl=topk`."""
+    return algo.advantage == "distill" or bool(algo.distill_coef) or topk_kl(algo)
+
+
+def topk_kl(algo: Any) -> bool:
+    """The loss has the exact top-k reverse KL term (`algo.distill_kl=topk`)."""
+    return DistillKL(algo.distill_kl) is DistillKL.TOPK
 
 
 def check_teacher(cfg: Any) -> None:
@@ -63,12 +76,17 @@ def check_teacher(cfg: Any) -> None:
     algo, t = cfg.algo, cfg.algo.teacher
     if t.path is None:
         if distilling(algo):
-            what = "algo.advantage=distill" if algo.advantage == "distill" else f"algo.distill_coef={algo.distill_coef}"
+            what = ("algo.advantage=distill" if algo.advantage == "distill" else
+                    f"algo.distill_coef={algo.distill_coef}" if algo.distill_coef else "algo.distill_kl=topk")
             raise ValueError(f"{what} needs a teacher: set algo.teacher.path (a local checkpoint folder)")
         return
     if not distilling(algo):
         raise ValueError(f"algo.teacher.path={t.path!r} but nothing reads the teacher: set algo.advantage=distill "
-                         "(the distillation signal alone) or algo.distill_coef > 0 (added to the task's advantages)")
+                         "(the distillation signal alone), algo.distill_coef > 0 (added to the task's advantages) "
+                         "or algo.distill_kl=topk (the exact top-k reverse KL as a loss term)")
+    if topk_kl(algo) and not algo.distill_topk >= 2:
+        raise ValueError(f"algo.distill_topk={algo.distill_topk}: expected >= 2 (over one token both renormalized "
+                         "distributions are 1: the KL and its gradient would be 0 on every token)")
     if algo.advantage == "distill" and algo.distill_coef:
         raise ValueError(f"algo.advantage=distill with algo.distill_coef={algo.distill_coef}: distill is the signal "
                          "alone; algo.distill_coef adds it to another estimator's advantages (set one of the two)")
@@ -99,6 +117,9 @@ def check_vocabulary(cfg: Any) -> None:
     if teacher != student:
         raise ValueError(f"algo.teacher.path={path!r} has vocab_size={teacher} (its config.json), the student "
                          f"{student} ({where}): a teacher must share the student's vocabulary and tokenizer")
+    if topk_kl(cfg.algo) and cfg.algo.distill_topk > teacher:
+        raise ValueError(f"algo.distill_topk={cfg.algo.distill_topk}: above the vocabulary's {teacher} tokens "
+                         f"(algo.teacher.path={path!r}); k = {teacher} is the full reverse KL")
     found = student_tokenizer(cfg)
     if found is None:  # a random-init student with no tokenizer: the vocabulary is all there is to compare
         return

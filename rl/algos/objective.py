@@ -3,7 +3,8 @@ returns `(loss, terms)`, so the trainer runs forward -> objective -> backward.
 
 `loss` is what is differentiated: the actor objective (policy loss, `kl_coef` x the KL to the
 reference with `kl_mode=loss`, minus `entropy_coef` x the entropy, plus `router_aux_loss_coef` x
-the MoE load-balancing loss) plus `vf_coef` x the value loss when a critic's `values` are given
+the MoE load-balancing loss, plus `distill_kl_coef` x the exact top-k reverse KL to a
+distillation teacher with `distill_kl=topk`) plus `vf_coef` x the value loss when a critic's `values` are given
 (the actor and critic share no parameters, so one backward gives each its own gradient).
 `terms` are the metrics of the microbatch, each already its share of the mini-batch's global
 mean (the trainer sums them, weighted, over microbatches and DP ranks); a `_max` key is a
@@ -48,11 +49,12 @@ class Objective:
 
     def __call__(self, batch: Experience, log_probs: torch.Tensor, entropy: torch.Tensor,
                  values: torch.Tensor | None = None, aux: list | tuple = (), *, normalizer: float, tokens: float,
-                 all_tokens: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 all_tokens: int, topk_kl: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`log_probs`, `entropy` (and the critic's `values`) laid out like `batch.action_mask`; `aux`
         the (loss, tokens) pairs of `model.moe.router_aux_loss`. `normalizer`: what the loss shares are
         divided by (`loss_normalizer` of the mini-batch for algo.loss_agg), `tokens` its global action
-        tokens (the token metrics' denominator), `all_tokens` its global tokens (prompt + response)."""
+        tokens (the token metrics' denominator), `all_tokens` its global tokens (prompt + response).
+        `topk_kl`: each action token's exact reverse KL over the teacher's top-k (model/actor.py), or None."""
         algo = self.algo
         if batch.action_log_probs is None:  # one update per rollout: the old policy is this one
             batch.action_log_probs = log_probs.detach()
@@ -66,6 +68,11 @@ class Objective:
             terms["kl_loss"] = kl_loss.detach()
         if algo.entropy_coef:
             loss = loss - algo.entropy_coef * self.aggregate(entropy * batch.action_mask, batch, normalizer)
+        if topk_kl is not None:  # algo.distill_kl=topk; a token whose term is exactly 0 is counted, never clamped
+            m = batch.action_mask
+            loss = loss + algo.distill_kl_coef * self.aggregate(topk_kl * m, batch, normalizer)
+            terms["distill_topk_kl"] = (topk_kl.detach() * m).sum() / tokens
+            terms["distill_topk_kl_zero"] = ((topk_kl.detach() == 0) & m.bool()).sum() / tokens  # a token share
         if aux:  # token-weighted over every rank's real tokens of the mini-batch, averaged over layers
             balance = sum(a * n for a, n in aux) / (all_tokens * self.moe_layers)
             loss = loss + algo.router_aux_loss_coef * balance

@@ -164,7 +164,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "rollout.kv_cache_gb", "rollout.memory_budget_gb", "rollout.max_model_len", "eval.num_prompts",
         "eval.max_new_tokens", "eval.batch_size", "checkpoint.keep", "task.timeout_s")},
     **{key: (_non_negative, ">= 0") for key in (
-        "algo.entropy_coef", "algo.distill_coef", "algo.vf_coef", "algo.critic_lr", "algo.router_aux_loss_coef", "algo.kl_coef",
+        "algo.entropy_coef", "algo.distill_coef", "algo.distill_kl_coef", "algo.vf_coef", "algo.critic_lr",
+        "algo.router_aux_loss_coef", "algo.kl_coef",
         "algo.overlong_penalty_factor", "trainer.lr", "trainer.warmup_steps", "trainer.weight_decay",
         "trainer.grad_clip", "trainer.min_entropy", "rollout.max_staleness", "eval.every", "checkpoint.every",
         "trainer.log_samples", "seed")},

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 from model.families import FAMILIES
 from model.kernels import KERNELS
 from model.lora import LoraSettings
-from rl.algos.distill import TeacherPlacement
+from rl.algos.distill import DistillKL, TeacherPlacement
 from rl.algos.advantages import AdvantageConfig, get_advantage_estimator
 from rl.algos.losses import KLConfig, KLMode, PolicyLossConfig
 from rl.algos.schedule import LRSchedule
@@ -158,6 +158,12 @@ class AlgoConfig(PolicyLossConfig, KLConfig, AdvantageConfig):
     # the distillation advantage of token t: sum_k>=t distill_discount^(k-t) x -(log p_s - log p_t)_k; 0 = each
     # token its own term, 1 = the return-to-go (its expectation is the exact reverse-KL gradient)
     distill_discount: float = 0.0
+    # sampled: the sampled tokens' signal only (the two keys above); topk: plus a loss term, distill_kl_coef x each
+    # action token's exact reverse KL over the teacher's distill_topk most likely tokens, both distributions
+    # renormalized over them (chunked over tokens: model/logprobs.py); distill_topk = the vocabulary is the full KL
+    distill_kl: DistillKL = DistillKL.SAMPLED
+    distill_topk: int = 16  # algo.distill_kl=topk: k, in [2, vocab_size]
+    distill_kl_coef: float = 1.0  # algo.distill_kl=topk: the term's weight in the loss (aggregated as algo.loss_agg)
 
     @property
     def uses_critic(self) -> bool:

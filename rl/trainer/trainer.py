@@ -59,7 +59,7 @@ from packing import Experience, make_experience_batch, plan_microbatches
 from packing.planner import flop_cost
 from packing.exchange import StandIn, exchange, gather_metadata
 from rl.algos.advantages import compute_advantages
-from rl.algos.distill import teacher_on_device
+from rl.algos.distill import teacher_on_device, topk_kl
 from rl.trainer.checkpoint import load_sharded_state, sharded_state
 from rl.config import Balance, Config
 from rl.config.schema import OldLogProbs
@@ -352,7 +352,11 @@ class Trainer:
                     if self.base is not None:  # the reference copy, or the LoRA policy with its adapters off
                         batch.base_action_log_probs = self.base(batch)
                     if self.teacher is not None:  # its own routing, never the student's replay records
-                        batch.teacher_action_log_probs, teacher_argmax = self.teacher(batch, return_argmax=True)
+                        k = algo.distill_topk if topk_kl(algo) else 0  # its top-k: this rank's rows, for `train`
+                        batch.teacher_action_log_probs, teacher_argmax, *top = self.teacher(
+                            batch, return_argmax=True, return_topk=k)
+                        if k:
+                            batch.teacher_topk_log_probs, batch.teacher_topk_ids = top
                         if student_argmax is not None:
                             batch.teacher_argmax_agrees = (student_argmax == teacher_argmax).float()
                     if self.critic is not None:
@@ -397,10 +401,13 @@ class Trainer:
     def train_microbatch(self, batch: Experience, weight: float, mb: MiniBatch, stats: "Stats") -> None:
         """Forward (actor, and critic) -> objective (rl/algos/objective.py) -> backward, `weight` x."""
         with router_aux_loss(self.actor.model, enabled=bool(self.cfg.algo.router_aux_loss_coef)) as aux:
-            log_probs, entropy = self.actor(batch, return_entropy=True)
+            top = batch.teacher_topk_log_probs, batch.teacher_topk_ids  # algo.distill_kl=topk: the KL per token
+            log_probs, entropy, *exact_kl = self.actor(batch, return_entropy=True,
+                                                       teacher_topk=top if top[0] is not None else None)
         values = self.critic(batch) if self.critic is not None else None
         loss, terms = self.objective(batch, log_probs, entropy, values, aux, normalizer=mb.plan.normalizer,
-                                     tokens=mb.plan.tokens, all_tokens=mb.plan.all_tokens)
+                                     tokens=mb.plan.tokens, all_tokens=mb.plan.all_tokens,
+                                     topk_kl=exact_kl[0] if exact_kl else None)
         self.guard.check("loss", terms["loss"], terms.get("value_loss"))
         (loss * weight).backward()
         stats.add(terms, weight)
