@@ -539,11 +539,12 @@ def test_the_memory_plan_counts_the_teachers_shards_by_placement(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("family, student", [
     ("qwen3_moe", ("algo.distill_kl=topk", "algo.distill_topk=8")),
-    ("qwen3", ()),
-], ids=["moe_teacher_topk", "dense_teacher"])
+    ("qwen3", ("model.lora.rank=4", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", "trainer.lr=1e-2")),
+], ids=["moe_teacher_topk", "dense_teacher_lora_student"])
 def test_train_py_distills_and_one_process_equals_cp2_ep2(tmp_path, family, student):
     """train.py end to end with an MoE teacher (its own EP shards and routing; with the exact
-    top-k reverse KL term) or a dense one for the MoE student: one process and torchrun 4 ranks
+    top-k reverse KL term) for the MoE student, or a dense one (whole on each EP rank) for a LoRA
+    MoE student (the teacher separate, no reference copy): one process and torchrun 4 ranks
     (dp2 x cp2, ep2) give the same samples and figures."""
     from tests.test_train import layout_gaps, train
 
@@ -553,8 +554,10 @@ def test_train_py_distills_and_one_process_equals_cp2_ep2(tmp_path, family, stud
     one = train(tmp_path, "one", *run)
     four = train(tmp_path, "cp2_ep2", *run, "parallel=cp2_ep2", nproc=4)
     figures = ("reward_mean", "tokens", "loss", "grad_norm", "distill_reverse_kl", "teacher_log_prob",
-               "distill_argmax_agreement", *(("distill_topk_kl", "distill_topk_kl_zero") if student else ()))
+               *(("distill_topk_kl", "distill_topk_kl_zero") if student and "topk" in student[0] else ()))
     assert layout_gaps(one, four, keys=figures, rel=1e-4) == []
+    for a, b in zip(one, four):  # a share of argmaxes: a near-tie may flip one token between layouts, not two
+        assert abs(a["distill_argmax_agreement"] - b["distill_argmax_agreement"]) * a["action_tokens"] <= 1 + 1e-6
     assert one[0]["distill_reverse_kl"] > 0 and one[0]["teacher_log_prob"] < 0
 
 
