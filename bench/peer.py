@@ -19,7 +19,7 @@ token-mean loss, no KL, one update per step, grad clip 1.0, fp32, 2 threads:
                      the base model from the RL-trained teacher (`make distill-teacher`): the project's
                      `algo.advantage=distill` against TRL's on-policy GKDTrainer (lmbda=1, beta=1: the reverse KL;
                      bench/peer_trl.py), the same teacher, student, prompts and lengths;
-                     bench/results/peer-distill.json
+                     peer-distill.json in bench/results (not run yet)
 
 The job's shape (template, max_new_tokens, prompts and samples per step) is read from its experiment
 config, so both arms get the same one. The arms run one after the other, never side by side:
@@ -155,7 +155,7 @@ def parse_args(argv=None):
                    help="short: 16-token answers (bench/results/peer.json); long: 256 new tokens, worked steps "
                         "(bench/results/peer-long.json); lora: the short job with rank-16 adapters on both sides "
                         "(bench/results/peer-lora.json); distill: on-policy distillation from the RL-trained teacher "
-                        "against TRL's GKDTrainer (bench/results/peer-distill.json)")
+                        "against TRL's GKDTrainer (peer-distill.json in bench/results)")
     p.add_argument("--steps", type=int, default=int(os.environ["STEPS"]) if os.environ.get("STEPS") else None,
                    help="training steps of every arm (default: the job's, 40 short, 12 long)")
     p.add_argument("--eval-prompts", type=int, default=None,
