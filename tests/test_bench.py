@@ -17,12 +17,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
+# the worker logs once the bench has exited (its parent changes): after the JSON line whatever the load
+WORKER = "import os, time\\nparent = os.getppid()\\nwhile os.getppid() == parent:\\n    time.sleep(0.01)\\n" \\
+    "print('worker: shutting down', flush=True)"
 import atexit, pathlib, subprocess, sys
 import common
 common.RESULTS = pathlib.Path(sys.argv[2])
 if sys.argv[1] == "json_stdout":
     common.json_stdout()
-subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5); print('worker: shutting down', flush=True)"])
+subprocess.Popen([sys.executable, "-c", WORKER])
 atexit.register(print, "bench: exit log")
 common.emit("probe", {"figure": 1.5})
 """
