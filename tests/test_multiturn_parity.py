@@ -315,9 +315,9 @@ def trainer_terms(tr, records: list[Experience]) -> tuple[dict, dict]:
     from rl.trainer.trainer import Stats
 
     pack = make_experience_batch(records, packed=True)
-    mb = SimpleNamespace(normalizer=loss_normalizer(records, tr.cfg.algo.loss_agg),
-                         tokens=loss_normalizer(records, LossAgg.TOKEN_MEAN),
-                         all_tokens=sum(r.sequences.numel() for r in records))
+    mb = SimpleNamespace(plan=SimpleNamespace(normalizer=loss_normalizer(records, tr.cfg.algo.loss_agg),
+                                              tokens=loss_normalizer(records, LossAgg.TOKEN_MEAN),
+                                              all_tokens=sum(r.sequences.numel() for r in records)))
     stats = Stats()
     grads_of(tr.actor, tr.critic)
     tr.train_microbatch(pack, 1.0, mb, stats)

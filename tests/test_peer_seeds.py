@@ -123,7 +123,7 @@ def test_each_arms_fraction_of_the_roofline(tmp_path, monkeypatch):
     monkeypatch.setattr(roofline, "machine", lambda config, tokens: {
         "gemm_fp32_flops_per_s": peak, "gemm_bf16_flops_per_s": 2 * peak, "bandwidth_bytes_per_s": 5e9, "threads": 2})
     shape = peer.Shape(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=16, options={}, lr=1e-5,
-                       lora={"rank": 0})
+                       lora={"rank": 0}, teacher=None)
     step = {"step_s": 3.0, "rollout_s": 1.0, "generated_tokens": 8 * 5, "tokens": 8 * (5 + 10), "reward_mean": 0.5}
     arms = {"project_hf": {"per_step": [step, step]},
             "trl": {"per_step": [step | {"step_s": 9.0, "rollout_s": 4.0}, step | {"rollout_s": float("nan")}]}}
