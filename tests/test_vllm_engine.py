@@ -1,4 +1,4 @@
-"""The vLLM rollout engine (rl/rollout/vllm_engine.py) and the rollout/training mismatch metrics.
+"""The vLLM rollout engine (rl/rollout/vllm_engine.py, vllm_worker.py, vllm_checks.py) and the mismatch metrics.
 
 Tests marked `vllm` need the extra (`make install-vllm`) and run with `make test-vllm`
 (CI runs it after `make test`); the others (LLM arguments, thread binding, the install
@@ -35,7 +35,7 @@ def test_llm_kwargs_cpu_and_cuda_colocated():
 
     cpu = llm_kwargs("/m", device="cpu", max_model_len=64)
     assert cpu["logprobs_mode"] == "processed_logprobs" and cpu["skip_tokenizer_init"]
-    assert cpu["worker_extension_cls"] == "rl.rollout.vllm_engine.WorkerExtension" and cpu["max_model_len"] == 64
+    assert cpu["worker_extension_cls"] == "rl.rollout.vllm_worker.WorkerExtension" and cpu["max_model_len"] == 64
     assert "distributed_executor_backend" not in cpu and "enable_sleep_mode" not in cpu
     assert "hf_overrides" not in cpu  # fp32 compute: the head is fp32 already
     for dtype in ("bfloat16", "float16"):  # 16-bit compute: vLLM's lm head in fp32 (its head_dtype), as the trainer's
@@ -99,7 +99,7 @@ def test_route_store_files_each_token_under_its_prefix():
     forward computed is -1; positions that skip are refused."""
     import numpy as np
 
-    from rl.rollout.vllm_engine import RouteStore
+    from rl.rollout.vllm_worker import RouteStore
 
     store = RouteStore(layers=2, top_k=2)
     a, b = [5, 6, 7, 8], [5, 6, 7, 9, 10]
@@ -403,7 +403,7 @@ def test_lora_adapters_reach_vllm_as_adapter_versions_and_only_they_sync():
 def test_unsupported_family_and_compiled_moe_replay_fail_at_start_up(tmp_path):
     import json
 
-    from rl.rollout.vllm_engine import check_family
+    from rl.rollout.vllm_checks import check_family
 
     with pytest.raises(ValueError, match="'frobnicator'"):
         check_family("frobnicator", ["FrobnicatorForCausalLM"])
@@ -491,7 +491,7 @@ def test_vllm_routes_are_recorded_and_replayed_in_training(moe_trainer):
 def test_routing_replay_with_vllm_trains_the_tiny_moe(moe_trainer):
     """Two steps with `rollout.engine=vllm` and routing replay: the records carry vLLM's routes,
     the rollout matches the training forward, and after the weight syncs (vLLM's CPU MoE
-    reload needs its experts prepacked again, rl/rollout/vllm_engine.py) it still does."""
+    reload needs its experts prepacked again, rl/rollout/vllm_worker.py) it still does."""
     tr = moe_trainer
     metrics = [tr.step(s) for s in range(2)]
     for m in metrics:
@@ -520,7 +520,8 @@ def test_one_process_engine_runs_in_process_and_reloads_moe_weights(tmp_path, mo
     process. After a reload the CPU MoE experts are prepacked again; control: without that
     step the same weights score the tokens 1e-3+ apart."""
     from model.models import build_model
-    from rl.rollout.vllm_engine import VLLMRolloutEngine, WorkerExtension
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+    from rl.rollout.vllm_worker import WorkerExtension
 
     model = build_model("qwen3_moe", head_dim=32, vocab_size=64, max_position_embeddings=512,
                         attn_implementation="sdpa")

@@ -241,7 +241,7 @@ def _check_rollout(cfg: Config, world_size: int) -> None:
         check_sharded(cfg)
     if RolloutEngineName(r.engine) is not RolloutEngineName.VLLM:
         return
-    from rl.rollout.vllm_engine import check_vllm_config  # imports vllm: only for rollout.engine=vllm
+    from rl.rollout.vllm_checks import check_vllm_config  # imports vllm: only for rollout.engine=vllm
 
     check_vllm_config(cfg, world_size, _model_family(cfg))
 

