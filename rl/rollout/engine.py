@@ -63,6 +63,7 @@ from model.lora import has_adapters, is_adapter
 from model.moe import is_moe, moe_blocks, record_routing, shard_experts
 from packing.experience import Experience
 from packing.layout import padded_positions
+from rl.rollout.chunk import Chunk, Decoded, left_pad
 from rl.rollout.kv_cache import reserve, select_rows
 from rl.rollout.sampler import sample_inverse_cdf, sample_seeds, signed, uniform_noise
 
@@ -156,65 +157,6 @@ def make_record(
         total_length=torch.tensor(T),
         prompt_index=torch.tensor(int(prompt_index)),
     )
-
-
-def _left_pad(prompts: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ids [B, length]` and `mask [B, length]` of prompts left-padded with id 0."""
-    ids = torch.zeros(len(prompts), length, dtype=torch.int64)
-    mask = torch.zeros(len(prompts), length, dtype=torch.int64)
-    for i, p in enumerate(prompts):
-        ids[i, length - p.numel():] = p
-        mask[i, length - p.numel():] = 1
-    return ids, mask
-
-
-class _Decoded:
-    """What a chunk's decode loop produced, for a batch that shrinks as rows stop: per segment
-    (a run of steps over the same rows) the rows `[b]` and their tokens and log-probs `[b]`
-    per step, and (MoE) the routing its forwards recorded `[b, L, K, t]`. `result()` lays them
-    on the chunk's rows: tokens `[B, S]` (`fill` where a row had left), log-probs `[B, S]`,
-    routing `[B, L, K, P + S']` (-1 where a row had left) or None, all on the host."""
-
-    def __init__(self, rows: int, fill: int, device: torch.device) -> None:
-        self.rows, self.fill, self.device = rows, fill, device
-        self.segments: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = []  # rows, first step, tokens, lp
-        self.routing: list[tuple[torch.Tensor, torch.Tensor]] = []  # rows, routed experts of the segment's forwards
-        self.tokens: list[torch.Tensor] = []  # the open segment's [b] per step
-        self.log_probs: list[torch.Tensor] = []
-        self.steps = 0  # steps of the closed segments
-
-    def add(self, tokens: torch.Tensor, log_probs: torch.Tensor) -> None:
-        self.tokens.append(tokens)
-        self.log_probs.append(log_probs)
-
-    def close_segment(self, rows: torch.Tensor, rec) -> None:
-        """The open segment ran over `rows` (the chunk's row of each batch row); `rec`: the
-        loop's RoutingRecord (None: dense), emptied into the segment."""
-        if self.tokens:
-            self.segments.append((rows, self.steps, torch.stack(self.tokens, 1), torch.stack(self.log_probs, 1)))
-            self.steps += len(self.tokens)
-            self.tokens, self.log_probs = [], []
-        if rec is not None and rec.per_layer[0]:
-            self.routing.append((rows, rec.routed_experts))
-            for steps in rec.per_layer:
-                steps.clear()  # in place: the MoE blocks append to these very lists
-
-    def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        tokens = torch.full((self.rows, self.steps), self.fill, dtype=torch.int64, device=self.device)
-        log_probs = torch.zeros(self.rows, self.steps, dtype=torch.float32, device=self.device)
-        for rows, start, tok, lp in self.segments:
-            tokens[rows, start:start + tok.shape[1]] = tok
-            log_probs[rows, start:start + lp.shape[1]] = lp
-        routing = None
-        if self.routing:
-            first = self.routing[0][1]
-            routing = first.new_full((self.rows, *first.shape[1:3], sum(r.shape[-1] for _, r in self.routing)), -1)
-            t = 0
-            for rows, r in self.routing:
-                routing[rows.to(r.device), :, :, t:t + r.shape[-1]] = r
-                t += r.shape[-1]
-            routing = routing.cpu()
-        return tokens.cpu(), log_probs.cpu(), routing
 
 
 # ------------------------------------------------------------ HF embedded engine
@@ -401,99 +343,120 @@ class HFRolloutEngine(RolloutEngine):
         the token's routing); in lockstep a rank whose rows have all stopped keeps one,
         since its peers' forwards are collectives. `live` (host) and `rows` (device) are
         the same row list twice: the loop indexes with `rows` without a copy per step."""
-        from transformers import DynamicCache  # local: the module imports without transformers
-
-        device, B = self.device, len(prompts)
-        first: dict[tuple[int, ...], int] = {}
-        inverse = torch.tensor([first.setdefault(tuple(p.tolist()), len(first)) for p in prompts])
-        distinct = list({u: p for p, u in zip(prompts, inverse.tolist())}.values())  # in order of first use
-        lens = [p.numel() for p in prompts]
-        P = max(lens)
-        cache = DynamicCache(config=self.model.config)
-        shrinks = all(hasattr(layer, "batch_select_indices") for layer in cache.layers)
-        if not shrinks:
-            distinct, inverse = prompts, torch.arange(B)  # a cache whose rows cannot be copied: prefill every row
-        ids, mask = _left_pad(distinct, P)
-        position = padded_positions(mask)
-        ids, mask, position, inverse = (t.to(device) for t in (ids, mask, position, inverse))
-        decode_masks = self._decode_masks(lens, P, max_new_tokens)
-        seeds_t = torch.tensor([signed(s) for s in seeds], dtype=torch.int64, device=device)
-
-        live = list(range(B))  # the chunk's rows still in the batch, in batch order (host)
-        rows = torch.arange(B, device=device)  # the same on the device
-        decoded = _Decoded(B, self.stop_token_id if self.stop_token_id is not None else 0, device)
-        n_new = torch.full((B,), max_new_tokens, device=device)  # response length per row [B]
-        done = torch.zeros(B, dtype=torch.bool, device=device)  # [B]
-        bad_at = torch.full((B,), max_new_tokens, device=device)  # first step with non-finite logits per row [B]
+        c = self._start_chunk(prompts, seeds, max_new_tokens)
         record = record_routing(self.model) if self.is_moe else contextlib.nullcontext()
         with record as rec:
-            logits = self._forward(ids, mask, position, cache, device)
-            if len(distinct) < B:  # the distinct prompts' rows -> every row
-                logits = logits[inverse.to(logits.device)]
-                select_rows(cache, inverse)
-                if rec is not None:
-                    for steps in rec.per_layer:
-                        steps[-1] = steps[-1][inverse.to(steps[-1].device)]
-                mask, position = mask[inverse], position[inverse]
-            position = position[:, -1:]
-            reserve(cache, max_new_tokens)
-            cdf = torch.empty(B, self.vocab_size, dtype=torch.float64, device=device) if temperature else None
+            self._prefill(c, rec, max_new_tokens)
+            cdf = torch.empty(c.B, self.vocab_size, dtype=torch.float64, device=c.device) if temperature else None
             for step in range(max_new_tokens):
-                logp = logits.float()  # [b, V]; the forward's own output (or a copy): changed in place
-                if temperature not in (0, 1):
-                    logp.div_(temperature)
-                logp = torch.log_softmax(logp, dim=-1, out=logp)
-                was_done = done[rows]
-                bad = torch.isnan(logp.sum(-1)) & ~was_done  # inf/NaN logits: raised at the next check
-                bad_at[rows] = torch.where(bad & (bad_at[rows] > step), step, bad_at[rows])
-                if temperature == 0:  # greedy (evaluation): log-probs are of softmax(logits)
-                    drawn = logp.argmax(-1)
-                else:
-                    drawn = sample_inverse_cdf(logp, uniform_noise(seeds_t, step), out=cdf[: len(live)])
-                tok = torch.where(was_done, torch.full_like(drawn, decoded.fill), drawn)
-                decoded.add(tok, logp.gather(-1, tok[:, None])[:, 0])
-                if self.stop_token_id is not None:
-                    stopped = ~was_done & (tok == self.stop_token_id)
-                    n_new[rows] = torch.where(stopped, step + 1, n_new[rows])
-                    done[rows] = was_done | stopped
+                tok = self._sample(c, step, temperature, cdf)
                 last, keep = step == max_new_tokens - 1, None
                 if last or (step + 1) % self.check_every == 0:
-                    # one read (one all-reduce in lockstep): every rank raises, or stops, at the same step
-                    flags = torch.cat([torch.stack([max_new_tokens - bad_at.min(), (~done).any().long()]),
-                                       done.long()])
-                    first_bad, going, *stopped_rows = self._agree(flags, reduced=2)
-                    if first_bad:
-                        raise _diverged(max_new_tokens - first_bad)
+                    going, keep = self._check(c, step, max_new_tokens)
                     last = last or not going
-                    keep = [k for k, i in enumerate(live) if not stopped_rows[i]] if shrinks else None
-                    if self.on_progress is not None:  # signs of life in a long generation, at the host read
-                        self.on_progress(decode=f"{step + 1}/{max_new_tokens}", rows=f"{B - sum(stopped_rows)}/{B}")
                 if last and not self.is_moe:
                     break  # dense: the last token needs no forward
                 # feed the sampled tokens: logits for the next step, routing for these tokens
-                position = position + 1
-                mask = decode_masks(step, mask)
-                logits = self._forward(tok[:, None], mask, position, cache, device)
+                c.position = c.position + 1
+                c.mask = c.decode_masks(step, c.mask)
+                c.logits = self._forward(tok[:, None], c.mask, c.position, c.cache, c.device)
                 if last:
                     break  # MoE: that extra forward only recorded the last tokens' routing
-                if keep is not None and len(keep) < len(live):  # drop the stopped rows (keep one in lockstep)
-                    keep = keep or [0]
-                    sel = torch.tensor(keep, device=device)
-                    decoded.close_segment(rows, rec)
-                    live, rows = [live[k] for k in keep], rows[sel]
-                    logits, position, seeds_t = logits[sel], position[sel], seeds_t[sel]
-                    mask = None if mask is None else mask[sel]
-                    select_rows(cache, sel)
-                    decode_masks = self._decode_masks([lens[i] for i in live], P, max_new_tokens)
+                if keep is not None and len(keep) < len(c.live):  # drop the stopped rows (keep one in lockstep)
+                    self._drop_rows(c, keep or [0], rec, max_new_tokens)
+        c.decoded.close_segment(c.rows, rec)
+        return c.responses()
 
-        decoded.close_segment(rows, rec)
-        tokens_bt, log_probs_bt, routing_all = decoded.result()  # [B, S], [B, S], [B, L, K, P + S'] or None
-        out = []
-        for i, n in enumerate(n_new.tolist()):
-            p = lens[i]
-            r = routing_all[i, :, :, P - p : P + n].clone() if routing_all is not None else None
-            out.append((tokens_bt[i, :n].clone(), log_probs_bt[i, :n].clone(), r))
-        return out
+    def _start_chunk(self, prompts: list[torch.Tensor], seeds: list[int], max_new_tokens: int) -> Chunk:
+        """The chunk's prefill inputs (its distinct prompts left-padded, and `inverse`, each
+        row's distinct prompt) and its decode state, on the model's device."""
+        from transformers import DynamicCache  # local: the module imports without transformers
+
+        c = Chunk()
+        c.device, c.B = device, B = self.device, len(prompts)
+        first: dict[tuple[int, ...], int] = {}
+        inverse = torch.tensor([first.setdefault(tuple(p.tolist()), len(first)) for p in prompts])
+        distinct = list({u: p for p, u in zip(prompts, inverse.tolist())}.values())  # in order of first use
+        c.lens = [p.numel() for p in prompts]
+        c.P = max(c.lens)
+        c.cache = DynamicCache(config=self.model.config)
+        c.shrinks = all(hasattr(layer, "batch_select_indices") for layer in c.cache.layers)
+        if not c.shrinks:
+            distinct, inverse = prompts, torch.arange(B)  # a cache whose rows cannot be copied: prefill every row
+        c.distinct = len(distinct)
+        ids, mask = left_pad(distinct, c.P)
+        position = padded_positions(mask)
+        c.ids, c.mask, c.position, c.inverse = (t.to(device) for t in (ids, mask, position, inverse))
+        c.decode_masks = self._decode_masks(c.lens, c.P, max_new_tokens)
+        c.seeds = torch.tensor([signed(s) for s in seeds], dtype=torch.int64, device=device)
+        c.live = list(range(B))  # the chunk's rows still in the batch, in batch order (host)
+        c.rows = torch.arange(B, device=device)  # the same on the device
+        c.decoded = Decoded(B, self.stop_token_id if self.stop_token_id is not None else 0, device)
+        c.n_new = torch.full((B,), max_new_tokens, device=device)  # response length per row [B]
+        c.done = torch.zeros(B, dtype=torch.bool, device=device)  # [B]
+        c.bad_at = torch.full((B,), max_new_tokens, device=device)  # first step with non-finite logits per row [B]
+        return c
+
+    def _prefill(self, c: Chunk, rec, max_new_tokens: int) -> None:
+        """One forward over the distinct prompts; its logits, cache and routing copied to every
+        row; then the cache reserves room for the new tokens."""
+        c.logits = self._forward(c.ids, c.mask, c.position, c.cache, c.device)
+        if c.distinct < c.B:  # the distinct prompts' rows -> every row
+            c.logits = c.logits[c.inverse.to(c.logits.device)]
+            select_rows(c.cache, c.inverse)
+            if rec is not None:
+                for steps in rec.per_layer:
+                    steps[-1] = steps[-1][c.inverse.to(steps[-1].device)]
+            c.mask, c.position = c.mask[c.inverse], c.position[c.inverse]
+        c.position = c.position[:, -1:]
+        reserve(c.cache, max_new_tokens)
+
+    def _sample(self, c: Chunk, step: int, temperature: float, cdf: torch.Tensor | None) -> torch.Tensor:
+        """Decode step `step`'s tokens `[b]` from the last logits (device ops only): drawn, or
+        the fill token on a row that had stopped; the stop and non-finite bookkeeping."""
+        rows = c.rows
+        logp = c.logits.float()  # [b, V]; the forward's own output (or a copy): changed in place
+        if temperature not in (0, 1):
+            logp.div_(temperature)
+        logp = torch.log_softmax(logp, dim=-1, out=logp)
+        was_done = c.done[rows]
+        bad = torch.isnan(logp.sum(-1)) & ~was_done  # inf/NaN logits: raised at the next check
+        c.bad_at[rows] = torch.where(bad & (c.bad_at[rows] > step), step, c.bad_at[rows])
+        if temperature == 0:  # greedy (evaluation): log-probs are of softmax(logits)
+            drawn = logp.argmax(-1)
+        else:
+            drawn = sample_inverse_cdf(logp, uniform_noise(c.seeds, step), out=cdf[: len(c.live)])
+        tok = torch.where(was_done, torch.full_like(drawn, c.decoded.fill), drawn)
+        c.decoded.add(tok, logp.gather(-1, tok[:, None])[:, 0])
+        if self.stop_token_id is not None:
+            stopped = ~was_done & (tok == self.stop_token_id)
+            c.n_new[rows] = torch.where(stopped, step + 1, c.n_new[rows])
+            c.done[rows] = was_done | stopped
+        return tok
+
+    def _check(self, c: Chunk, step: int, max_new_tokens: int) -> tuple[bool, list[int] | None]:
+        """The host read of a check: one read (one all-reduce in lockstep), so every rank raises,
+        or stops, at the same step. -> (does a row still go?, the batch positions to keep, or
+        None where the cache cannot drop rows)."""
+        flags = torch.cat([torch.stack([max_new_tokens - c.bad_at.min(), (~c.done).any().long()]), c.done.long()])
+        first_bad, going, *stopped_rows = self._agree(flags, reduced=2)
+        if first_bad:
+            raise _diverged(max_new_tokens - first_bad)
+        keep = [k for k, i in enumerate(c.live) if not stopped_rows[i]] if c.shrinks else None
+        if self.on_progress is not None:  # signs of life in a long generation, at the host read
+            self.on_progress(decode=f"{step + 1}/{max_new_tokens}", rows=f"{c.B - sum(stopped_rows)}/{c.B}")
+        return bool(going), keep
+
+    def _drop_rows(self, c: Chunk, keep: list[int], rec, max_new_tokens: int) -> None:
+        """The batch shrinks to its positions `keep`: the decoded segment closes, and the cache,
+        logits, positions, masks and seeds keep those rows."""
+        sel = torch.tensor(keep, device=c.device)
+        c.decoded.close_segment(c.rows, rec)
+        c.live, c.rows = [c.live[k] for k in keep], c.rows[sel]
+        c.logits, c.position, c.seeds = c.logits[sel], c.position[sel], c.seeds[sel]
+        c.mask = None if c.mask is None else c.mask[sel]
+        select_rows(c.cache, sel)
+        c.decode_masks = self._decode_masks([c.lens[i] for i in c.live], c.P, max_new_tokens)
 
     def _decode_masks(self, lens: list[int], P: int, max_new_tokens: int):
         """A function `(step, previous mask) -> mask` giving the attention mask of a decode step, for
