@@ -360,14 +360,7 @@ def _run(code: str, limits: Limits) -> SandboxResult:
     bwrap = limits.backend is Backend.BWRAP
     root = os.geteuid() == 0
     uid = SANDBOX_UIDS[0] + secrets.randbelow(SANDBOX_UIDS[1]) if bwrap and root else None
-    code_fd = os.memfd_create("code")  # the code reaches the child as an fd the bootstrap reads and closes
-    try:  # code that cannot be written (not a str, a lone surrogate from JSON) leaves nothing behind
-        with os.fdopen(os.dup(code_fd), "w", encoding="utf-8") as f:
-            f.write(code)
-    except BaseException:
-        os.close(code_fd)
-        raise
-    os.lseek(code_fd, 0, os.SEEK_SET)
+    code_fd = _code_fd(code)
     scratch = "/tmp" if bwrap else tempfile.mkdtemp(prefix="rl-sandbox-")  # bwrap: its private tmpfs
     if root and not bwrap:  # the scratch directory belongs to the user the child becomes
         os.chown(scratch, NOBODY, NOBODY)
@@ -385,16 +378,42 @@ def _run(code: str, limits: Limits) -> SandboxResult:
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                                 pass_fds=(code_fd, report_w) + ((info_w,) if bwrap else ()))
     except BaseException:
-        for fd in (report_r, info_r):
-            if fd is not None:
-                os.close(fd)
+        _close(report_r, info_r)
         if not bwrap:
             shutil.rmtree(scratch, ignore_errors=True)
         raise
     finally:
-        for fd in (code_fd, report_w, info_w):
-            if fd is not None:
-                os.close(fd)
+        _close(code_fd, report_w, info_w)
+    out, report, timed_out = _watch(proc, limits, start, report_r, info_r, None if bwrap else scratch)
+    return _result(proc, out, report, timed_out, start, bwrap,
+                   user=f"uid {uid}" if uid is not None else "nobody" if root and not bwrap else "unchanged")
+
+
+def _code_fd(code: str) -> int:
+    """A memfd holding `code` (the child's bootstrap reads and closes it), at offset 0."""
+    code_fd = os.memfd_create("code")
+    try:  # code that cannot be written (not a str, a lone surrogate from JSON) leaves nothing behind
+        with os.fdopen(os.dup(code_fd), "w", encoding="utf-8") as f:
+            f.write(code)
+    except BaseException:
+        os.close(code_fd)
+        raise
+    os.lseek(code_fd, 0, os.SEEK_SET)
+    return code_fd
+
+
+def _close(*fds: int | None) -> None:
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)
+
+
+def _watch(proc: subprocess.Popen, limits: Limits, start: float, report_r: int, info_r: int | None,
+           scratch: str | None) -> tuple[_Capped, _Capped, bool]:
+    """Read the run's output and report pipes until it ends or its wall clock runs out, then end
+    it: nothing of the run outlives the call. `info_r` (bwrap): where bwrap says its init's pid;
+    `scratch` (backend=process): the folder removed afterwards. -> (output, report, timed out)."""
+    bwrap = info_r is not None
     out, report, info = _Capped(limits.max_output_bytes), _Capped(1 << 16), _Capped(1 << 12)
     init = None  # bwrap: a pidfd of the sandbox's init (PID 1 of its namespace)
     timed_out = False
@@ -428,11 +447,15 @@ def _run(code: str, limits: Limits) -> SandboxResult:
             _kill_group(proc.pid)
             proc.wait()
         proc.stdout.close()
-        for fd in (report_r, info_r):
-            if fd is not None:
-                os.close(fd)
-        if not bwrap:
+        _close(report_r, info_r)
+        if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+    return out, report, timed_out
+
+
+def _result(proc: subprocess.Popen, out: _Capped, report: _Capped, timed_out: bool, start: float, bwrap: bool,
+            user: str) -> SandboxResult:
+    """How the run ended, from its exit status and its report (network mode, refusals, its end)."""
     lines = report.text().splitlines()
     refused = [line for line in lines if not line.startswith("network=") and line != "end"]
     network = next((line.partition("=")[2] for line in lines if line.startswith("network=")), "none (not started)")
@@ -445,7 +468,6 @@ def _run(code: str, limits: Limits) -> SandboxResult:
                        "is not known")
     if refused and status in (Outcome.OK, Outcome.ERROR):
         status = Outcome.REFUSED  # it tried something forbidden, caught the refusal and went on
-    user = f"uid {uid}" if uid is not None else "nobody" if root and not bwrap else "unchanged"
     return SandboxResult(status=status, output=out.text(), returncode=returncode, truncated=out.dropped > 0,
                          seconds=time.monotonic() - start, network=network, user=user, pid=proc.pid,
                          refused=refused)
