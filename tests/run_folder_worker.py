@@ -94,7 +94,7 @@ def decisions(rank: int, world_size: int, tmp: str) -> dict:
     os.environ["LOCAL_RANK"] = "0"
     tempfile.tempdir = str(tmp_path / f"node{rank}")
     os.makedirs(tempfile.tempdir, exist_ok=True)
-    folder = build._random_init_folder(lambda: build_model("llama", seed=0), trainer.dims, 0)
+    folder = build._random_init_folder(lambda device=None: build_model("llama", seed=0, device=device), trainer.dims)
     out["init_folder"] = (Path(folder).name, Path(folder).parent.name, (Path(folder) / "config.json").is_file())
     return out
 

@@ -2,6 +2,7 @@
 
 import inspect
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -526,3 +527,32 @@ def test_file_task_tokenizes_text_prompts(tmp_path):
     task = FileTask(path, my_reward, tokenizer=Tok())
     (ids, meta), = task.prompts(1, seed=0)
     assert ids.tolist() == Tok().encode("ab") and meta == {"answer": 5} and task.stop_token_id == 2
+
+
+def test_vllm_random_init_folder_is_one_per_model_and_a_restart_finds_it(tmp_path, monkeypatch):
+    """rl/rollout/build.py writes vLLM's random-init folder once per model (its weights only give
+    the shapes: the first sync replaces them): a second start, as after a restart, or another seed
+    finds it and writes nothing; another model gets another folder. Nothing else is left behind."""
+    import tempfile
+    from types import SimpleNamespace
+
+    import rl.rollout.build as build
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    dims, built = SimpleNamespace(distributed=False), []
+
+    def new_model(name, seed=0):
+        def make(device=None):
+            built.append(device)
+            return build_model(name, seed=seed, device=device, vocab_size=64)
+        return make
+
+    first = build._random_init_folder(new_model("qwen3"), dims)
+    assert built == ["meta", None] and (Path(first) / "config.json").is_file()
+    assert build._random_init_folder(new_model("qwen3"), dims) == first
+    assert build._random_init_folder(new_model("qwen3", seed=1), dims) == first
+    assert built == ["meta", None, "meta", "meta"]  # found: no second copy written
+    other = build._random_init_folder(new_model("llama"), dims)
+    assert other != first and built[-1] is None
+    assert sorted(os.listdir(tmp_path)) == sorted([Path(first).name, Path(other).name])

@@ -11,11 +11,11 @@ Every engine gets the policy's weights once here, bucket by bucket (rl/rollout/s
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
 import tempfile
-import uuid
 
 import torch
 
@@ -58,7 +58,7 @@ def build_engine(cfg, dims, task, actor, new_model, teacher=None, max_staleness:
         require_vllm()
         model_dir = cfg.model.pretrained_path
         if model_dir is None:  # a random-init model: vLLM loads a folder, so write one (one per node)
-            model_dir = _random_init_folder(new_model, dims, cfg.seed)
+            model_dir = _random_init_folder(new_model, dims)
         max_len = engine_max_len(cfg, task)
         tp_group = None
         if dims.distributed and r.tensor_parallel_size > 1:
@@ -96,14 +96,17 @@ def engine_max_len(cfg, task) -> int | None:
     return longest_sample(task, max(cfg.task.max_new_tokens, cfg.eval.max_new_tokens or 0))
 
 
-def _random_init_folder(new_model, dims, seed: int) -> str:
-    """The folder vLLM loads a random-init policy from, on this node's temporary storage: its
-    name drawn by rank 0 (the same on every rank), written by the first rank of each node
-    (LOCAL_RANK 0) under a temporary name and renamed into place, so nodes sharing the
-    folder's filesystem or not both find it; every rank waits for it."""
+def _random_init_folder(new_model, dims) -> str:
+    """The folder vLLM loads a random-init policy from, on this node's temporary storage. Its
+    weights only give vLLM the shapes (the first sync replaces every one), so its name is a
+    digest of what it holds (the model's config, LoRA or not): a restarted run, or another run
+    of the same model, finds it already written instead of leaving a new copy each start. The
+    name is drawn by rank 0 (the same on every rank); the first rank of each node (LOCAL_RANK 0)
+    writes it under a temporary name and renames it into place, so nodes sharing the folder's
+    filesystem or not both find it; every rank waits for it."""
     from model.parallel_dims import decided_on_rank0
 
-    name = decided_on_rank0(dims, lambda: f"rl-vllm-init-{uuid.uuid4().hex[:12]}")
+    name = decided_on_rank0(dims, lambda: f"rl-vllm-init-{_model_digest(new_model('meta'))}")
     folder = os.path.join(tempfile.gettempdir(), name)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not os.path.isdir(folder):
         model = new_model()
@@ -114,8 +117,15 @@ def _random_init_folder(new_model, dims, seed: int) -> str:
         model.save_pretrained(part, state_dict=merged_state_dict(model) if has_adapters(model) else None)
         try:
             os.rename(part, folder)
-        except OSError:  # another node's rank renamed its copy first (one shared temporary folder)
+        except OSError:  # another rank renamed its copy first (one shared temporary folder)
             shutil.rmtree(part, ignore_errors=True)
     if dims.distributed:
         torch.distributed.barrier()
     return folder
+
+
+def _model_digest(model) -> str:
+    """12 hex digits naming what `save_pretrained` of `model` writes: its full config (the
+    transformers version included) and whether it carries adapters."""
+    text = model.config.to_json_string(use_diff=False) + f"lora={has_adapters(model)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
