@@ -139,29 +139,38 @@ def varlen_attention_forward(
 
     cu_k = cu_seq_lens_q if cu_seq_lens_k is None else cu_seq_lens_k
     _check_pack(query, key, attention_mask, cu_seq_lens_q, cu_k)
+    return _packed_attention(module, query, key, value, cu_seq_lens_q, cu_k, max_length_q, max_length_k,
+                             packed_seq_lens, dropout, scaling), None
+
+
+def _packed_attention(module, query, key, value, cu_q: torch.Tensor, cu_k: torch.Tensor, max_length_q: int | None,
+                      max_length_k: int | None, packed_seq_lens: Sequence[int] | None, dropout,
+                      scaling) -> torch.Tensor:
+    """A THD pack `[1, H, N, D]` -> `[1, N, H, D]`: the device's varlen kernel where there is one
+    (model/kernels.py), else sdpa per sequence over the pack's host boundaries."""
     kernel = kernels.packed_kernel(query)
     if kernel is not None:
-        longest_q = max_length_q if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
+        longest_q = max_length_q if max_length_q is not None else int((cu_q[1:] - cu_q[:-1]).max())
         longest_k = max_length_k if max_length_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
         out = kernel(  # THD in [N, H, D], THD out; GQA handled by the kernel
             query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-            cu_seq_lens_q, cu_k, longest_q, longest_k, dropout_p=dropout, softmax_scale=scaling, causal=True,
+            cu_q, cu_k, longest_q, longest_k, dropout_p=dropout, softmax_scale=scaling, causal=True,
         )
-        return out.unsqueeze(0), None
+        return out.unsqueeze(0)
     if packed_seq_lens is not None:  # the host copy: no device read per layer
         bounds = [0, *itertools.accumulate(int(n) for n in packed_seq_lens)]
-        if bounds[-1] != query.shape[2] or len(bounds) != cu_seq_lens_q.shape[0]:
+        if bounds[-1] != query.shape[2] or len(bounds) != cu_q.shape[0]:
             raise ValueError(f"packed_seq_lens {list(packed_seq_lens)} (sum {bounds[-1]}, {len(bounds) - 1} sequences) "
                              f"does not describe the pack: query shape {tuple(query.shape)}, cu_seq_lens_q shape "
-                             f"{tuple(cu_seq_lens_q.shape)}")
+                             f"{tuple(cu_q.shape)}")
     else:  # a caller that passed device boundaries only (reads them back once per layer)
-        bounds = cu_seq_lens_q.tolist()
+        bounds = cu_q.tolist()
         if bounds != cu_k.tolist() or bounds[0] != 0 or bounds[-1] != query.shape[2]:
             raise ValueError(
                 f"cu_seq_lens_q {bounds} / cu_seq_lens_k {cu_k.tolist()} must be equal, start at 0 and end at the "
                 f"pack length {query.shape[2]} (query shape {tuple(query.shape)})"
             )
-    return _per_sequence_sdpa(module, query, key, value, bounds, dropout, scaling), None
+    return _per_sequence_sdpa(module, query, key, value, bounds, dropout, scaling)
 
 
 def _masked_sdpa(module, query, key, value, attention_mask, *, dropout=0.0, scaling=None, is_causal=None,
