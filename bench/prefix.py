@@ -13,7 +13,7 @@ For each model: `shared` says whether the shared path was taken (model/actor.py
 every MoE model: it switches itself off for `MoEBlock`s) the two arms run the same pack and
 the ratio is ~1.0x, reported as "not shared". `body_token_ratio` (tokens through the
 transformer body, n(P + R) / (P + nR)) and `flop_ratio` (fwd+bwd FLOPs of the unshared pack
-over the shared one: the body by packing/planner.py's `FlopCost` and `microbatch_cost`, linear
+over the shared one: the body by packing/flops.py's `FlopCost` and packing/planner.py's `microbatch_cost`, linear
 layers and attention, plus the LM head on the response tokens, the same in both) are what
 transfers to a GPU, where the time follows the FLOPs more closely than on this CPU.
 Models (random init, built from their configs, nothing downloaded):
@@ -117,7 +117,7 @@ def shared_views():
 
 def flops(lm, prompt: int, response: int, samples: int) -> tuple[float, float]:
     """(fwd+bwd FLOPs of the unshared pack, of the shared one), bench/roofline.py's count: the
-    body by packing/planner.py's `FlopCost`, the LM head on the response tokens only in both (the
+    body by packing/flops.py's `FlopCost`, the LM head on the response tokens only in both (the
     actor's `actions_only`; `flop_cost` counts the head on every token)."""
     from roofline import training_flops
 

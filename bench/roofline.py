@@ -6,7 +6,7 @@ The machine (measured in the process that reports against it, with its threads):
                               (`model_shapes`: tokens x hidden -> q/o, k/v, MLP, head), fp32 and bf16
     bandwidth()               bytes read + written per second by a large tensor copy
 
-The work (counted, nothing timed), by packing/planner.py's `flop_cost` convention (2 FLOPs per
+The work (counted, nothing timed), by packing/flops.py's `flop_cost` convention (2 FLOPs per
 weight per token forward, twice that backward; causal attention `t**2 / 2` query-key pairs,
 `4 * head_dim` FLOPs each per head forward), the count docs/design.md's shared-prompt table
 and bench/prefix.py use:
@@ -44,7 +44,7 @@ def _dims(config) -> dict:
 
 def matmul_weights(config) -> tuple[int, int]:
     """(weights of the body's matmuls, of the LM head): what one token multiplies by."""
-    from packing.planner import flop_cost
+    from packing.flops import flop_cost
 
     d = _dims(config)
     head = d["hidden"] * d["vocab"]
@@ -55,7 +55,8 @@ def training_flops(config, groups: Sequence[tuple[int, Sequence[int]]], action_t
     """Forward + backward FLOPs of one update over `groups`, each `(prompt tokens, [response
     tokens per sample])`: the body on the shared-prompt pack (packing/planner.py
     `microbatch_cost`: each prompt once) and the head on `action_tokens` (default: every response token)."""
-    from packing.planner import FlopCost, flop_cost, microbatch_cost
+    from packing.flops import FlopCost, flop_cost
+    from packing.planner import microbatch_cost
 
     cost = flop_cost(config)
     body_w, head_w = matmul_weights(config)
@@ -92,7 +93,7 @@ def prefill_cost(config, prompts: Sequence[int], dtype_bytes: int = 4) -> tuple[
     """(FLOPs, bytes) of the engine's prefill of the distinct prompts `prompts` (token counts):
     the body's forward over every prompt token, the head on each prompt's last token; the
     weights read once, every token's keys and values written."""
-    from packing.planner import flop_cost
+    from packing.flops import flop_cost
 
     d = _dims(config)
     body_w, head_w = matmul_weights(config)
@@ -106,7 +107,7 @@ def decode_cost(config, rows: int, context: float, dtype_bytes: int = 4) -> tupl
     """(FLOPs, bytes) of one decode step: `rows` rows, each attending over `context` keys (its
     prompt and the tokens so far); every matmul weight, head included, once per row; the
     weights read once, each row's cached keys and values read."""
-    from packing.planner import flop_cost
+    from packing.flops import flop_cost
 
     d = _dims(config)
     body_w, head_w = matmul_weights(config)

@@ -477,7 +477,7 @@ def worker_speed(args) -> dict:
     from model.parallel_dims import init_distributed
     from model.parallelize import clip_grad_norm_, parallelize
     from packing.collate import make_experience_batch
-    from packing.planner import flop_cost
+    from packing.flops import flop_cost
     from rl.trainer.trainer import adamw_options
 
     cuda, full = args.device == "cuda", args.size == "full"

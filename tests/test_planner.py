@@ -14,10 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packing.planner import (FlopCost, _tokens, flop_cost, karmarkar_karp, lockstep_cost, microbatch_cost,
+from packing.flops import FlopCost, flop_cost
+from packing.planner import (_tokens, karmarkar_karp, lockstep_cost, microbatch_cost,
                              plan_microbatches)
 
 PLANNER = Path(__file__).resolve().parents[1] / "packing" / "planner.py"
+FLOPS = PLANNER.with_name("flops.py")
 CAP, DP = 8192, 8
 
 
@@ -132,7 +134,9 @@ def plans_in_fresh_processes(body: str) -> list:
     set and dict-of-str order changes with the seed, the plans must not. Returns the plans."""
     script = ("import importlib.util, json, random, sys\n"
               f"spec = importlib.util.spec_from_file_location('planner', {str(PLANNER)!r})\n"
-              "p = importlib.util.module_from_spec(spec); spec.loader.exec_module(p)\n" + body)
+              "p = importlib.util.module_from_spec(spec); spec.loader.exec_module(p)\n"
+              f"spec = importlib.util.spec_from_file_location('flops', {str(FLOPS)!r})\n"
+              "f = importlib.util.module_from_spec(spec); spec.loader.exec_module(f)\n" + body)
     outputs = set()
     for seed in ("0", "1", "12345"):
         env = {"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"}
@@ -458,7 +462,7 @@ def test_cost_mode_deterministic_without_torch_and_hash_seed_independent():
     plans = plans_in_fresh_processes(
         "rng = random.Random(7)\n"
         "lengths = [min(32768, max(16, round(rng.lognormvariate(8.0, 1.0)))) for _ in range(256)]\n"
-        "cost = p.flop_cost({'num_hidden_layers': 36, 'hidden_size': 4096, 'num_attention_heads': 32,\n"
+        "cost = f.flop_cost({'num_hidden_layers': 36, 'hidden_size': 4096, 'num_attention_heads': 32,\n"
         "                    'num_key_value_heads': 8, 'head_dim': 128, 'intermediate_size': 12288,\n"
         "                    'vocab_size': 151936})\n"
         "plans = [p.plan_microbatches(lengths, 65536, 8, cost=cost),\n"

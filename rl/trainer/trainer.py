@@ -56,7 +56,7 @@ from model.lora import trainable_parameters
 from model.moe import moe_blocks, reset_expert_load, router_aux_loss
 from model.parallelize import clip_grad_norm_, expert_load_metrics, sharded_on_host
 from packing import Experience, make_experience_batch, plan_microbatches
-from packing.planner import flop_cost
+from packing.flops import flop_cost
 from packing.exchange import StandIn, exchange, gather_metadata
 from rl.algos.advantages import compute_advantages
 from rl.algos.distill import teacher_on_device, topk_kl
