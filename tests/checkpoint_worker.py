@@ -12,7 +12,8 @@ from torch.distributed.tensor import DTensor
 
 from model.parallel_dims import init_distributed
 from model.parallelize import full_parameters
-from rl.trainer.checkpoint import load_checkpoint, save_checkpoint, sharded_state
+from rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+from rl.trainer.state import sharded_state
 from rl.config import Config, load, register
 from rl.trainer.build import build_trainer
 from rl.trainer.trainer import Trainer

@@ -175,7 +175,7 @@ def test_checkpoint_state_is_adapters_only_with_tied_embeddings():
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from model.parallel_dims import ParallelDims
-    from rl.trainer.checkpoint import sharded_state
+    from rl.trainer.state import sharded_state
 
     lm = build_model("llama", seed=0, tie_word_embeddings=True)
     apply_lora(lm, LoraSettings(rank=4, alpha=8, target_modules=ATTENTION))

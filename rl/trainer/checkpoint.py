@@ -53,12 +53,8 @@ saved on another world size (the records are per rank).
 
 Resharding: with world_size > 1 every entry is a DTensor, and DCP stores each shard at its
 global offsets, so any layout loads any other's checkpoint (RNG states only load on the same
-world size; nothing in a step draws from them today). Expert weights take one extra step:
-FSDP2 describes an expert parameter as a DTensor of global shape [E/ep, ...] over the ranks
-holding the *same* EP shard, so EP ranks would write different tensors under one key.
-`_global_experts` re-describes it, and its AdamW moments, as what it is: an [E, ...] tensor on
-the 2-D expert mesh (ep, edp_cp), cut by EP rank and then by FSDP's torch.chunk within, which
-is DTensor's nested (Shard(0), Shard(0)) (tests/test_checkpoint.py checks uneven and empty chunks).
+world size; nothing in a step draws from them today). The model and optimizer entries, expert
+shards included, are described in rl/trainer/state.py.
 """
 
 from __future__ import annotations
@@ -67,7 +63,6 @@ import dataclasses
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import sys
@@ -79,17 +74,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor, Shard
 
 from model.library_noise import quiet_single_process
-from model.lora import has_adapters, is_adapter
-from model.moe import is_expert_param
 from model.parallel_dims import ParallelDims, decided_on_rank0, gathered
 from rl.trainer.metrics import flatten
+from rl.trainer.state import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from rl.config import Config
@@ -148,76 +139,6 @@ def find_checkpoint(path: str | Path) -> Path:
         raise ValueError(f"{path}: folder not found")
     raise ValueError(f"{path}: not a complete checkpoint (no {MARKER} file: a save that did not finish?) "
                      f"and no complete step_N checkpoint inside")
-
-
-# ------------------------------------------------------------- the training state
-def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer, dims: ParallelDims) -> dict[str, Any]:
-    """`{"weights": fqn -> tensor, "optimizer": {"state": fqn -> {...}, "param_groups": [...]}}`
-    of one trained module, as DCP saves and loads it: sharded entries are DTensors of the
-    parameter's global shape (expert shards re-described: see the module docstring); loading
-    fills them in place. An optimizer that has not stepped yet gets its state initialised
-    (a zero-lr step on zero gradients: the weights do not move). With LoRA adapters
-    (model/lora.py) the frozen base is left out: it is rebuilt from the seed or
-    `model.pretrained_path`, like the reference."""
-    weights, optim = get_state_dict(module, optimizer, options=_options(module))
-    if has_adapters(module):  # ignore_frozen_params keeps a tied weight's second name (lm_head of tied embeddings)
-        weights = {k: v for k, v in weights.items() if is_adapter(k)}
-    weights = {k: _global_experts(v, dims) if is_expert_param(k) else v for k, v in weights.items()}
-    optim["state"] = {fqn: {k: _global_experts(v, dims) for k, v in s.items()} if is_expert_param(fqn) else s
-                      for fqn, s in optim["state"].items()}
-    return {"weights": weights, "optimizer": optim}
-
-
-def load_sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
-                       dims: ParallelDims) -> None:
-    """Put a `sharded_state` dict (filled by `dcp.load`) into the module and optimizer."""
-    weights = {k: _fsdp_experts(v, dims) if is_expert_param(k) else v for k, v in state["weights"].items()}
-    optim = dict(state["optimizer"])
-    optim["state"] = {fqn: {k: _fsdp_experts(v, dims) for k, v in s.items()} if is_expert_param(fqn) else s
-                      for fqn, s in optim["state"].items()}
-    set_state_dict(module, optimizer, model_state_dict=weights, optim_state_dict=optim, options=_options(module))
-
-
-def _options(module: nn.Module) -> StateDictOptions:
-    """LoRA: the trainable adapters only (their frozen base is not checkpointed, nor expected)."""
-    lora = has_adapters(module)
-    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
-
-
-def _global_experts(t: Any, dims: ParallelDims) -> Any:
-    """An expert shard (FSDP2 DTensor [E/ep, ...] over `dims.expert_fsdp_mesh`) as the global
-    [E, ...] DTensor over `dims.expert_mesh` (ep, edp_cp): the same local tensor, no copy."""
-    if dims.ep == 1 or not isinstance(t, DTensor) or t.dim() == 0:
-        return t
-    if t.device_mesh != dims.expert_fsdp_mesh or tuple(t.placements) != (Shard(0),):
-        raise RuntimeError(f"checkpoint: an expert entry is sharded as {t.placements} on {t.device_mesh}, expected "
-                           f"Shard(0) on the expert FSDP mesh {dims.expert_fsdp_mesh}")
-    shape = (t.shape[0] * dims.ep, *t.shape[1:])
-    return DTensor.from_local(t.to_local(), dims.expert_mesh, [Shard(0), Shard(0)], run_check=False,
-                              shape=torch.Size(shape), stride=t.stride())
-
-
-def _fsdp_experts(t: Any, dims: ParallelDims) -> Any:
-    """The inverse of `_global_experts`."""
-    if dims.ep == 1 or not isinstance(t, DTensor) or t.dim() == 0:
-        return t
-    shape = (t.shape[0] // dims.ep, *t.shape[1:])
-    return DTensor.from_local(t.to_local(), dims.expert_fsdp_mesh, [Shard(0)], run_check=False,
-                              shape=torch.Size(shape), stride=t.stride())
-
-
-def rng_state(dims: ParallelDims) -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state().numpy().tobytes(), "python": random.getstate()}
-    if dims.device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(dims.device).numpy().tobytes()
-    return state
-
-
-def set_rng_state(state: dict[str, Any], dims: ParallelDims) -> None:
-    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
-    random.setstate(state["python"])
-    if "cuda" in state and dims.device.type == "cuda":
-        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8), dims.device)
 
 
 # ------------------------------------------------------------------- save / load

@@ -60,7 +60,7 @@ from packing.flops import flop_cost
 from packing.exchange import StandIn, exchange, gather_metadata
 from rl.algos.advantages import compute_advantages
 from rl.algos.distill import teacher_on_device, topk_kl
-from rl.trainer.checkpoint import load_sharded_state, sharded_state
+from rl.trainer.state import load_sharded_state, sharded_state
 from rl.config import Balance, Config
 from rl.config.schema import OldLogProbs
 from rl.trainer.guard import DivergenceGuard, poison
