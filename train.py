@@ -10,9 +10,9 @@ import logging
 import os
 import sys
 
-from model.allocator import allocator_mode
+from runtime.allocator import allocator_mode
 
-allocator_mode()  # RL_ALLOCATOR checked before anything is built (model/allocator.py)
+allocator_mode()  # RL_ALLOCATOR checked before anything is built (runtime/allocator.py)
 
 import hydra  # noqa: E402
 import torch  # noqa: E402
@@ -20,8 +20,8 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from model.library_noise import silence_library_noise  # noqa: E402
-from model.parallel_dims import ParallelDims, init_distributed  # noqa: E402
+from runtime.library_noise import silence_library_noise  # noqa: E402
+from runtime.parallel_dims import ParallelDims, init_distributed  # noqa: E402
 from rl.trainer.checkpoint import Checkpointer  # noqa: E402
 from rl.config import (Config, check_command_line, learning_rate_warning, load, plot_warning, register,  # noqa: E402
                        validate)

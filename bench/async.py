@@ -480,7 +480,7 @@ def run(steps: int, overrides: list[str]) -> tuple[dict[str, list[dict]], int]:
     sys.path.insert(0, str(ROOT))
     from hydra import compose, initialize_config_dir
 
-    from model.parallel_dims import init_distributed
+    from runtime.parallel_dims import init_distributed
     from rl.config import load, register, validate
     from rl.trainer.build import build_trainer
 

@@ -50,7 +50,7 @@ def load(rank: int, world: int, current: bool) -> dict:
     from model.actor import Actor
     from model.loading import load_sharded
     from model.models import build_model
-    from model.parallel_dims import init_distributed
+    from runtime.parallel_dims import init_distributed
     from model.parallelize import parallelize
 
     dims = init_distributed()

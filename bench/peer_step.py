@@ -59,7 +59,7 @@ def ours(seed: int, rewards: str, eps: float | None = None, steps: int = 1) -> d
     import rl.trainer.trainer as trainer_module
     from hydra import compose, initialize_config_dir
 
-    from model.parallel_dims import init_distributed
+    from runtime.parallel_dims import init_distributed
     from rl.config import load, register
     from rl.trainer.build import build_trainer
 

@@ -6,9 +6,9 @@ the final checkpoint, rollout.replica=auto), every other setting at its default 
 allocator variable set by this bench: the children's environment holds no `MALLOC_*`,
 `GLIBC_TUNABLES` or `LD_PRELOAD` (removed from this process's own, if set, and said so), each
 rank checks that before train.py runs, and the allocator is what train.py does with it
-(model/allocator.py). The arms, side by side:
+(runtime/allocator.py). The arms, side by side:
 
-    default   train.py as a user runs it (model/allocator.py: glibc's memory handed back after
+    default   train.py as a user runs it (runtime/allocator.py: glibc's memory handed back after
               loading and before each sharded layer's backward)
     system    the control: RL_ALLOCATOR=system, glibc's own behaviour (dynamic thresholds, no trim)
     fixed128k glibc's mmap and trim thresholds fixed at 128 KiB from the environment
@@ -232,9 +232,9 @@ def check_env(arm: str, ranks: list[dict]) -> None:
         if rep["env_at_start"] != want:
             raise AssertionError(f"arm {arm} rank {r}: allocator variables at start {rep['env_at_start']}, "
                                  f"expected {want}")
-        if rep["env_after_import"] != want:  # train.py sets no allocator variable (model/allocator.py)
+        if rep["env_after_import"] != want:  # train.py sets no allocator variable (runtime/allocator.py)
             raise AssertionError(f"arm {arm} rank {r}: after train.py's import the allocator variables are "
-                                 f"{rep['env_after_import']}: model/allocator.py did not run as expected")
+                                 f"{rep['env_after_import']}: runtime/allocator.py did not run as expected")
 
 
 def run_world(world: int, arm: str, folder: Path, extra: list[str], timeout: float) -> dict:

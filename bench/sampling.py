@@ -39,7 +39,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     json_stdout()
     torch.set_num_threads(args.threads)
-    from model.library_noise import silence_library_noise
+    from runtime.library_noise import silence_library_noise
 
     silence_library_noise()
     from transformers import AutoModelForCausalLM, GenerationConfig

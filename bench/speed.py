@@ -6,7 +6,7 @@ evaluations and the checkpoint, in arms run side by side:
 
     default   train.py as a user runs it
     system    RL_ALLOCATOR=system: glibc's own allocator behaviour, nothing handed back to the OS
-              (the control that prices model/allocator.py's `release_memory`)
+              (the control that prices runtime/allocator.py's `release_memory`)
     fixed128k glibc's mmap and trim thresholds fixed at 128 KiB (the allocator before issue 39;
               `--arms default system fixed128k`)
     lora      the same job with rank-16 adapters (+experiment=smollm2_arithmetic_lora, docs/lora.md):

@@ -27,7 +27,7 @@ def _bytes(t: torch.Tensor) -> int:
 def measure(rank: int, world: int) -> dict:
     from model.actor import Actor
     from model.models import build_model
-    from model.parallel_dims import init_distributed
+    from runtime.parallel_dims import init_distributed
     from model.parallelize import parallelize
     from packing import make_experience_batch
     from rl.rollout.sync import buckets

@@ -12,7 +12,7 @@ section still runs; the exit code is 1 when one failed:
            signature, the keywords model/kernels.py calls it with), `torch._grouped_mm` (present, taken
            by the MoE expert GEMMs in bf16 on this device, equal to the per-expert loop within 2 bf16
            eps), the fp32 log-prob head (model/logprobs.py `logits_fp32`: its path here, against fp64
-           logits), the torch-2.13-only collectives (model/compat.py falls back without them), and the
+           logits), the torch-2.13-only collectives (runtime/compat.py falls back without them), and the
            modules train.py needs.
   kernels  the pack attention as the model runs it (model/attention.py, model/context_parallel.py:
            torch's varlen kernel on CUDA bf16, per-sequence sdpa on CPU) against masked sdpa over the
@@ -47,7 +47,7 @@ section still runs; the exit code is 1 when one failed:
 The JSON's `not_checked` says what one GPU cannot check (NOT_CHECKED) and where it is checked instead.
 On CPU every section runs its CPU path at small sizes (`--size tiny`, the default off CUDA); what needs
 CUDA says "skipped: no CUDA". `--drop-torch-2-13-names` deletes torch's 2.13-only names in every process
-first (as torch 2.11 on the GPU image), so a CPU rehearsal goes through model/compat.py's fallbacks.
+first (as torch 2.11 on the GPU image), so a CPU rehearsal goes through runtime/compat.py's fallbacks.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ BUDGET_S = 330  # all sections together (the pip install and the tarball come on
 # the CPU rehearsal (--device cpu): its 20 RL steps and two resumed runs take minutes on a shared 2-core CPU
 # where a GPU takes seconds; every limit and the budget scaled by CPU_SLOWDOWN
 CPU_SLOWDOWN = 2
-TORCH_2_13_ONLY = ("all_gather_single", "reduce_scatter_single")  # model/compat.py's fallbacks replace them
-# model/compat.py's other fallbacks, by (module, class, name): gone from the GPU image's torch 2.11
+TORCH_2_13_ONLY = ("all_gather_single", "reduce_scatter_single")  # runtime/compat.py's fallbacks replace them
+# runtime/compat.py's other fallbacks, by (module, class, name): gone from the GPU image's torch 2.11
 TORCH_2_13_ONLY_METHODS = (("torch.distributed.fsdp", "FSDPModule", "reset_iter_state"),)
 NO_CUDA = "skipped: no CUDA"
 EPS = {torch.float32: torch.finfo(torch.float32).eps, torch.bfloat16: torch.finfo(torch.bfloat16).eps}
@@ -119,7 +119,7 @@ MODELS = {"dense": "qwen3", "moe": "qwen3_moe"}
 
 
 def drop_torch_2_13_names() -> None:
-    """As torch 2.11: the 2.13-only collectives and methods gone (model/compat.py takes the older ones)."""
+    """As torch 2.11: the 2.13-only collectives and methods gone (runtime/compat.py takes the older ones)."""
     import importlib
 
     import torch.distributed as dist
@@ -384,7 +384,7 @@ def _model_parity(device, dtype) -> dict:
     from model.actor import Actor
     from model.models import build_model
     from model.moe import moe_blocks, record_routing, shard_experts
-    from model.parallel_dims import ParallelDims
+    from runtime.parallel_dims import ParallelDims
     from packing.collate import make_experience_batch
     from packing.experience import Experience
 
@@ -474,7 +474,7 @@ def worker_speed(args) -> dict:
 
     from model.actor import Actor
     from model.models import build_model
-    from model.parallel_dims import init_distributed
+    from runtime.parallel_dims import init_distributed
     from model.parallelize import clip_grad_norm_, parallelize
     from packing.collate import make_experience_batch
     from packing.flops import flop_cost

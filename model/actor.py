@@ -28,7 +28,7 @@ from model.checks import check_on_device
 from model.context_parallel import CP_VARLEN, Segments, ShardedView, shard_forward
 from model.logprobs import LOGPROB_CHUNK_BYTES, token_log_probs, topk_reverse_kl
 from model.moe import ep_suffix_length, moe_blocks, moe_token_weights, routing_replay
-from model.parallel_dims import ParallelDims
+from runtime.parallel_dims import ParallelDims
 from packing.experience import Experience
 from packing.layout import padded_positions
 

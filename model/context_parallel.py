@@ -66,7 +66,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface
 
-from model import compat, kernels
+from model import kernels
+from runtime import compat
 from model.attention import varlen_attention_forward, varlen_mask
 from packing.collate import ROUTING_PAD
 from packing.experience import Experience, Kind

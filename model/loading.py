@@ -43,10 +43,10 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from model.library_noise import quiet_single_process
+from runtime.library_noise import quiet_single_process
 from model.lora import stock_name
 from model.moe import EXPERT_PARAM_NAMES, ExpertParallelExperts
-from model.parallel_dims import ParallelDims, local_tensor
+from runtime.parallel_dims import ParallelDims, local_tensor
 
 KEY = "model.pretrained_path"
 # The load-time key conversions of transformers (`conversion_mapping`, what `from_pretrained`

@@ -22,7 +22,7 @@ this order, each its own small function here, side by side, each a no-op where i
    Every microbatch loss is already a share of the step's global mean,
    so gradients are SUMMED (divide factor 1): the sum over (dp, cp) of each rank's
    gradient is the one-process gradient. On the CPU each sharded layer's backward first
-   hands the host memory freed by the layer before it back to the OS (model/allocator.py).
+   hands the host memory freed by the layer before it back to the OS (runtime/allocator.py).
 
 A model on the meta device (a checkpoint's skeleton, `build_model(..., device="meta")`) is
 parallelized the same way, shapes only; `model.loading.load_sharded` then reads each
@@ -45,10 +45,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from model import moe
-from model.allocator import release_memory
+from runtime.allocator import release_memory
 from model.context_parallel import CP_VARLEN
 from model.moe import expert_load, expert_owners, is_moe, moe_blocks, moe_state
-from model.parallel_dims import ParallelDims, local_tensor
+from runtime.parallel_dims import ParallelDims, local_tensor
 
 
 def parallelize(wrapper: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype | None = None,
@@ -160,13 +160,13 @@ def apply_fsdp(wrapper: nn.Module, dims: ParallelDims, *, param_dtype: torch.dty
 
 def _release_host_memory(module: nn.Module, grad_output) -> None:
     """Before a sharded layer's backward: the previous layer's unsharded gradients and
-    weights, which FSDP2 has just reduce-scattered and freed, back to the OS (model/allocator.py)."""
+    weights, which FSDP2 has just reduce-scattered and freed, back to the OS (runtime/allocator.py)."""
     release_memory()
 
 
 def sharded_on_host(wrapper: nn.Module) -> bool:
     """True when FSDP2 sharded `wrapper` on the CPU: its rank's host memory should fall with the
-    world size, so the trainer also hands back what each stage of a step freed (model/allocator.py)."""
+    world size, so the trainer also hands back what each stage of a step freed (runtime/allocator.py)."""
     return isinstance(wrapper, FSDPModule) and next(wrapper.parameters()).device.type == "cpu"
 
 

@@ -27,7 +27,7 @@ def compose(*overrides: str, world_size: int = 1, check: bool = True) -> Config:
 
 def trainer(*overrides: str):
     """A one-process Trainer as train.py builds it (seeded like a run)."""
-    from model.parallel_dims import init_distributed
+    from runtime.parallel_dims import init_distributed
     from rl.trainer.build import build_trainer
 
     cfg = compose(*overrides)
@@ -73,7 +73,7 @@ def weights(tr) -> dict[str, torch.Tensor]:
 def steps_rank(rank: int, world_size: int, overrides: tuple[str, ...], steps: int) -> list[dict]:
     """`steps` steps on `world_size` ranks; the metrics of each step and whether each rank
     ever ran a zero-weight (empty) microbatch."""
-    from model.parallel_dims import init_distributed
+    from runtime.parallel_dims import init_distributed
     from rl.trainer.build import build_trainer
 
     cfg = compose(*overrides, world_size=world_size)
@@ -97,7 +97,7 @@ def nan_loss_on_one_rank(rank: int, world_size: int, bad_rank: int) -> dict:
     """A NaN loss on `bad_rank` only, from step 1: every rank skips the update and stops
     with the same message; the weights stay those after step 0 on every rank."""
     import rl.algos.objective as objective_module
-    from model.parallel_dims import init_distributed
+    from runtime.parallel_dims import init_distributed
     from rl.trainer.guard import DivergenceError
     from rl.trainer.build import build_trainer
 

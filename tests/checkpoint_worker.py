@@ -10,7 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from torch.distributed.tensor import DTensor
 
-from model.parallel_dims import init_distributed
+from runtime.parallel_dims import init_distributed
 from model.parallelize import full_parameters
 from rl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from rl.trainer.state import sharded_state

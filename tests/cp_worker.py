@@ -20,7 +20,7 @@ from model.actor import _slot_targets
 from model.context_parallel import (CP_VARLEN, CPContext, _restore_full_sequence, attention_mask, cp_layout,
                                     cp_model_inputs, shard, shard_tokens, unshard)
 from model.models import TINY
-from model.parallel_dims import ParallelDims, build_mesh
+from runtime.parallel_dims import ParallelDims, build_mesh
 from packing.collate import make_experience_batch
 from packing.experience import Experience
 

@@ -237,7 +237,7 @@ def shared_prompt_checks(rank: int, world_size: int) -> dict:
     from model import actor as actor_module
     from model.actor import Actor
     from model.models import build_model
-    from model.parallel_dims import ParallelDims, build_mesh
+    from runtime.parallel_dims import ParallelDims, build_mesh
     from packing.collate import make_experience_batch
     from test_shared_prompt import body_tokens
     from testing.records import grpo_records

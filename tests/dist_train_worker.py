@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from model.actor import Actor
 from model.models import TINY_MOE, build_model
-from model.parallel_dims import ParallelDims, init_distributed, local_tensor
+from runtime.parallel_dims import ParallelDims, init_distributed, local_tensor
 from model.parallelize import clip_grad_norm_, full_parameters, parallelize
 from packing import make_experience_batch, plan_microbatches
 from rl.algos.losses import PolicyLossConfig, aggregate, policy_loss

@@ -16,7 +16,7 @@ from model.attention import packed_attn_kwargs, varlen_attention_forward
 from model.logprobs import LOGPROB_CHUNK_BYTES, chunk_rows, token_log_probs
 from model.models import TINY, TINY_MOE, build_model
 from packing.collate import make_experience_batch
-from model.parallel_dims import ParallelDims
+from runtime.parallel_dims import ParallelDims
 from packing.experience import Experience
 
 LENGTHS = [5, 61, 17, 40, 2, 9]  # uneven, with a 1-slot sample

@@ -1,4 +1,4 @@
-"""model/allocator.py: memory a rank frees in bulk goes back to the OS at the step's phase
+"""runtime/allocator.py: memory a rank frees in bulk goes back to the OS at the step's phase
 boundaries, and between them freed memory is reused at glibc's full speed.
 
 Each check runs in a fresh interpreter (glibc's thresholds are per process and one-way) that
@@ -41,7 +41,7 @@ BLOCKS = 96  # 1 MiB buffers freed under a live block
 PATTERN = r"""
 import ctypes, json, os, resource, sys
 sys.path.insert(0, sys.argv[1])
-from model.allocator import release_memory
+from runtime.allocator import release_memory
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
@@ -143,7 +143,7 @@ def test_release_points_after_loading_and_before_each_sharded_layers_backward():
 
 
 def test_an_unknown_switch_value_names_the_variable(monkeypatch):
-    from model.allocator import allocator_mode
+    from runtime.allocator import allocator_mode
 
     monkeypatch.setenv("RL_ALLOCATOR", "jemalloc")
     with pytest.raises(ValueError, match=r"RL_ALLOCATOR='jemalloc': expected one of trim, system"):

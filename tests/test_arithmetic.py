@@ -12,7 +12,7 @@ from testing.inprocess import trainer
 from test_tasks import CHAT, tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 
 from model.models import build_model
-from model.parallel_dims import ParallelDims
+from runtime.parallel_dims import ParallelDims
 from rl.rollout.evaluate import evaluate
 from rl.rollout.engine import make_record
 from rl.tasks.arithmetic import ArithmeticTask, arithmetic_value

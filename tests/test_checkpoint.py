@@ -18,7 +18,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from model.models import build_model
-from model.parallel_dims import ParallelDims
+from runtime.parallel_dims import ParallelDims
 from rl.trainer.checkpoint import Checkpointer, check_config, complete_checkpoints, find_checkpoint, load_checkpoint
 from rl.trainer.export import main as export_main
 from rl.config import validate

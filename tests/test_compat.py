@@ -1,5 +1,5 @@
 """The suite runs on torch 2.11-2.14: every name a supported release lacks goes through
-model/compat.py, and the fallback gives the same numbers as the newer name."""
+runtime/compat.py, and the fallback gives the same numbers as the newer name."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ NEWER = ("all_gather_single", "reduce_scatter_single")  # torch >= 2.13 only
 def test_only_the_compat_layer_calls_collectives_that_older_torch_lacks():
     """A direct `dist.all_gather_single(...)` anywhere else would fail on torch 2.11/2.12."""
     pattern = re.compile(rf"\b(?:dist|distributed)\.({'|'.join(NEWER)})\s*\(")
-    offenders = [f"{path.relative_to(ROOT)}:{n}" for folder in ("model", "rl", "packing", "scripts", "launch")
+    offenders = [f"{path.relative_to(ROOT)}:{n}" for folder in ("model", "runtime", "rl", "packing", "scripts", "launch")
                  for path in (ROOT / folder).rglob("*.py") if path.name != "compat.py"
                  for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     offenders += [f"train.py:{n}" for n, line in enumerate((ROOT / "train.py").read_text().splitlines(), 1)
@@ -77,15 +77,15 @@ def test_gathers_without_the_torch_2_13_collectives_equal_the_newer_ones():
 
 def test_every_shim_is_still_needed_by_the_oldest_supported_torch():
     """The deletion test: once the oldest supported torch has a name, its shim goes (this fails)."""
-    from model import compat
+    from runtime import compat
 
     stale = [name for name, since in compat.SINCE.items() if compat.OLDEST_TORCH >= since]
-    assert stale == [], f"torch {compat.OLDEST_TORCH} has {stale}: delete their shims from model/compat.py"
+    assert stale == [], f"torch {compat.OLDEST_TORCH} has {stale}: delete their shims from runtime/compat.py"
     assert set(compat.SINCE) == {*NEWER, "reset_iter_state"}
 
 
 def test_only_the_compat_layer_resets_fsdp_iteration_state():
-    offenders = [f"{path.relative_to(ROOT)}:{n}" for folder in ("model", "rl", "launch")
+    offenders = [f"{path.relative_to(ROOT)}:{n}" for folder in ("model", "runtime", "rl", "launch")
                  for path in (ROOT / folder).rglob("*.py") if path.name != "compat.py"
                  for n, line in enumerate(path.read_text().splitlines(), 1) if ".reset_iter_state(" in line]
     assert offenders == []
@@ -101,10 +101,10 @@ def test_an_aborted_sharded_generation_leaves_fsdp_idle_and_the_next_one_equal(m
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-    from model import compat
+    from runtime import compat
     from model.actor import Actor
     from model.models import build_model
-    from model.parallel_dims import init_distributed
+    from runtime.parallel_dims import init_distributed
     from model.parallelize import parallelize
     from rl.rollout.engine import PolicyRolloutEngine
 

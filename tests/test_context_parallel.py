@@ -19,7 +19,7 @@ from nemo_automodel.components.distributed.context_parallel.sharder import round
 
 from model.attention import packed_attn_kwargs
 from model.context_parallel import CP_VARLEN, CPContext, _attend, cp_attention_forward
-from model.parallel_dims import ParallelDims, build_mesh, init_distributed
+from runtime.parallel_dims import ParallelDims, build_mesh, init_distributed
 from packing.collate import make_experience_batch
 from model.context_parallel import attention_work, cp_layout, shard, shard_tokens, unshard
 

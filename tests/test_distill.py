@@ -347,7 +347,7 @@ def test_a_tokenizer_saved_again_is_the_same_and_one_more_token_is_not(tmp_path)
 # ------------------------------------------------------------------ the self-test
 def test_self_test_passes_the_teacher_and_refuses_a_forward_that_differs(tmp_path):
     from model.actor import Actor
-    from model.parallel_dims import ParallelDims
+    from runtime.parallel_dims import ParallelDims
     from rl.algos.distill import self_test
 
     path = checkpoint(tmp_path / "t", "qwen3_moe", seed=2)

@@ -1,4 +1,4 @@
-"""packing/exchange.py and the trainer's data path (issue #20): ranks gather only per-sample
+"""runtime/exchange.py and the trainer's data path (issue #20): ranks gather only per-sample
 metadata, and each sample moves once, as flat tensors, from the rank that generated it to
 the ranks the plan runs it on.
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from testing.distributed import run_distributed
 from testing.inprocess import matches_recorded
 from packing import Experience, plan_microbatches
-from packing.exchange import FIELDS, StandIn, exchange, gather_metadata, routing_dtype
+from runtime.exchange import FIELDS, StandIn, exchange, gather_metadata, routing_dtype
 
 LAYERS, TOPK = 3, 2
 ESTIMATORS = [("grpo", None), ("grpo", True), ("rloo", None), ("reinforce_pp", None), ("reinforce_pp_baseline", None),
@@ -213,7 +213,7 @@ def _untimed(metrics: dict) -> dict:
 
 def paths_rank(rank: int, world_size: int, overrides: tuple[str, ...], steps: int) -> list[dict]:
     """`steps` steps with the data path, from the seed."""
-    from model.parallel_dims import init_distributed
+    from runtime.parallel_dims import init_distributed
     from rl.trainer.build import build_trainer
     from testing.inprocess import compose
 

@@ -55,7 +55,7 @@ def test_a_lora_export_warns_when_every_lora_b_is_zero(tmp_path, caplog):
 
 @pytest.mark.slow
 def test_the_export_entry_point_prints_no_library_noise():
-    """`python -m rl.trainer.export` installs model/library_noise.py's filters before transformers
+    """`python -m rl.trainer.export` installs runtime/library_noise.py's filters before transformers
     and peft import torchao; the control (peft imported alone) shows the noise on this machine."""
     import torch
 

@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from model.library_noise import quiet_single_process, silence_library_noise
+from runtime.library_noise import quiet_single_process, silence_library_noise
 
 
 class ForeignEnum(enum.Enum):

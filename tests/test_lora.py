@@ -174,7 +174,7 @@ def test_checkpoint_state_is_adapters_only_with_tied_embeddings():
     too big and the export refuse it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from model.parallel_dims import ParallelDims
+    from runtime.parallel_dims import ParallelDims
     from rl.trainer.state import sharded_state
 
     lm = build_model("llama", seed=0, tie_word_embeddings=True)

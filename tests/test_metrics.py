@@ -277,7 +277,7 @@ def _maxes_of_two_cp_peers(rank: int, world_size: int) -> dict:
     """dp=1 x cp=2: rank 1, a CP peer, peaked higher; `reduce_maxes` and the DP-only reduction it replaced."""
     import torch
 
-    from model.parallel_dims import init_distributed
+    from runtime.parallel_dims import init_distributed
     from rl.trainer.trainer import reduce_maxes
 
     dims = init_distributed(1, 2, 1, device="cpu")

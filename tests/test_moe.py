@@ -325,7 +325,7 @@ def test_router_aux_loss_counts_real_tokens_only_and_is_layout_invariant(model_a
     from conftest import make_records
     from model.actor import Actor, _forward_slots
     from model.moe import router_aux_loss
-    from model.parallel_dims import ParallelDims
+    from runtime.parallel_dims import ParallelDims
     from packing import make_experience_batch
 
     records = make_records([7, 19, 4, 12], seed=5)

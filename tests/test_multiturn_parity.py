@@ -500,7 +500,7 @@ def holey_cp_rank(rank: int, world_size: int) -> dict:
     from cp_worker import _grads, cp_log_probs
 
     from model.context_parallel import CP_VARLEN
-    from model.parallel_dims import ParallelDims, build_mesh
+    from runtime.parallel_dims import ParallelDims, build_mesh
 
     dims = ParallelDims(cp=world_size, world_size=world_size)
     build_mesh(dims)

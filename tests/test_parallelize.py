@@ -18,7 +18,7 @@ from model import parallelize as par
 from model.actor import Actor
 from model.models import build_model
 from model.moe import expert_load, moe_blocks, reset_expert_load
-from model.parallel_dims import ParallelDims
+from runtime.parallel_dims import ParallelDims
 from packing import make_experience_batch
 
 LENGTHS = [6, 19, 11, 4, 23]
@@ -114,7 +114,7 @@ def audited_step(rank: int, world_size: int, control: bool = False) -> dict:
     collated batch watched."""
     import traceback
 
-    from model.parallel_dims import init_distributed
+    from runtime.parallel_dims import init_distributed
     from packing import Experience
     from rl.config import Config
     from rl.trainer.build import build_trainer

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model.parallel_dims import ParallelDims, use_tf32
+from runtime.parallel_dims import ParallelDims, use_tf32
 from model.parallelize import clip_grad_norm_
 
 

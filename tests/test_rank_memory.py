@@ -39,7 +39,7 @@ def reduce_scatter_sizes(rank: int, world: int, tied: bool, split: bool) -> dict
     from model import parallelize as par
     from model.actor import Actor
     from model.models import build_model
-    from model.parallel_dims import init_distributed
+    from runtime.parallel_dims import init_distributed
     from packing import make_experience_batch
     from testing.records import make_records
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from model.parallel_dims import ParallelDims
+from runtime.parallel_dims import ParallelDims
 from rl.trainer.checkpoint import complete_checkpoints
 from rl.trainer.run_folder import LOCK, RunFolderInUse, claim
 from testing.distributed import free_port, run_distributed

@@ -23,7 +23,7 @@ from testing.distributed import run_distributed
 import model.loading as loading
 from model.actor import Actor
 from model.models import build_model
-from model.parallel_dims import ParallelDims, init_distributed
+from runtime.parallel_dims import ParallelDims, init_distributed
 from model.parallelize import full_parameters, parallelize
 
 # (family, tied output head, ep): dense FSDP rows, a tied head, EP (each rank its experts),

@@ -60,7 +60,7 @@ def sharded_vs_replica(rank: int, world: int, family: str, tied: bool, ep: int =
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from model.parallel_dims import init_distributed
+    from runtime.parallel_dims import init_distributed
     from model.parallelize import full_parameters
     from rl.rollout.engine import HFRolloutEngine, PolicyRolloutEngine
     from rl.rollout.sync import buckets, sync_weights
@@ -144,7 +144,7 @@ def sharded_vs_replica(rank: int, world: int, family: str, tied: bool, ep: int =
 
 def sharded_run_vs_replica_run(rank: int, world: int, overrides: tuple[str, ...], steps: int) -> dict:
     """The same seeded run twice, rollout.replica=keep then sharded, on these ranks."""
-    from model.parallel_dims import init_distributed
+    from runtime.parallel_dims import init_distributed
     from rl.trainer.build import build_trainer
     from testing.inprocess import compose
 

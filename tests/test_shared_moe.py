@@ -36,7 +36,7 @@ from model.actor import Actor, _forward_slots  # noqa: E402
 from model.models import build_model  # noqa: E402
 from model.moe import (expert_load, moe_blocks, record_routing, reset_expert_load, router_aux_loss,  # noqa: E402
                        shard_experts)
-from model.parallel_dims import ParallelDims  # noqa: E402
+from runtime.parallel_dims import ParallelDims  # noqa: E402
 from packing.collate import make_experience_batch  # noqa: E402
 from testing.records import grpo_records  # noqa: E402
 
@@ -358,7 +358,7 @@ def shared_forward_rank(rank: int, world_size: int, overrides: tuple[str, ...]) 
     shared path (`_shared_prompt_view` returned a view) and those that did not."""
     from testing.inprocess import compose
 
-    from model.parallel_dims import init_distributed
+    from runtime.parallel_dims import init_distributed
     from rl.trainer.build import build_trainer
 
     cfg = compose(*overrides, world_size=world_size)

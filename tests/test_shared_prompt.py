@@ -33,7 +33,7 @@ from model import actor as actor_module  # noqa: E402
 from model.actor import Actor, Critic, _forward_slots, _shared_prompt_view, _slot_targets  # noqa: E402
 from model.models import DENSE, build_model  # noqa: E402
 from model.moe import shard_experts  # noqa: E402
-from model.parallel_dims import ParallelDims  # noqa: E402
+from runtime.parallel_dims import ParallelDims  # noqa: E402
 from packing.collate import make_experience_batch  # noqa: E402
 from packing.experience import Experience  # noqa: E402
 from packing.prompts import layout_of_units  # noqa: E402

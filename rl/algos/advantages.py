@@ -8,7 +8,7 @@ batches, after the scoring pass has put `values` and `kl` on them:
 1. it lays the items out as `AdvantageInputs`: one row per sequence over its action slots
    (`[S, L]`, zero-padded), which sample of the step each row is, and the step's rewards and
    prompt groups. Every rank holds the whole step's rewards (`samples`: its stand-ins,
-   packing/exchange.py), so group baselines see whole groups while each rank holds only its
+   runtime/exchange.py), so group baselines see whole groups while each rank holds only its
    own batches.
 2. the registered estimator computes `(advantages, returns)` on those rows, itself: each is
    one function `fn(inputs, **its options)` under `register_advantage_estimator` (like
@@ -311,7 +311,7 @@ def _row_view(item: Experience) -> tuple[Callable, Callable]:
 
 
 def _what(item: Experience, i: int) -> str:
-    """How an error names item i: a stand-in (packing/exchange.py), a record or a batch."""
+    """How an error names item i: a stand-in (runtime/exchange.py), a record or a batch."""
     if not isinstance(item, Experience):
         return f"sample {i}"
     return f"record {i}" if item.action_mask.dim() == 1 else f"batch {i}"

@@ -17,7 +17,7 @@ import torch
 from model.families import MOE
 from model.kernels import resolve as resolve_kernel
 from model.lora import check_settings as check_lora
-from model.parallel_dims import ParallelDims, resolve_device
+from runtime.parallel_dims import ParallelDims, resolve_device
 from rl.algos.advantages import ADVANTAGE_ESTIMATORS, get_advantage_estimator
 from rl.algos.distill import check_teacher
 from rl.algos.losses import KLMode, check_policy_loss_config

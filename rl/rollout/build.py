@@ -104,7 +104,7 @@ def _random_init_folder(new_model, dims) -> str:
     name is drawn by rank 0 (the same on every rank); the first rank of each node (LOCAL_RANK 0)
     writes it under a temporary name and renames it into place, so nodes sharing the folder's
     filesystem or not both find it; every rank waits for it."""
-    from model.parallel_dims import decided_on_rank0
+    from runtime.parallel_dims import decided_on_rank0
 
     name = decided_on_rank0(dims, lambda: f"rl-vllm-init-{_model_digest(new_model('meta'))}")
     folder = os.path.join(tempfile.gettempdir(), name)

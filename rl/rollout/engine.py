@@ -57,7 +57,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from model.compat import reset_iter_state
+from runtime.compat import reset_iter_state
 from model.logprobs import logits_fp32
 from model.lora import has_adapters, is_adapter
 from model.moe import is_moe, moe_blocks, record_routing, shard_experts

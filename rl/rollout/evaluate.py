@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from model.parallel_dims import ParallelDims
+from runtime.parallel_dims import ParallelDims
 from rl.rollout.episodes import run_episodes
 from rl.tasks.base import Prompt, Task, is_multi_turn
 

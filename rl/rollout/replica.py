@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from model.parallel_dims import local_tensor
+from runtime.parallel_dims import local_tensor
 from rl.choice import Choice
 
 GIB = 2**30

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from model import compat
+from runtime import compat
 from model.lora import has_adapters, is_adapter
 from model.moe import expert_owners
 

@@ -22,11 +22,11 @@ import torch
 
 from model import kernels
 from model.actor import Actor, Critic
-from model.allocator import release_memory
+from runtime.allocator import release_memory
 from model.loading import load_sharded
 from model.lora import adapters_disabled, apply_lora
 from model.models import build_model, model_config_value
-from model.parallel_dims import ParallelDims
+from runtime.parallel_dims import ParallelDims
 from model.parallelize import parallelize
 from rl.algos.distill import build_teacher
 from rl.config import Config, check_task_fits, max_staleness
@@ -125,7 +125,7 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> Trainer:
     # rollout.engine: hf | vllm (rl/rollout/build.py); its memory plan counts the teacher
     engine = build_engine(cfg, dims, task, actor, build.policy_lm, teacher=teacher,
                           max_staleness=max_staleness(cfg.rollout))
-    release_memory()  # what loading and sharding freed, back to the OS (model/allocator.py)
+    release_memory()  # what loading and sharding freed, back to the OS (runtime/allocator.py)
     source = RolloutSource(cfg, dims, engine, task)  # what each rollout round generates; the scheduler says when
     scheduler = RolloutScheduler(
         source, engine, max_staleness=max_staleness(cfg.rollout), max_steps=cfg.trainer.max_steps,

@@ -77,8 +77,8 @@ import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from model.library_noise import quiet_single_process
-from model.parallel_dims import ParallelDims, decided_on_rank0, gathered
+from runtime.library_noise import quiet_single_process
+from runtime.parallel_dims import ParallelDims, decided_on_rank0, gathered
 from rl.trainer.metrics import flatten
 from rl.trainer.state import rng_state, set_rng_state
 

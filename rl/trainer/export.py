@@ -33,7 +33,7 @@ import json
 import logging
 from pathlib import Path
 
-from model.library_noise import quiet_single_process, silence_library_noise
+from runtime.library_noise import quiet_single_process, silence_library_noise
 
 silence_library_noise()  # before transformers and peft import torchao (its kernels' and enums' noise)
 

@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
-from model.parallel_dims import ParallelDims, decided_on_rank0, gathered
+from runtime.parallel_dims import ParallelDims, decided_on_rank0, gathered
 
 LOCK = ".run.lock"
 TIMEOUT_S = 600  # how long a rank waits for rank 0's answer in torchrun's store (the process group's timeout)

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from model.lora import has_adapters, is_adapter
 from model.moe import is_expert_param
-from model.parallel_dims import ParallelDims
+from runtime.parallel_dims import ParallelDims
 
 
 def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer, dims: ParallelDims) -> dict[str, Any]:

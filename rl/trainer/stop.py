@@ -27,7 +27,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from model.parallel_dims import ParallelDims
+from runtime.parallel_dims import ParallelDims
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

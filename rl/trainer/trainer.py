@@ -29,7 +29,7 @@ most DP rank 0's share, task.prompts_per_step / dp x task.samples_per_prompt).
 
 Data flow across ranks: each DP rank rolls out its slice of the step's prompts (CP peers
 of one DP rank generate the same samples); the records stay there. Only per-sample metadata
-(lengths, prompt index, reward, action tokens) is all-gathered (packing/exchange.py), so every
+(lengths, prompt index, reward, action tokens) is all-gathered (runtime/exchange.py), so every
 rank holds the step as lightweight stand-ins, computes the token normalizers, the
 dynamic-sampling decisions and the plan identically from them (and, after scoring, each
 sample's advantage scalar: group baselines see whole groups); then each sample moves
@@ -51,13 +51,13 @@ from typing import Any, Callable, Hashable
 import torch
 import torch.distributed as dist
 
-from model.allocator import release_memory
+from runtime.allocator import release_memory
 from model.lora import trainable_parameters
 from model.moe import moe_blocks, reset_expert_load, router_aux_loss
 from model.parallelize import clip_grad_norm_, expert_load_metrics, sharded_on_host
 from packing import Experience, make_experience_batch, plan_microbatches
 from packing.flops import flop_cost
-from packing.exchange import StandIn, exchange, gather_metadata
+from runtime.exchange import StandIn, exchange, gather_metadata
 from rl.algos.advantages import compute_advantages
 from rl.algos.distill import teacher_on_device, topk_kl
 from rl.trainer.state import load_sharded_state, sharded_state
@@ -132,7 +132,7 @@ class StagePeaks:
     """The device's peak memory per stage of a step, on CUDA: `mark(stage)` ends a stage, recording
     `torch.cuda.max_memory_allocated` since the previous mark as `peak_memory_<stage>_gib`, and resets
     the peak for the next (`mark(None)` resets only). On another device it records nothing: CPU
-    memory is the process's RSS, which the allocator's releases (model/allocator.py) make a
+    memory is the process's RSS, which the allocator's releases (runtime/allocator.py) make a
     step-level figure (bench/rank_memory.py), not a stage's."""
 
     def __init__(self, device: torch.device) -> None:
@@ -191,7 +191,7 @@ class Trainer:
         engine.on_progress = eval_engine.on_progress = self._progress  # decode steps and turns of a generation
 
     def _release_memory(self) -> None:
-        """A rank of a sharded CPU run hands what a stage freed back to the OS (model/allocator.py),
+        """A rank of a sharded CPU run hands what a stage freed back to the OS (runtime/allocator.py),
         so its memory falls with the world size; one process keeps its heap for the next step."""
         if self._sharded_on_host:
             release_memory()
@@ -317,7 +317,7 @@ class Trainer:
     # ----------------------------------------------------------------- collate
     def collate(self, rollouts: Rollouts, plan: StepPlan) -> list[MiniBatch]:
         """Each sample moved once, from the rank that generated it to the ranks that run it
-        (packing/exchange.py), then this rank's microbatches collated, once, onto its device
+        (runtime/exchange.py), then this rank's microbatches collated, once, onto its device
         (on CUDA by non-blocking copies from pinned memory: the host collates the next one meanwhile).
         The generated records are let go, and the stand-ins keep only their scalars (the
         rewards `advantages` reads)."""
