@@ -402,6 +402,7 @@ def test_teacher_equal_to_the_student_gives_zero_advantages_and_no_update(tmp_pa
     assert float(stats.sums["distill_argmax_agreement"]) == pytest.approx(1.0, abs=1e-12)  # a token share: 1
 
     tr = trainer(*run, f"algo.teacher.path={other}")  # the control: another teacher
+    assert tr.guard.teacher_signal  # no "rewards that differ" warning: the teacher's signal is per token
     before = weights(tr)
     metrics = tr.step(0)
     assert _changed(before, weights(tr)) > 0.0

@@ -159,6 +159,19 @@ def test_steps_without_reward_variance_warn_at_once_then_every_signal_repeat_ste
     assert infos == [f"step 100: a prompt group's rewards differ again, after {1 + 2 * SIGNAL_REPEAT} step(s) without"]
 
 
+def test_a_distillation_run_does_not_warn_on_uniform_rewards(caplog):
+    """The teacher's per-token signal trains without rewards that differ (algo.advantage=distill,
+    algo.distill_coef, algo.distill_kl=topk): the guard says nothing; the control warns."""
+    from rl.trainer.guard import DivergenceGuard
+
+    flat = {"reward_varied_groups": 0.0, "reward_mean": 0.0}
+    with caplog.at_level(logging.INFO, logger="train"):
+        DivergenceGuard(max_bad_steps=3, teacher_signal=True).end(0, dict(flat))
+        assert not caplog.records
+        DivergenceGuard(max_bad_steps=3).end(0, dict(flat))  # the control
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+
+
 def test_a_constant_reward_is_logged_as_no_varied_group_and_warns_at_once(tmp_path, monkeypatch, caplog):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt_ids": [5, 6, 7]}\n{"prompt_ids": [8, 9]}\n')

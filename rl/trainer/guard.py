@@ -57,8 +57,10 @@ class DivergenceError(RuntimeError):
 
 class DivergenceGuard:
     def __init__(self, max_bad_steps: int, min_entropy: float | None = None, *, verbose: bool = True,
-                 signal_hint: str = "") -> None:
+                 signal_hint: str = "", teacher_signal: bool = False) -> None:
         self.max_bad_steps, self.min_entropy = max_bad_steps, min_entropy
+        # on-policy distillation: the teacher's per-token signal does not need rewards that differ
+        self.teacher_signal = teacher_signal
         self.verbose = verbose  # rank 0 logs; every rank raises
         self.signal_hint = signal_hint  # the task's likely cause of no reward signal (`Task.signal_hint`)
         self.bad_steps = 0  # consecutive
@@ -128,7 +130,7 @@ class DivergenceGuard:
     def _check_signal(self, step: int, metrics: dict[str, float]) -> None:
         """Warn on the first step without a prompt group whose rewards differ, and every
         `SIGNAL_REPEAT` steps while none does; the end of such a streak is logged."""
-        if metrics.get("reward_varied_groups", 1.0) != 0:
+        if self.teacher_signal or metrics.get("reward_varied_groups", 1.0) != 0:
             if self.uniform_steps and self.verbose:
                 log.info("step %d: a prompt group's rewards differ again, after %d step(s) without", step,
                          self.uniform_steps)

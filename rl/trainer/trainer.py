@@ -59,7 +59,7 @@ from packing import Experience, make_experience_batch, plan_microbatches
 from packing.flops import flop_cost
 from runtime.exchange import StandIn, exchange, gather_metadata
 from rl.algos.advantages import compute_advantages
-from rl.algos.distill import teacher_on_device, topk_kl
+from rl.algos.distill import distilling, teacher_on_device, topk_kl
 from rl.trainer.state import load_sharded_state, sharded_state
 from rl.config import Balance, Config
 from rl.config.schema import OldLogProbs
@@ -181,7 +181,8 @@ class Trainer:
         self.objective = Objective(algo, token_sum_norm=token_sum_norm, kl_ctl=self.kl_ctl,
                                    moe_layers=len(moe_blocks(actor.model, strict=False)))
         self.guard = DivergenceGuard(cfg.trainer.max_bad_steps, cfg.trainer.min_entropy, verbose=dims.rank == 0,
-                                     signal_hint=task.signal_hint())  # what the task's reward reads
+                                     signal_hint=task.signal_hint(),  # what the task's reward reads
+                                     teacher_signal=distilling(algo))
         # batch.balance=flops: the planner evens out a * tokens + b * tokens^2 (linear layers + attention)
         self.cost = flop_cost(self.hf_config) if cfg.batch.balance is Balance.FLOPS else None
         self.samples: list[dict] = []  # the last step's first trainer.log_samples episodes, on rank 0 (samples.py)
