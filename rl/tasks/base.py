@@ -106,12 +106,17 @@ class Task(ABC):
     def signal_hint(self) -> str:
         """What to check when no prompt group's rewards differ (the divergence guard's warning,
         rl/trainer/guard.py): by default the reward itself, by its name."""
-        name = self.reward_name or f"{type(self).__name__}.reward"
+        name = reward_name(self)
         if name == "rl.tasks.answers:math_reward":
             return ("the reward (rl.tasks.answers:math_reward) compares the reply's last \\boxed{...}, else its last "
                     "number, with the answer: check that the replies end in the answer (a prompt or "
                     "task.options.system_prompt asking for it helps) and are not cut at task.max_new_tokens")
         return f"check the reward ({name}) on a few replies: it never told them apart"
+
+
+def reward_name(task: Task) -> str:
+    """How errors name a task's reward: its `reward_name` (`module:function`), else `Class.reward`."""
+    return task.reward_name or f"{type(task).__name__}.reward"
 
 
 def as_ids(x: Any) -> list[int]:

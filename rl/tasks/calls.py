@@ -57,7 +57,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rl.choice import Choice
-from rl.tasks.base import is_multi_turn
+from rl.tasks.base import is_multi_turn, reward_name
 from rl.tasks.errors import CallTimeout, TooManyHung, UserExit
 
 log = logging.getLogger(__name__)
@@ -362,11 +362,6 @@ def check_reward(value: Any, who: str, i: int, prompt_index: Any) -> float:
         raise ValueError(f"{who} returned {value!r} for record {i} (prompt index {prompt}); a reward must fit in "
                          f"fp32 (|reward| <= {FP32_MAX:.4g}): the trainer holds rewards in fp32, where it is inf")
     return float(value)
-
-
-def reward_name(task: Any) -> str:
-    """How errors name a task's reward: its `reward_name` (`module:function`), else `Class.reward`."""
-    return task.reward_name or f"{type(task).__name__}.reward"
 
 
 def task_calls(task: Any) -> UserCalls:
