@@ -2,10 +2,10 @@
 the environment's answers (cut to fit), past thinking stripped, its status and its finished record;
 rl/rollout/episodes.py `run_episodes` only batches the engine's calls over the episodes:
 
-    context = episode.reset()            # the prompt ids (a multi-turn task: env.reset(meta) rendered, checked equal)
-    while context is not None:           # one `engine.generate` per turn, every playing sample at once
+    episode.reset()                      # context = the prompt (multi-turn: env.reset(meta) rendered, checked equal)
+    while not episode.done:              # one `engine.generate` per turn from `context`, every playing sample at once
         episode.start(reply)             # the reply's tool calls start (a turn's calls overlap, on threads)
-        context = episode.step(reply)    # the next turn's context, or None: done
+        episode.step(reply)              # the next turn's `context`, or `done`
     record = episode.record()
 
 A single-turn task's episode is its one reply, rewarded by the task's `reward` (rl/tasks/calls.py
@@ -145,9 +145,9 @@ class Play:
 
 
 class Episode:
-    """One sample's episode (see the module docstring): `reset()` -> the first context's ids;
-    per turn `start(reply)` then `step(reply)` -> the next context's ids, or None when it is done;
-    `record()` the finished record. `i`: the sample's place in the call, `index` its prompt index,
+    """One sample's episode (see the module docstring): `reset()`, then per turn `start(reply)` and
+    `step(reply)`, each turn's reply generated from `context`, until `done`; `record()` the finished
+    record. `i`: the sample's place in the call, `index` its prompt index,
     `place` its place in its prompt's group."""
 
     def __init__(self, play: Play, i: int, prompt: torch.Tensor, meta: dict, index: int, place: int) -> None:
@@ -173,13 +173,13 @@ class Episode:
     def turns(self) -> int:
         return self.past + sum(sampled for _, sampled, _ in self.pieces)
 
-    def reset(self) -> torch.Tensor:
-        """The first turn's context: the prompt. A multi-turn task's environment is built and reset
+    def reset(self) -> None:
+        """The first turn: its context is the prompt. A multi-turn task's environment is built and reset
         (its first turn must render to the prompt's ids); a failure still takes turn 1 (the step's
         first call is the same), then ends the episode."""
         play, task = self.play, self.play.task
         if not is_multi_turn(task):
-            return self.context
+            return
         guard = play.calls.guard(f"environment {play.name}", self.where())
         with guard:
             self.env = env = play.calls.environment(task.environment, what=f"{play.name}: environment()")
@@ -190,7 +190,6 @@ class Episode:
                                  f"the {self.prompt.numel()} of the task's prompt: `reset(meta)` must give the turn "
                                  f"`prompts` encoded")
         self.status = guard.status
-        return self.context
 
     def start(self, reply: Experience) -> None:
         """The reply's tool calls, parsed here and run on the play's pool (a sandboxed call mostly
@@ -214,14 +213,14 @@ class Episode:
             outputs = [play.task.toolbox.run(call, play.calls) for call in called]
         return guard.status, called, outputs if guard.status is None else []
 
-    def step(self, reply: Experience) -> torch.Tensor | None:
+    def step(self, reply: Experience) -> None:
         """Take the turn's `reply` (the engine's record of it, from `context`): a single-turn task's
-        reward; else the tools' message or the environment's answer appended. The next context, or
-        None when the episode is done."""
+        reward; else the tools' message or the environment's answer appended, as the next `context`,
+        or the episode `done`."""
         if not is_multi_turn(self.play.task):
             reward_record(self.play.task, reply, self.meta, self.play.calls, self.i)
             self.reply, self.done = reply, True
-            return None
+            return
         n, turn = self.context.numel(), len(self.trace)
         response = reply.sequences[n:]
         self.trace.append(Turn(len(self.pieces)))
@@ -232,11 +231,8 @@ class Episode:
             self.fail(self.status)
         elif not self._tool_turn(reply, response, turn):
             self._environment_turn(reply, response, turn)
-        if self.done:
-            return None
-        if self.play.task.strip_thinking:
+        if not self.done and self.play.task.strip_thinking:
             self.forget_thinking()
-        return self.context
 
     def _tool_turn(self, reply: Experience, response: torch.Tensor, turn: int) -> bool:
         """The tools' outputs as the next context (or the failure of a call); False when the reply
