@@ -45,15 +45,14 @@ def validate(cfg: Config, world_size: int) -> Checked:
                          f"ranks (world_size={world_size}, parallel.cp={dims.cp})")
     _check_algo(cfg)
     check_teacher(cfg)  # rl/algos/distill.py: the keys, the checkpoint, its vocabulary and tokenizer
-    _check_paths(cfg)
+    family = _check_paths(cfg)
     _check_task(cfg)
-    _check_experts(cfg, dims.ep)
-    family = _model_family(cfg) if cfg.model.pretrained_path is not None else cfg.model.name.value
+    _check_experts(cfg, dims.ep, family)
     check_lora(cfg.model.lora, moe=family in MOE, engine=RolloutEngineName(cfg.rollout.engine).value)
     compute = compute_dtype(cfg.model.dtype, cfg.model.param_dtype, resolve_device(cfg.trainer.device.value))
     run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, param_dtype=compute))  # auto, resolved once
     _check_device(run)
-    _check_rollout(run, world_size)
+    _check_rollout(run, world_size, family)
     return Checked(run, dims)
 
 
@@ -87,17 +86,20 @@ def _check_algo(cfg: Config) -> None:
                          f"token), not in the loss; set algo.kl_mode=reward")
 
 
-def _check_paths(cfg: Config) -> None:
+def _check_paths(cfg: Config) -> str:
     """The model's checkpoint folder (config.json, weights, a supported family) or its family, and
-    the task's files, exist; a random-init model's context leaves room for a prompt."""
+    the task's files, exist; a random-init model's context leaves room for a prompt. Returns the
+    model's family."""
     if cfg.model.pretrained_path is not None:
         if not Path(cfg.model.pretrained_path).is_dir():
             raise ValueError(f"model.pretrained_path={cfg.model.pretrained_path!r}: folder not found (a local "
                              "checkpoint folder is expected; nothing is downloaded)")
-        _model_family(cfg)  # config.json, weights and a supported model_type, before any weight is read
+        family = _model_family(cfg)  # config.json, weights and a supported model_type, before any weight is read
     elif cfg.model.name is None:
         raise ValueError("model.name=null needs model.pretrained_path (a random-init model needs a family: "
                          f"one of {ModelName.values()})")
+    else:
+        family = cfg.model.name.value
     for key in ("prompts_path",):
         value = getattr(cfg.task, key)
         if value is not None and not Path(value).is_file():
@@ -109,6 +111,7 @@ def _check_paths(cfg: Config) -> None:
         if limit is not None and cfg.task.max_new_tokens >= limit:
             raise ValueError(f"task.max_new_tokens={cfg.task.max_new_tokens} leaves no room for a prompt within "
                              f"model.overrides.max_position_embeddings={limit}")
+    return family
 
 
 # above it, full fine-tuning of a pretrained checkpoint warns at start-up (`learning_rate_warning`): the
@@ -206,10 +209,10 @@ def _check_task(cfg: Config) -> None:
     check_options(cfg.task.name, cfg.task.options)
 
 
-def _check_experts(cfg: Config, ep: int) -> None:
+def _check_experts(cfg: Config, ep: int, family: str) -> None:
     """ep divides the expert count (what model.moe.shard_experts would refuse later, named by
     config key here); the sizes against the world are ParallelDims' check."""
-    if ep > 1 and _model_family(cfg) == ModelName.QWEN3_MOE.value:
+    if ep > 1 and family == ModelName.QWEN3_MOE.value:
         from model.models import model_config_value  # imports transformers: only when needed
 
         experts, key = model_config_value(cfg, "num_experts")
@@ -225,7 +228,7 @@ def _model_family(cfg: Config) -> str:
     return model_family(cfg)
 
 
-def _check_rollout(cfg: Config, world_size: int) -> None:
+def _check_rollout(cfg: Config, world_size: int, family: str) -> None:
     """`rollout.*`: sizes, and for the vLLM engine that the extra is installed, that vLLM
     knows the model's family and, for MoE routing replay, can return routed experts."""
     r = cfg.rollout
@@ -243,7 +246,7 @@ def _check_rollout(cfg: Config, world_size: int) -> None:
         return
     from rl.rollout.vllm_checks import check_vllm_config  # imports vllm: only for rollout.engine=vllm
 
-    check_vllm_config(cfg, world_size, _model_family(cfg))
+    check_vllm_config(cfg, world_size, family)
 
 
 def max_staleness(r: RolloutConfig) -> int:
