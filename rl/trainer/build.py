@@ -123,13 +123,13 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> Trainer:
     # on-policy distillation's teacher (rl/algos/distill.py): its own shards, before the engine's memory plan
     teacher = build_teacher(cfg, dims, build.frozen, param_dtype=build.param_dtype) if cfg.algo.teacher.path else None
     # rollout.engine: hf | vllm (rl/rollout/build.py); its memory plan counts the teacher
-    engine = build_engine(cfg, dims, task, actor, build.policy_lm, teacher=teacher,
-                          max_staleness=max_staleness(cfg.rollout))
+    k = max_staleness(cfg.rollout)
+    engine = build_engine(cfg, dims, task, actor, build.policy_lm, teacher=teacher, max_staleness=k)
     release_memory()  # what loading and sharding freed, back to the OS (runtime/allocator.py)
     source = RolloutSource(cfg, dims, engine, task)  # what each rollout round generates; the scheduler says when
     scheduler = RolloutScheduler(
-        source, engine, max_staleness=max_staleness(cfg.rollout), max_steps=cfg.trainer.max_steps,
+        source, engine, max_staleness=k, max_steps=cfg.trainer.max_steps,
         samples_per_step=cfg.task.prompts_per_step * cfg.task.samples_per_prompt, rank=dims.rank, device=dims.device)
     return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, base=base, engine=engine,
-                   eval_engine=evaluation_engine(dims, task, actor, engine, scheduler.k), scheduler=scheduler, task=task,
+                   eval_engine=evaluation_engine(dims, task, actor, engine, k), scheduler=scheduler, task=task,
                    heldout=heldout, teacher=teacher)
