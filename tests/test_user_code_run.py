@@ -328,10 +328,54 @@ def _double(x):
     return x * 2
 
 
-def _pool_only(calls) -> bool:
-    """The process's children are the pool's zygote and its idle workers, no more (nothing spins on)."""
+def _pool_processes(calls) -> list:
+    """The pool's processes alive now (not zombies): its zygote and the zygote's descendants."""
+    import psutil
+
+    try:
+        zygote = psutil.Process(calls._pool.zygote)
+        family = [zygote] + zygote.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    return [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _pool_only(calls, within_s: float = 5.0) -> bool:
+    """The pool's processes are its zygote and its idle workers, no more (nothing spins on).
+    Only the pool's own processes count (another child of this process, such as a resource tracker
+    a library starts, is not the pool's). A SIGKILL is asynchronous (the kernel tears the process
+    down after `kill` returns, then the zygote reaps it), so a killed worker may still be listed for
+    a moment: wait up to `within_s` for it to go; something that spins on is still there after it."""
     pool = calls._pool
-    return sorted(p.pid for p in _children()) == sorted([pool.zygote] + [w.pid for w in pool._idle])
+    deadline = time.monotonic() + within_s
+    while True:
+        seen = {p.pid: " ".join(p.cmdline()) or p.name() for p in _pool_processes(calls)}
+        expected = {pool.zygote} | {w.pid for w in pool._idle}
+        if set(seen) == expected:
+            return True
+        if time.monotonic() > deadline:
+            print(f"the pool's processes {seen}, expected the zygote {pool.zygote} and idle workers "
+                  f"{sorted(expected - {pool.zygote})}")
+            return False
+        time.sleep(0.05)
+
+
+def _all_gone(pids, within_s: float = 5.0) -> bool:
+    """None of `pids` is alive (not a zombie) within `within_s` (a SIGKILL is asynchronous)."""
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return not alive
+        time.sleep(0.05)
 
 
 def test_process_isolation_kills_a_call_past_its_deadline_a_gil_holding_one_included():
@@ -461,5 +505,6 @@ def test_a_run_with_process_isolation_kills_what_spins_and_trains(tmp_path):
     assert sum(m["episodes_timeout"] for m in metrics) > 0 and sum(m["episodes_done"] for m in metrics) > 0
     assert all(m["calls_hung"] == 0 for m in metrics)
     assert _pool_only(tr.task.calls)  # what spun was killed
+    pids = [p.pid for p in _pool_processes(tr.task.calls)]
     tr.task.calls.close()
-    assert _children() == []
+    assert _all_gone(pids)
