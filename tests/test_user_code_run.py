@@ -300,28 +300,18 @@ def _catastrophic():
 
 
 def _busy_with_a_child():
-    subprocess.Popen(["sleep", "60"])  # what the code started dies with it
+    subprocess.Popen(["sleep", "4711"])  # what the code started dies with it
     while True:
         pass
 
 
-_EARLIER: set[int] = set()  # this process's children from before the test (another test's, e.g. a resource tracker)
-
-
-@pytest.fixture(autouse=True)
-def _earlier_children():
+def _sleepers() -> list:
+    """The `sleep 4711` processes alive anywhere (what `_busy_with_a_child` starts; reparented to init if its
+    worker's process group were not killed, so not looked for among this process's children)."""
     import psutil
 
-    _EARLIER.clear()
-    _EARLIER.update(p.pid for p in psutil.Process().children(recursive=True))
-
-
-def _children() -> list:
-    """The children this test started that are alive (not zombies)."""
-    import psutil
-
-    return [p for p in psutil.Process().children(recursive=True)
-            if p.pid not in _EARLIER and p.status() != psutil.STATUS_ZOMBIE]
+    return [p for p in psutil.process_iter(["cmdline", "status"])
+            if p.info["cmdline"] == ["sleep", "4711"] and p.info["status"] != psutil.STATUS_ZOMBIE]
 
 
 def _double(x):
@@ -390,7 +380,7 @@ def test_process_isolation_kills_a_call_past_its_deadline_a_gil_holding_one_incl
             calls.run(_busy_with_a_child, what="reward busy")
         assert busy.status is Status.TIMEOUT and calls.hung == 0
         time.sleep(0.2)  # the zygote reaps the killed worker
-        assert _pool_only(calls) and not any(p.name() == "sleep" for p in _children())  # nothing left running
+        assert _pool_only(calls) and not _sleepers()  # nothing left running
         with (fine := calls.guard("reward")):
             assert calls.run(_double, 21.0) == 42.0
         assert fine.status is None
@@ -404,9 +394,10 @@ def test_process_isolation_kills_a_call_past_its_deadline_a_gil_holding_one_incl
             calls.run(os._exit, 7, what="reward dies")
         assert dies.status is Status.ERROR and "ended without an answer" in str(dies.error)
         assert calls.run(_double, 1.5) == 3.0  # a fresh worker after each loss
+        pids = [p.pid for p in _pool_processes(calls)]
     finally:
         calls.close()
-    assert _children() == []
+    assert _all_gone(pids)
     # the control: on a thread the regex holds the GIL, so the deadline cannot even be noticed until it ends
     threaded = UserCalls("skip", 0.3, "thread")
     start = time.perf_counter()
@@ -460,10 +451,12 @@ def test_process_isolation_plays_environments_in_processes_and_kills_a_stuck_one
             time.sleep(0.2)  # the zygote reaps the killed worker
             idle = len(task.calls._pool._idle)
             assert _pool_only(task.calls) and idle == 5  # the stuck one's worker killed, the others back in the pool
+            pids = [p.pid for p in _pool_processes(task.calls)]
             task.calls.close()
+            assert _all_gone(pids)
     status, sequences, hung = outcomes["process"]
     assert status == [Status.MAX_TURNS] * 3 + [Status.ERROR, Status.MAX_TURNS, Status.TIMEOUT]
-    assert hung == 0 and _children() == []
+    assert hung == 0
     assert (status, sequences) == outcomes["thread"][:2]  # the same episodes (the seed reached reset in the child)
     assert outcomes["thread"][2] == 1  # the control: on a thread the stuck step is abandoned and spins on
 
