@@ -65,7 +65,8 @@ from common import MIXES, emit, lengths, quick_flag, setup  # noqa: E402  (commo
 import torch  # noqa: E402
 
 from packing.flops import flop_cost  # noqa: E402
-from packing.planner import karmarkar_karp, lockstep_cost, plan_microbatches  # noqa: E402
+from packing.partition import karmarkar_karp  # noqa: E402
+from packing.planner import lockstep_cost, plan_microbatches  # noqa: E402
 
 SAMPLES, RANKS, CAP, MAX_LEN = 2048, 8, 16384, 8192
 LONG_MAX_LEN, LONG_CAP = 32768, 65536

@@ -12,7 +12,7 @@ ranks should be as even as possible.
 Token-budget mode (``max_tokens``), in four steps:
 
 1. **DP split.** The samples are split into ``dp_size`` groups of near-equal token
-   totals with the multi-way Karmarkar-Karp largest differencing method (LDM). Each
+   totals with the multi-way Karmarkar-Karp largest differencing method (LDM, packing/partition.py). Each
    sample starts as its own partial partition (one subset holding it, ``k - 1``
    empty); the two partial partitions with the largest spread (max subset - min
    subset) are merged so that the heaviest subset of one joins the lightest of the
@@ -91,117 +91,19 @@ index. Pure Python (no torch), a few tens of milliseconds for thousands of sampl
 (cost mode: about twice that, since it plans by tokens as well).
 """
 
-import heapq
 import math
-import numbers
 import operator
-from bisect import bisect_left, insort
 from typing import Callable, Sequence
 
-__all__ = ["karmarkar_karp", "lockstep_cost", "microbatch_cost", "plan_microbatches"]
+from packing.partition import (best_fit_decreasing, bin_lower_bound, check_weight, karmarkar_karp, order_parts,
+                               split_bfd_bins, split_under_cap, tokens, total)
+
+__all__ = ["lockstep_cost", "microbatch_cost", "plan_microbatches"]
 
 Plan = list[list[list[int]]]
 
-_SUM = operator.itemgetter(0)
-
 # Microbatch counts tried above the lower bound before settling for the BFD count.
 _EXTRA_TRIES = 2
-
-# One subset of a partial partition: (weight sum, sample indices).
-_Subset = tuple[float, list[int]]
-
-
-# --------------------------------------------------------------------------- KK
-
-
-def karmarkar_karp(weights: Sequence[float], k: int, *, equal_size: bool = False) -> list[list[int]]:
-    """Split ``range(len(weights))`` into ``k`` parts of near-equal weight sums.
-
-    Multi-way largest differencing method. With ``equal_size`` the part sizes differ by
-    at most one (items are seeded in sorted chunks of ``k``, one per subset, and merges
-    only ever join whole subsets, so every subset takes one item per chunk).
-
-    Weights are ints (token counts: exact sums) or finite non-negative floats (costs).
-    Returns ``k`` lists of indices, each sorted ascending, heaviest part first (ties by
-    smallest index); parts may be empty when there are fewer than ``k`` items.
-    """
-    k = operator.index(k)
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    w = [_check_weight(f"weights[{i}]", x) for i, x in enumerate(weights)]
-    if not w:
-        return [[] for _ in range(k)]
-
-    # Partial partitions are stored sparse: only their non-empty subsets, heaviest
-    # first, with k - len(p) implicit empty ones after them. Merges then cost the
-    # number of non-empty subsets rather than k, which matters when k is large.
-    heap: list[tuple[float, int, list[_Subset]]] = []
-    if equal_size:
-        order = sorted(range(len(w)), key=lambda i: (-w[i], i))
-        order += [-1] * (-len(order) % k)  # zero-weight padding, dropped below
-        for seq, start in enumerate(range(0, len(order), k)):
-            subsets = [(w[i] if i >= 0 else 0, [i]) for i in order[start : start + k]]
-            heap.append((_neg_spread(subsets, k), seq, subsets))
-    else:
-        heap = [(-x, i, [(x, [i])]) for i, x in enumerate(w)]
-    heapq.heapify(heap)
-
-    seq = len(heap)
-    while len(heap) > 1:
-        _, _, a = heapq.heappop(heap)
-        _, _, b = heapq.heappop(heap)
-        merged = _merge(a, b, k)
-        heapq.heappush(heap, (_neg_spread(merged, k), seq, merged))
-        seq += 1
-
-    parts = [sorted(i for i in idx if i >= 0) for _, idx in heap[0][2]]
-    parts += [[] for _ in range(k - len(parts))]
-    return _order_parts(parts, w)
-
-
-def _neg_spread(p: list[_Subset], k: int) -> float:
-    # Negated so heapq (a min-heap) pops the largest spread first.
-    return (p[-1][0] if len(p) == k else 0) - p[0][0]
-
-
-def _merge(a: list[_Subset], b: list[_Subset], k: int) -> list[_Subset]:
-    """Pair a's i-th heaviest subset with b's i-th lightest: this cancels the spreads.
-
-    Padded to k, position p of the result joins a[p] (if p < len(a)) with b's
-    (k-1-p)-th heaviest (if p >= k - len(b)); only where both exist is anything joined.
-    """
-    la, lb = len(a), len(b)
-    lo = k - lb  # first position holding a subset of b
-    if lo >= la:  # no overlap: the non-empty subsets just sit side by side
-        merged = a + b
-    else:
-        joined = [_join(a[p], b[k - 1 - p]) for p in range(lo, la)]
-        merged = a[:lo] + joined + b[: k - la]
-    merged.sort(key=_SUM, reverse=True)  # stable, so ties keep a deterministic order
-    return merged
-
-
-def _join(x: _Subset, y: _Subset) -> _Subset:
-    # Both inputs are consumed, so extend the longer list in place instead of copying.
-    (sx, lx), (sy, ly) = x, y
-    if len(lx) < len(ly):
-        lx, ly = ly, lx
-    lx.extend(ly)
-    return sx + sy, lx
-
-
-def _order_parts(parts: list[list[int]], weights: Sequence[float]) -> list[list[int]]:
-    """Heaviest first, ties (and empties) by smallest index; indices ascending."""
-    parts = [sorted(p) for p in parts]
-    return sorted(parts, key=lambda p: (-_total(p, weights), p[0] if p else math.inf))
-
-
-def _total(indices: Sequence[int], values: Sequence[float]) -> float:
-    """Sum of ``values`` (token counts or costs) over ``indices``."""
-    return sum(values[i] for i in indices)
-
-
-_tokens = _total  # the name where the values are token counts
 
 
 # ------------------------------------------------------------------- validation
@@ -214,20 +116,6 @@ def _check_positive_int(name: str, value: object) -> int:
         raise TypeError(f"{name} must be an int, got {value!r}") from None
     if v < 1:
         raise ValueError(f"{name} must be >= 1, got {v}")
-    return v
-
-
-def _check_weight(name: str, value: object) -> float:
-    try:
-        v = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name} must be a number, got {value!r}") from None
-        v = float(value)  # type: ignore[assignment]
-        if not math.isfinite(v):
-            raise ValueError(f"{name} = {v} is not finite") from None
-    if v < 0:
-        raise ValueError(f"{name} = {v} is negative")
     return v
 
 
@@ -314,7 +202,7 @@ def plan_microbatches(
     # What the splits balance: the tokens themselves, or each sample's cost.
     weights: Sequence[float] = lens
     if cost is not None:
-        weights = [_check_weight(f"cost(lengths[{i}] = {x})", cost(x)) for i, x in enumerate(lens)]
+        weights = [check_weight(f"cost(lengths[{i}] = {x})", cost(x)) for i, x in enumerate(lens)]
     if len(lens) < dp_size:
         raise ValueError(
             f"len(lengths) = {len(lens)} < dp_size = {dp_size}: every DP rank needs at least one sample"
@@ -341,7 +229,7 @@ def lockstep_cost(plan: Plan, weights: Sequence[float] | Callable[[list[int]], f
     costliest rank's microbatch ``i``. ``weights``: per-sample costs (a microbatch costs their
     sum; ``sum(weights) / len(plan)`` is the ideal), or a microbatch's cost as a function of
     its sample indices (:func:`microbatch_cost`)."""
-    mb_cost = weights if callable(weights) else (lambda mb: _total(mb, weights))
+    mb_cost = weights if callable(weights) else (lambda mb: total(mb, weights))
     steps = max((len(rank) for rank in plan), default=0)
     return sum(max(mb_cost(rank[i]) if i < len(rank) else 0 for rank in plan) for i in range(steps))
 
@@ -355,13 +243,13 @@ def microbatch_cost(items: Sequence[int], lengths: Sequence[int], cost: Callable
     with responses ``R_j`` costs ``linear * (P + sum R_j) + attention * (P**2 + sum(2 P R_j + R_j**2))``:
     the prompt's tokens once, each response's tokens and its queries over the prompt and itself."""
     seen = set()
-    total = 0.0
+    summed = 0.0
     for i in items:
-        total += cost(lengths[i])
+        summed += cost(lengths[i])
         if groups[i] in seen:
-            total -= cost(prompt_lengths[i])
+            summed -= cost(prompt_lengths[i])
         seen.add(groups[i])
-    return total
+    return summed
 
 
 # ------------------------------------------------------------ token-budget mode
@@ -372,39 +260,39 @@ def microbatch_cost(items: Sequence[int], lengths: Sequence[int], cost: Callable
 def _plan_tokens(lens: list[int], cap: int, dp_size: int) -> Plan:
     ranks = karmarkar_karp(lens, dp_size)
     _fill_short_ranks(ranks, lens, cap)
-    lower = max(_bin_lower_bound(r, lens, cap) for r in ranks)
-    upper = max(len(_best_fit_decreasing(r, lens, cap)) for r in ranks)
+    lower = max(bin_lower_bound(r, lens, cap) for r in ranks)
+    upper = max(len(best_fit_decreasing(r, lens, cap)) for r in ranks)
     # Fewer microbatches means fewer lockstep steps, so try the counts just above the
     # lower bound first (BFD is rarely more than one over it, so two tries suffice);
     # `upper` always succeeds thanks to the BFD fallback.
     for m in range(lower, min(upper, lower + _EXTRA_TRIES)):
-        packed = [_split_under_cap(r, lens, lens, cap, m) for r in ranks]
+        packed = [split_under_cap(r, lens, lens, cap, m) for r in ranks]
         if all(p is not None for p in packed):
-            return [_order_parts(p, lens) for p in packed]  # type: ignore[arg-type]
+            return [order_parts(p, lens) for p in packed]  # type: ignore[arg-type]
     plan = []
     for r in ranks:
-        parts = _split_under_cap(r, lens, lens, cap, upper) or _split_bfd_bins(r, lens, lens, cap, upper)
-        plan.append(_order_parts(parts, lens))
+        parts = split_under_cap(r, lens, lens, cap, upper) or split_bfd_bins(r, lens, lens, cap, upper)
+        plan.append(order_parts(parts, lens))
     return plan
 
 
 def _plan_costs(lens: list[int], costs: Sequence[float], cap: int, dp_size: int) -> Plan:
     # All dp * m microbatches at once, then dealt out in lockstep steps (module docstring).
     items = list(range(len(lens)))
-    lower = math.ceil(_bin_lower_bound(items, lens, cap) / dp_size)
-    upper = math.ceil(len(_best_fit_decreasing(items, lens, cap)) / dp_size)
+    lower = math.ceil(bin_lower_bound(items, lens, cap) / dp_size)
+    upper = math.ceil(len(best_fit_decreasing(items, lens, cap)) / dp_size)
     for m in range(lower, min(upper, lower + _EXTRA_TRIES)):
-        bins = _split_under_cap(items, lens, costs, cap, dp_size * m, cheapest_move=True)
+        bins = split_under_cap(items, lens, costs, cap, dp_size * m, cheapest_move=True)
         if bins is not None:
             break
     else:
         m = upper
-        bins = _split_under_cap(items, lens, costs, cap, dp_size * m, cheapest_move=True)
-        bins = bins or _split_bfd_bins(items, lens, costs, cap, dp_size * m)
+        bins = split_under_cap(items, lens, costs, cap, dp_size * m, cheapest_move=True)
+        bins = bins or split_bfd_bins(items, lens, costs, cap, dp_size * m)
     # Where the cap binds hard, repairs can cost more balance than they keep; the token
     # plan is then sometimes the better cost balance. Keep the cheaper lockstep.
-    by_cost = [_order_parts(r, costs) for r in _deal(bins, costs, dp_size)]
-    by_tokens = [_order_parts(r, costs) for r in _plan_tokens(lens, cap, dp_size)]
+    by_cost = [order_parts(r, costs) for r in _deal(bins, costs, dp_size)]
+    by_tokens = [order_parts(r, costs) for r in _plan_tokens(lens, cap, dp_size)]
     return min(by_cost, by_tokens, key=lambda plan: (lockstep_cost(plan, costs), len(plan[0])))
 
 
@@ -419,37 +307,15 @@ def _deal(bins: list[list[int]], costs: Sequence[float], dp_size: int) -> Plan:
     assert len(bins) % dp_size == 0, (len(bins), dp_size)
     plan: Plan = [[] for _ in range(dp_size)]
     totals = [0.0] * dp_size
-    ordered = _order_parts(bins, costs)
+    ordered = order_parts(bins, costs)
     for start in range(0, len(ordered), dp_size):
         free = list(range(dp_size))
         for mb in ordered[start : start + dp_size]:
             r = min(free, key=lambda r: (totals[r], r))
             free.remove(r)
             plan[r].append(mb)
-            totals[r] += _total(mb, costs)
+            totals[r] += total(mb, costs)
     return plan
-
-
-def _bin_lower_bound(items: Sequence[int], lens: Sequence[int], cap: int) -> int:
-    # No two samples over half the cap can share a microbatch, which beats the token
-    # bound when long samples dominate.
-    return max(math.ceil(_tokens(items, lens) / cap), sum(1 for i in items if 2 * lens[i] > cap))
-
-
-def _best_fit_decreasing(items: Sequence[int], lens: Sequence[int], cap: int) -> list[list[int]]:
-    """Longest first, each into the fullest bin it fits (bisect: O(n log n) comparisons)."""
-    bins: list[list[int]] = []
-    rooms: list[tuple[int, int]] = []  # (free tokens, bin id), sorted
-    for i in sorted(items, key=lambda i: (-lens[i], i)):
-        pos = bisect_left(rooms, (lens[i], -1))
-        if pos < len(rooms):
-            free, b = rooms.pop(pos)
-        else:
-            free, b = cap, len(bins)
-            bins.append([])
-        bins[b].append(i)
-        insort(rooms, (free - lens[i], b))
-    return bins
 
 
 def _fill_short_ranks(ranks: list[list[int]], lens: Sequence[int], cap: int) -> None:
@@ -458,7 +324,7 @@ def _fill_short_ranks(ranks: list[list[int]], lens: Sequence[int], cap: int) -> 
     Such a rank would otherwise idle through empty microbatches. A move costs a little
     DP balance (the smallest sample is moved), so it is only kept if ``m`` does not rise.
     """
-    bins = [len(_best_fit_decreasing(r, lens, cap)) for r in ranks]
+    bins = [len(best_fit_decreasing(r, lens, cap)) for r in ranks]
     for _ in range(len(lens)):
         m = max(bins)
         short = [r for r in range(len(ranks)) if len(ranks[r]) < m]
@@ -471,128 +337,14 @@ def _fill_short_ranks(ranks: list[list[int]], lens: Sequence[int], cap: int) -> 
         ranks[src].remove(moved)
         ranks[dst].append(moved)
         ranks[dst].sort()
-        new_src = len(_best_fit_decreasing(ranks[src], lens, cap))
-        new_dst = len(_best_fit_decreasing(ranks[dst], lens, cap))
+        new_src = len(best_fit_decreasing(ranks[src], lens, cap))
+        new_dst = len(best_fit_decreasing(ranks[dst], lens, cap))
         if max(new_src, new_dst) > m:
             ranks[dst].remove(moved)
             ranks[src].append(moved)
             ranks[src].sort()
             return
         bins[src], bins[dst] = new_src, new_dst
-
-
-def _split_under_cap(
-    items: list[int], lens: Sequence[int], weights: Sequence[float], cap: int, m: int, *, cheapest_move: bool = False
-) -> list[list[int]] | None:
-    """``m`` weight-balanced parts of ``items``, each under the token cap, or None if not found."""
-    local = karmarkar_karp([weights[i] for i in items], m)
-    parts = [[items[j] for j in p] for p in local]
-    return parts if _repair_over_cap(parts, lens, weights, cap, cheapest_move) else None
-
-
-def _repair_over_cap(
-    parts: list[list[int]], lens: Sequence[int], weights: Sequence[float], cap: int, cheapest_move: bool = False
-) -> bool:
-    """Bring every part under the cap by moving or swapping samples; in place.
-
-    KK balances well but knows nothing of the cap, so at a tight ``m`` one part can end
-    a few tokens over (more with costs: cheap short samples crowd into fewer parts). Each
-    step strictly lowers the heaviest over-cap part without pushing another part over, so
-    the loop terminates. A move takes the largest sample that fits elsewhere (the biggest
-    step towards the cap) or, with ``cheapest_move``, the cheapest that alone brings the
-    part under the cap (the least weight shifted, which keeps a cost balance).
-    """
-    sums = [_tokens(p, lens) for p in parts]
-    costs = [_total(p, weights) for p in parts]
-    # Each step fixes or shrinks one over-cap part; past a few steps per part the
-    # rank is better served by the BFD fallback than by more searching.
-    for _ in range(4 * len(parts) + 8):
-        over = [j for j in range(len(parts)) if sums[j] > cap]
-        if not over:
-            return True
-        j = max(over, key=lambda j: (sums[j], -j))
-        moved = _move_one(parts, sums, costs, j, lens, weights, cap, cheapest_move)
-        if not (moved or _swap_one(parts, sums, j, lens, cap)):
-            return False
-    return False
-
-
-def _move_one(
-    parts: list[list[int]], sums: list[int], costs: list[float], j: int,
-    lens: Sequence[int], weights: Sequence[float], cap: int, cheapest_move: bool,
-) -> bool:
-    # A sample of part j (largest first, or cheapest sufficient first) into the lightest
-    # part (by weight) it fits in. With token weights that is the part with the most
-    # room, so a sample that fits nowhere else does not fit there either.
-    excess = sums[j] - cap
-    if cheapest_move:
-        order = sorted(parts[j], key=lambda i: (lens[i] < excess, weights[i] if lens[i] >= excess else -lens[i], i))
-    else:
-        order = sorted(parts[j], key=lambda i: (-lens[i], i))
-    for i in order:
-        fits = [t for t in range(len(parts)) if t != j and sums[t] + lens[i] <= cap]
-        if fits:
-            t = min(fits, key=lambda t: (costs[t], t))
-            parts[j].remove(i)
-            parts[t].append(i)
-            sums[j] -= lens[i]
-            sums[t] += lens[i]
-            costs[j] -= weights[i]
-            costs[t] += weights[i]
-            return True
-    return False
-
-
-def _swap_one(parts: list[list[int]], sums: list[int], j: int, lens: Sequence[int], cap: int) -> bool:
-    # Swap a sample out of the over-cap part for a shorter one, taking the swap that
-    # lowers it the most while the other part stays under the cap (ties: lowest part,
-    # then sample indices).
-    best: tuple[int, int, int, int] | None = None  # (-gain, t, out, in)
-    outs = [(lens[a], a) for a in parts[j]]
-    for t in range(len(parts)):
-        room = cap - sums[t]  # the most part t can gain
-        # Parts are scanned in order, so a later one must gain strictly more to win.
-        if t == j or room <= 0 or (best is not None and room <= -best[0]):
-            continue
-        for b in parts[t]:
-            lb = lens[b]
-            for la, a in outs:
-                gain = la - lb
-                if 0 < gain <= room:
-                    cand = (-gain, t, a, b)
-                    if best is None or cand < best:
-                        best = cand
-    if best is None:
-        return False
-    neg_gain, t, a, b = best
-    parts[j].remove(a)
-    parts[t].remove(b)
-    parts[j].append(b)
-    parts[t].append(a)
-    sums[j] += neg_gain
-    sums[t] -= neg_gain
-    return True
-
-
-def _split_bfd_bins(
-    items: list[int], lens: Sequence[int], weights: Sequence[float], cap: int, m: int
-) -> list[list[int]]:
-    """BFD bins (at most ``m`` of them), split heaviest-first until there are ``m``.
-
-    Splitting a bin never breaks the cap, so this always succeeds; if the rank runs out
-    of splittable bins it has fewer than ``m`` samples and is padded with empty ones.
-    """
-    bins = _best_fit_decreasing(items, lens, cap)
-    assert len(bins) <= m, (len(bins), m)
-    while len(bins) < m:
-        splittable = [b for b in range(len(bins)) if len(bins[b]) > 1]
-        if not splittable:
-            bins += [[] for _ in range(m - len(bins))]
-            break
-        b = max(splittable, key=lambda b: (_total(bins[b], weights), -min(bins[b])))
-        halves = karmarkar_karp([weights[i] for i in bins[b]], 2)
-        bins[b : b + 1] = [[bins[b][j] for j in h] for h in halves]
-    return bins
 
 
 # -------------------------------------------------------------- grouped samples
@@ -608,16 +360,16 @@ def _plan_groups(lens: list[int], weights: Sequence[float], cap: int, dp_size: i
         members.setdefault(g, []).append(i)
     units: list[list[int]] = []
     for group in members.values():  # first-seen order
-        if _tokens(group, lens) <= cap:
+        if tokens(group, lens) <= cap:
             units.append(group)
         else:  # the fewest pieces under the cap, balanced
-            k = len(_best_fit_decreasing(group, lens, cap))
-            units += _split_under_cap(group, lens, lens, cap, k) or _best_fit_decreasing(group, lens, cap)
+            k = len(best_fit_decreasing(group, lens, cap))
+            units += split_under_cap(group, lens, lens, cap, k) or best_fit_decreasing(group, lens, cap)
     while len(units) < dp_size:  # every rank needs a unit: halve the largest group piece
-        u = max((u for u in range(len(units)) if len(units[u]) > 1), key=lambda u: (_tokens(units[u], lens), -u))
+        u = max((u for u in range(len(units)) if len(units[u]) > 1), key=lambda u: (tokens(units[u], lens), -u))
         units[u : u + 1] = [[units[u][j] for j in half] for half in karmarkar_karp([lens[i] for i in units[u]], 2)]
     units = [sorted(u) for u in units]
-    unit_lens = [_tokens(u, lens) for u in units]
+    unit_lens = [tokens(u, lens) for u in units]
     if cost is None:
         plan = _plan_tokens(unit_lens, cap, dp_size)
     else:
@@ -625,7 +377,7 @@ def _plan_groups(lens: list[int], weights: Sequence[float], cap: int, dp_size: i
         shared = lambda mb: microbatch_cost(mb, lens, cost, groups, prompts)  # noqa: E731
         plan = _plan_costs(unit_lens, [shared(u) for u in units], cap, dp_size)
     plan = [[sorted(i for u in mb for i in units[u]) for mb in rank] for rank in plan]
-    weigh = (lambda mb: _tokens(mb, lens)) if cost is None else shared  # noqa: E731
+    weigh = (lambda mb: tokens(mb, lens)) if cost is None else shared  # noqa: E731
     for rank in plan:
         _fill_empty(rank, lens, groups, weigh)
     if cost is None:
@@ -644,12 +396,12 @@ def _fill_empty(rank: list[list[int]], lens: Sequence[int], groups: Sequence[int
         full = [k for k, mb in enumerate(rank) if len(mb) > 1]
         if not full:
             return
-        k = max(full, key=lambda k: (_tokens(rank[k], lens), -k))
+        k = max(full, key=lambda k: (tokens(rank[k], lens), -k))
         pieces: dict[int, list[int]] = {}
         for i in rank[k]:
             pieces.setdefault(groups[i], []).append(i)
         parts = list(pieces.values()) if len(pieces) > 1 else [[i] for i in rank[k]]
-        halves = karmarkar_karp([_tokens(p, lens) for p in parts], 2)
+        halves = karmarkar_karp([tokens(p, lens) for p in parts], 2)
         rank[k] = sorted(i for j in halves[0] for i in parts[j])
         rank[rank.index([])] = sorted(i for j in halves[1] for i in parts[j])
         rank.sort(key=lambda mb: (-weigh(mb), mb[0] if mb else math.inf))
@@ -672,9 +424,9 @@ def _plan_fixed(lens: list[int], weights: Sequence[float], dp_size: int, mbs: in
     if cap is not None:
         for rank, mbs_of_rank in enumerate(plan):
             for i, mb in enumerate(mbs_of_rank):
-                if _tokens(mb, lens) > cap:
+                if tokens(mb, lens) > cap:
                     raise ValueError(
-                        f"rank {rank} microbatch {i} (samples {mb}) has {_tokens(mb, lens)} tokens, "
+                        f"rank {rank} microbatch {i} (samples {mb}) has {tokens(mb, lens)} tokens, "
                         f"more than max_tokens = {cap}"
                     )
     return plan

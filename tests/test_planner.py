@@ -15,11 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packing.flops import FlopCost, flop_cost
-from packing.planner import (_tokens, karmarkar_karp, lockstep_cost, microbatch_cost,
-                             plan_microbatches)
+from packing.partition import karmarkar_karp, tokens as _tokens
+from packing.planner import lockstep_cost, microbatch_cost, plan_microbatches
 
 PLANNER = Path(__file__).resolve().parents[1] / "packing" / "planner.py"
 FLOPS = PLANNER.with_name("flops.py")
+PARTITION = PLANNER.with_name("partition.py")
 CAP, DP = 8192, 8
 
 
@@ -130,13 +131,18 @@ def test_deterministic_and_input_type_independent():
 
 def plans_in_fresh_processes(body: str) -> list:
     """Run `body` (Python that prints the plans as JSON, with the planner loaded by path as `p`,
-    so the child does not pay for importing torch via `packing`) under three PYTHONHASHSEEDs:
-    set and dict-of-str order changes with the seed, the plans must not. Returns the plans."""
+    and packing/partition.py under its name, so the child does not pay for importing torch via
+    `packing`) under three PYTHONHASHSEEDs: set and dict-of-str order changes with the seed, the
+    plans must not. Returns the plans."""
     script = ("import importlib.util, json, random, sys\n"
-              f"spec = importlib.util.spec_from_file_location('planner', {str(PLANNER)!r})\n"
-              "p = importlib.util.module_from_spec(spec); spec.loader.exec_module(p)\n"
-              f"spec = importlib.util.spec_from_file_location('flops', {str(FLOPS)!r})\n"
-              "f = importlib.util.module_from_spec(spec); spec.loader.exec_module(f)\n" + body)
+              "def load(name, path):\n"
+              "    spec = importlib.util.spec_from_file_location(name, path)\n"
+              "    module = sys.modules[name] = importlib.util.module_from_spec(spec)\n"
+              "    spec.loader.exec_module(module)\n"
+              "    return module\n"
+              f"load('packing.partition', {str(PARTITION)!r})\n"  # what the planner imports, by its name
+              f"p = load('planner', {str(PLANNER)!r})\n"
+              f"f = load('flops', {str(FLOPS)!r})\n" + body)
     outputs = set()
     for seed in ("0", "1", "12345"):
         env = {"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"}
