@@ -1,7 +1,7 @@
 """Per-rank causal attention work under context parallelism: zigzag vs contiguous sharding.
 
 For one seeded pack of uneven sequences, prints for cp=2 and cp=4 each CP rank's
-attention work (`model.context_parallel.attention_work`: visible keys summed over its real queries)
+attention work (`runtime.cp_shard.attention_work`: visible keys summed over its real queries)
 and token count, under the zigzag layout (rank r keeps chunks r and 2cp-1-r of every
 sequence) and under contiguous sharding (rank r keeps chunks 2r and 2r+1), with the
 max/min ratio. No processes, no model: the layout alone decides the balance. The last
@@ -21,7 +21,7 @@ from common import RESULTS, emit  # noqa: E402
 
 import torch  # noqa: E402
 
-from model.context_parallel import attention_work, cp_layout  # noqa: E402
+from runtime.cp_shard import attention_work, cp_layout  # noqa: E402
 from packing.collate import make_experience_batch  # noqa: E402
 from packing.experience import Experience  # noqa: E402
 

@@ -284,7 +284,8 @@ def _shared_mask(units, device) -> torch.Tensor:
 
 def _attention_parity(device, dtype) -> dict:
     from model.attention import packed_attn_kwargs, varlen_attention_forward
-    from model.context_parallel import CPContext, _attend, cp_layout, shard_tokens, unshard
+    from model.context_parallel import CPContext, _attend
+    from runtime.cp_shard import cp_layout, shard_tokens, unshard
     from packing.experience import Experience
     from packing.prompts import layout_of_units
 
@@ -329,7 +330,8 @@ def _segments_device_check(device: torch.device) -> dict:
     devices (testing/mixed_devices.py), the same segment lengths."""
     import dataclasses as dc
 
-    from model.context_parallel import Segments, cp_layout, flash_segments
+    from model.context_parallel import flash_segments
+    from runtime.cp_shard import Segments, cp_layout
     from packing.experience import Experience
 
     cases = {"pack": (PACK_LENS, None), "shared": ([p + sum(r) for p, r in SHARED_UNITS],

@@ -3,8 +3,8 @@
 `cp_checks(rank, world_size)` runs on every rank of a cp-sized gloo group
 (testing/distributed.py), runs every CP case once and returns the outputs; the test compares
 them with a one-process reference built from stock "sdpa" on the padded batch (code that
-never touches model/context_parallel.py). Every rank builds the same seeded model and
-batches itself, so only results cross processes.
+never touches model/context_parallel.py or runtime/cp_shard.py). Every rank builds the same
+seeded model and batches itself, so only results cross processes.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch.distributed.nn.functional as dist_fn
 import transformers
 
 from model.actor import _slot_targets
-from model.context_parallel import (CP_VARLEN, CPContext, _restore_full_sequence, attention_mask, cp_layout,
-                                    cp_model_inputs, shard, shard_tokens, unshard)
+from model.context_parallel import CP_VARLEN, CPContext, attention_mask, cp_model_inputs
+from runtime.cp_shard import _restore_full_sequence, cp_layout, shard, shard_tokens, unshard
 from model.models import TINY
 from runtime.parallel_dims import ParallelDims, build_mesh
 from packing.collate import make_experience_batch
@@ -163,7 +163,7 @@ def shared_prompt_checks(dims) -> dict:
     pack in one process ("varlen"): log-probs (every rank holds them all) and the parameter
     gradients summed over the CP group, as (diff, scale); the rows each rank's body ran; and a
     control (the CP mask without the units' segments: responses see their siblings)."""
-    from model import context_parallel as cpmod
+    from runtime import cp_shard as cpmod  # where `shard` finds cp_layout
     from model.actor import Actor
     from test_shared_prompt import body_tokens
     from testing.records import grpo_records

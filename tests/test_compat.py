@@ -47,7 +47,7 @@ def gathers_rank(rank: int, world: int, remove_newer: bool) -> dict:
             delattr(dist, name)
         with pytest.raises(AttributeError):  # the control: the newer names are really gone
             dist.all_gather_single
-    from model.context_parallel import gather_tokens
+    from runtime.cp_shard import gather_tokens
     from rl.rollout.sync import _gather_dim0
 
     x, w, shares = _inputs(rank)

@@ -21,7 +21,7 @@ from model.attention import packed_attn_kwargs
 from model.context_parallel import CP_VARLEN, CPContext, _attend, cp_attention_forward
 from runtime.parallel_dims import ParallelDims, build_mesh, init_distributed
 from packing.collate import make_experience_batch
-from model.context_parallel import attention_work, cp_layout, shard, shard_tokens, unshard
+from runtime.cp_shard import attention_work, cp_layout, shard, shard_tokens, unshard
 
 def logp_scale(ref) -> float:
     return float(ref["logp"].abs().max())
@@ -352,7 +352,8 @@ def test_shared_prompt_segments_mask_exactly_the_shared_attention():
     """`cp_layout` with the units' `Segments`: on the gathered axis, a real query sees exactly the
     keys the shared-prompt attention allows (its unit's prefix causally, its own segment's
     earlier tokens), for every rank at cp 2 and 3; the dense reference is built from the units."""
-    from model.context_parallel import Segments, attention_mask
+    from model.context_parallel import attention_mask
+    from runtime.cp_shard import Segments
 
     pack = _shared_pack()
     n = pack.sequences.shape[1]
@@ -383,7 +384,7 @@ def test_shared_prompt_segments_mask_exactly_the_shared_attention():
 def test_shared_prompt_flash_segments_select_the_keys_the_mask_allows(monkeypatch):
     from conftest import reference_flash_varlen
     from model import kernels
-    from model.context_parallel import Segments
+    from runtime.cp_shard import Segments
 
     pack = _shared_pack()
     module = torch.nn.Module()
@@ -412,7 +413,8 @@ def test_flash_segments_are_built_on_the_layouts_device():
     import dataclasses
 
     from testing.mixed_devices import MixedDevices
-    from model.context_parallel import Segments, flash_segments
+    from model.context_parallel import flash_segments
+    from runtime.cp_shard import Segments
 
     for pack, segments in ((make_experience_batch(records([1, 3, 11, 30]), packed=True), None),
                            (_shared_pack(), Segments.of_units(SHARED_UNITS))):
