@@ -2,10 +2,11 @@
 `rollout.max_staleness` k (docs/rollouts.md).
 
     scheduler = RolloutScheduler(source, engine, max_staleness=k, ...)
-    taken = scheduler.take(step)        # the step's Buffered rollout: this rank's records, their version
-    records = scheduler.more(step, r)   # k = 0: dynamic sampling's round r, generated now
-    scheduler.rest()                    # the rollout stage is over (k = 0: the engine sleeps)
-    ... gather metadata, plan, collate, score, advantages, train (rl/trainer/trainer.py) ...
+    rollouts = scheduler.rollouts(step) # the step's rollout stage, one call: the three below, the metadata gathered
+      taken = scheduler.take(step)      #   the step's Buffered rollout: this rank's records, their version
+      records = scheduler.more(step, r) #   k = 0: dynamic sampling's round r, generated now
+      scheduler.rest()                  #   the rollout stage is over (k = 0: the engine sleeps)
+    ... plan, collate, score, advantages, train (rl/trainer/trainer.py) ...
     metrics |= scheduler.sync(model)    # the step's update, into the engine or (k >= 2) its stage
 
 k = 0   `take` generates the step's rollout now (`source.records`), with the policy the step
@@ -31,7 +32,7 @@ step that takes it (only after a resume that lowered k) is dropped whole, counte
 are a function of (seed, step), so nothing is skipped or repeated.
 
 The thread runs `source.records` only (generation and rewards on this rank's prompts: no
-collective; the trainer gathers the metadata on the main thread, so every rank's collectives keep
+collective; `rollouts` gathers the metadata on the main thread, so every rank's collectives keep
 one order). On CUDA it issues its kernels on its own stream, which waits for the main stream (the
 last weight sync) and is synchronized before the records are handed over.
 
@@ -50,15 +51,18 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Hashable
 
 import torch
 
 from packing.experience import Experience
+from runtime.exchange import StandIn, gather_metadata
 from rl.choice import Choice
+from rl.rollout.samples import sample_rows, turn_counts
 from rl.rollout.source import RolloutSource
 from rl.rollout.sync import StagedWeights, sync_weights
+from rl.tasks.reward import filter_uniform_groups
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,25 @@ class Buffered:
     records: list[Experience]
     seconds: float = 0.0
     waited: float = 0.0
+
+
+@dataclass
+class Rollouts:
+    """The step's samples as `RolloutScheduler.rollouts` leaves them: every rank's, as `StandIn`s
+    (metadata, in global order, the same list on every rank); the records this rank generated, by
+    `StandIn.source[1]` (they stay here until the trainer's `collate` moves each to the ranks that
+    run it); dynamic sampling's counts; the seconds the rollout stage took; when the samples were
+    generated off the step (by the rollout thread: rollout.max_staleness >= 1), the seconds their
+    generation took; this rank's tool / environment counts; and the rows of its first records
+    logged (`log_samples`)."""
+
+    samples: list[StandIn]
+    records: dict[Hashable, Experience]
+    sampling: dict[str, int]
+    seconds: float
+    generated_s: float | None = None  # None: generated within `seconds`
+    counts: dict[str, float] = field(default_factory=dict)  # this rank's tool / environment counts (samples.py)
+    rows: list[dict] = field(default_factory=list)  # rl/rollout/samples.py `sample_rows`
 
 
 class RolloutScheduler:
@@ -118,6 +141,46 @@ class RolloutScheduler:
         return max(self._base, step - self.k)
 
     # ------------------------------------------------------------------ the step
+    def rollouts(self, step: int, *, log_samples: int = 0) -> Rollouts:
+        """The step's rollout stage: `take`, every rank's samples gathered as metadata (a collective,
+        on the main thread). With dynamic sampling (k = 0 only), groups whose rewards are all equal
+        are dropped and rounds generated (`more`) until the step holds `task.prompts_per_step`
+        groups (at most `algo.max_sampling_rounds`); then `rest`. `log_samples` = N: the rows of this
+        rank's first N records (rl/rollout/samples.py)."""
+        cfg, dims, task = self.source.cfg, self.source.dims, self.source.task
+        algo, want = cfg.algo, cfg.task.prompts_per_step
+        t0 = time.perf_counter()
+        taken = self.take(step)
+        samples, records = self._share(taken.records, 0)
+        sampling = {}
+        if algo.dynamic_sampling:
+            kept, dropped = filter_uniform_groups(samples)
+            rounds = 1
+            while _groups(kept) < want and rounds < algo.max_sampling_rounds:
+                generated, local = self._share(self.more(step, rounds), rounds)
+                records |= local
+                more, lost = filter_uniform_groups(generated)
+                kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
+            first = set(sorted({int(r.prompt_index) for r in kept})[:want])
+            sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
+            # every group uniform in every round: train on the first round (advantages 0)
+            samples = [r for r in kept if int(r.prompt_index) in first] or samples
+        # this rank's records of the step (by their places in it): rank 0's come first
+        places = [j for j, s in enumerate(samples) if s.source[0] == dims.dp_rank]
+        mine = [records[samples[j].source[1]] for j in places]
+        rows = sample_rows(mine[:log_samples], task, step=step, places=places[:log_samples]) if log_samples else []
+        rollouts = Rollouts(samples, records, sampling, time.perf_counter() - t0,
+                            taken.seconds if self.k else None, turn_counts(mine, task), rows)
+        self.rest()
+        return rollouts
+
+    def _share(self, records: list[Experience], round_: int) -> tuple[list[StandIn], dict[Hashable, Experience]]:
+        """Every rank: the round's samples, DP rank by DP rank, as metadata (CP peers checked
+        alike; a collective), and this rank's records by key."""
+        dims = self.source.dims
+        samples = gather_metadata(records, round_, dp_rank=dims.dp_rank, dp=dims.dp, cp=dims.cp, device=dims.device)
+        return samples, {(round_, i): rec for i, rec in enumerate(records)}
+
     def take(self, step: int) -> Buffered:
         """The step's rollout: generated now (k = 0), or the thread's (started on the first take)."""
         t0 = self._step_start = time.perf_counter()
@@ -276,6 +339,10 @@ class RolloutScheduler:
         self.queue = {b.step: b for b in kept}
         self._base = self._published = self._loaded = step
         self._next, self._taken = step + len(kept), step - 1
+
+
+def _groups(samples: list[StandIn]) -> int:
+    return len({int(r.prompt_index) for r in samples})
 
 
 def _close(ref) -> None:

@@ -1,7 +1,7 @@
 """`RolloutSource`: this rank's rewarded records of one rollout round, a function of (seed, step,
 round, policy version) alone. The scheduler (rl/rollout/scheduler.py) calls it in the foreground
 (max_staleness=0, and dynamic sampling's extra rounds) or from its rollout thread, so it holds
-no collective: the trainer gathers the samples' metadata itself."""
+no collective: the scheduler's `rollouts` gathers the samples' metadata on the main thread."""
 
 from __future__ import annotations
 

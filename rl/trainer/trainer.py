@@ -2,8 +2,9 @@
 
     rollout    step -> Rollouts: this DP rank's prompts generated and rewarded (the records
                stay on this rank), every rank's samples gathered as metadata (stand-ins);
-               the scheduler (rl/rollout/scheduler.py) says when they were generated: now
-               (rollout.max_staleness=0), or by a rollout thread up to max_staleness steps ahead
+               the scheduler (rl/rollout/scheduler.py `rollouts`, the whole stage) says when they
+               were generated: now (rollout.max_staleness=0), or by a rollout thread up to
+               max_staleness steps ahead
     plan       stand-ins -> StepPlan: `algo.mini_batches` mini-batches, each planned into
                microbatches balanced over DP, and the ranks each sample goes to
     collate    Rollouts, StepPlan -> [MiniBatch]: each sample sent once, from the rank that
@@ -45,8 +46,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ from model.moe import moe_blocks, reset_expert_load, router_aux_loss
 from model.parallelize import clip_grad_norm_, expert_load_metrics, sharded_on_host
 from packing import Experience, make_experience_batch, plan_microbatches
 from packing.flops import flop_cost
-from runtime.exchange import StandIn, exchange, gather_metadata
+from runtime.exchange import StandIn, exchange
 from rl.algos.advantages import compute_advantages
 from rl.algos.distill import distilling, teacher_on_device, topk_kl
 from rl.trainer.state import load_sharded_state, sharded_state
@@ -67,34 +68,17 @@ from rl.trainer.guard import DivergenceGuard, poison
 from rl.algos.losses import LossAgg, build_kl_controller, loss_normalizer
 from rl.algos.objective import Objective
 from rl.algos.schedule import make_lr_scheduler
-from rl.tasks.reward import filter_uniform_groups, varied_groups
+from rl.tasks.reward import varied_groups
 from rl.rollout.sync import sync_weights
 from rl.rollout.evaluate import evaluate
 from rl.rollout.episodes import episode_metrics
-from rl.rollout.samples import sample_rows, turn_counts
+from rl.rollout.scheduler import Rollouts
 
 
 def adamw_options(device: torch.device) -> dict:
     """AdamW's implementation: on CUDA the fused kernel (the whole update in one multi-tensor
     kernel, not a few foreach passes over the state); on CPU torch's default (foreach)."""
     return {"fused": True} if device.type == "cuda" else {}
-
-
-@dataclass
-class Rollouts:
-    """The step's samples as `rollout` leaves them: every rank's, as `StandIn`s (metadata, in
-    global order, the same list on every rank); the records this rank generated, by
-    `StandIn.source[1]` (they stay here until `collate` moves each to the ranks that run it);
-    dynamic sampling's counts; the seconds the rollout stage took; and, when the samples were
-    generated off the step (by the rollout thread: rollout.max_staleness >= 1), the seconds
-    their generation took."""
-
-    samples: list[StandIn]
-    records: dict[Hashable, Experience]
-    sampling: dict[str, int]
-    seconds: float
-    generated_s: float | None = None  # None: generated within `seconds`
-    counts: dict[str, float] = field(default_factory=dict)  # this rank's tool / environment counts (samples.py)
 
 
 @dataclass
@@ -217,9 +201,8 @@ class Trainer:
         evaluation = self.evaluate() if every and step % every == 0 else {}
         t0 = time.perf_counter()
         self.stage_peaks.mark(None)
-        rollouts = self.rollout(step)
+        rollouts = self.rollout(step)  # max_staleness=0: the engine then sleeps until the sync refills it
         self.stage_peaks.mark("rollout")
-        self.rollout_scheduler.rest()  # max_staleness=0: the engine sleeps until the sync refills it
         self._release_memory()
         minibatches = self.collate(rollouts, self.plan(rollouts.samples))
         self.score(minibatches)
@@ -250,42 +233,14 @@ class Trainer:
 
     # ----------------------------------------------------------------- rollout
     def rollout(self, step: int) -> Rollouts:
-        """The step's samples: the scheduler's rollout (rl/rollout/scheduler.py), every rank's
-        metadata gathered. With dynamic sampling (max_staleness=0 only), groups whose rewards are
-        all equal are dropped and more prompts rolled out until the step holds
-        `task.prompts_per_step` groups (at most `algo.max_sampling_rounds`)."""
-        algo, want = self.cfg.algo, self.cfg.task.prompts_per_step
-        t0 = time.perf_counter()
-        with self.guard.rollout(step):  # non-finite logits: a DivergenceError naming the step
-            taken = self.rollout_scheduler.take(step)
-            samples, records = self._share(taken.records, 0)
-            sampling = {}
-            if algo.dynamic_sampling:
-                kept, dropped = filter_uniform_groups(samples)
-                rounds = 1
-                while _groups(kept) < want and rounds < algo.max_sampling_rounds:
-                    generated, local = self._share(self.rollout_scheduler.more(step, rounds), rounds)
-                    records |= local
-                    more, lost = filter_uniform_groups(generated)
-                    kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
-                first = set(sorted({int(r.prompt_index) for r in kept})[:want])
-                sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
-                # every group uniform in every round: train on the first round (advantages 0)
-                samples = [r for r in kept if int(r.prompt_index) in first] or samples
-        # this rank's records of the step (by their places in it): rank 0's come first
-        places = [j for j, s in enumerate(samples) if s.source[0] == self.dims.dp_rank]
-        mine = [records[samples[j].source[1]] for j in places]
+        """The step's samples, every rank's metadata gathered, dynamic sampling's extra rounds
+        included, the engine rested (rl/rollout/scheduler.py `RolloutScheduler.rollouts`); on
+        rank 0 its first trainer.log_samples records as `self.samples`."""
         n = self.cfg.trainer.log_samples if self.dims.rank == 0 else 0
-        self.samples = sample_rows(mine[:n], self.task, step=step, places=places[:n]) if n else []
-        return Rollouts(samples, records, sampling, time.perf_counter() - t0,
-                        taken.seconds if self.rollout_scheduler.k else None, turn_counts(mine, self.task))
-
-    def _share(self, records: list[Experience], round_: int) -> tuple[list[StandIn], dict[Hashable, Experience]]:
-        """Every rank: the round's samples, DP rank by DP rank, as metadata (CP peers checked
-        alike; a collective), and this rank's records by key."""
-        dims = self.dims
-        samples = gather_metadata(records, round_, dp_rank=dims.dp_rank, dp=dims.dp, cp=dims.cp, device=dims.device)
-        return samples, {(round_, i): rec for i, rec in enumerate(records)}
+        with self.guard.rollout(step):  # non-finite logits: a DivergenceError naming the step
+            rollouts = self.rollout_scheduler.rollouts(step, log_samples=n)
+        self.samples = rollouts.rows
+        return rollouts
 
     # -------------------------------------------------------------------- plan
     def plan(self, samples: list[StandIn]) -> StepPlan:
@@ -518,10 +473,6 @@ class Trainer:
         self.guard.bad_steps = int(state["bad_steps"])  # a streak of skipped updates continues
         self.rollout_scheduler.load_state_dict(state.get("rollout"), int(state.get("step", 0)))
         sync_weights(self.engine, self.actor.model)
-
-
-def _groups(samples: list[Experience]) -> int:
-    return len({int(r.prompt_index) for r in samples})
 
 
 def _length(sample: Experience) -> int:
