@@ -273,7 +273,7 @@ def test_trainer_builds_no_reference_and_steps_adapters_only():
     full, lora = trainer(*args), trainer(*args, "model.lora.rank=4")
     saved = sum(p.numel() * p.element_size() for p in full.reference.parameters())
     print(f"reference copy not built: {saved} bytes saved (the tiny model; SmolLM2-135M fp32: its 513 MiB)")
-    assert lora.reference is None and saved > 0
+    assert callable(lora.reference) and not isinstance(lora.reference, torch.nn.Module) and saved > 0  # no copy
     held = {id(p) for g in lora.optimizer.param_groups for p in g["params"]}
     adapters = {id(p) for n, p in lora.actor.named_parameters() if ".lora_" in n}
     assert held == adapters and len(adapters) == 2 * 7 * lora.actor.model.config.num_hidden_layers

@@ -116,10 +116,9 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> Trainer:
                            lambda device: build.policy_lm(device, adapters_on=dims.device))
     critic = build.parallel(lambda lm: Critic(lm, dims=dims, share_prompts=m.share_prompts)) if cfg.algo.uses_critic \
         else None
-    reference = None  # the frozen copy; LoRA: the policy's base is the reference, no copy built
-    if cfg.algo.kl_coef and not m.lora.rank:
-        reference = build.frozen(temperature=m.temperature)
-    base = None if not cfg.algo.kl_coef else reference if reference is not None else adapters_off(actor)
+    reference = None  # what the base log-probs come from: a frozen copy; LoRA: the policy's base, no copy built
+    if cfg.algo.kl_coef:
+        reference = adapters_off(actor) if m.lora.rank else build.frozen(temperature=m.temperature)
     # on-policy distillation's teacher (rl/algos/distill.py): its own shards, before the engine's memory plan
     teacher = build_teacher(cfg, dims, build.frozen, param_dtype=build.param_dtype) if cfg.algo.teacher.path else None
     # rollout.engine: hf | vllm (rl/rollout/build.py); its memory plan counts the teacher
@@ -130,6 +129,6 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> Trainer:
     scheduler = RolloutScheduler(
         source, engine, max_staleness=k, max_steps=cfg.trainer.max_steps,
         samples_per_step=cfg.task.prompts_per_step * cfg.task.samples_per_prompt, rank=dims.rank, device=dims.device)
-    return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, base=base, engine=engine,
+    return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine,
                    eval_engine=evaluation_engine(dims, task, actor, engine, k), scheduler=scheduler, task=task,
                    heldout=heldout, teacher=teacher)

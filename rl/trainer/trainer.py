@@ -137,14 +137,14 @@ class StagePeaks:
 
 class Trainer:
     """The step (`step`) over the parts rl/trainer/build.py `build_trainer` builds: the policy, the
-    critic, the reference copy (None: none built) and `base`, what the base log-probs come from
-    (the copy, or the LoRA policy with its adapters off), the teacher, the rollout and evaluation
+    critic, the reference (what the base log-probs come from: a frozen copy, or the LoRA policy
+    with its adapters off; None without a KL term), the teacher, the rollout and evaluation
     engines, and the scheduler that says when each rollout is generated."""
 
-    def __init__(self, cfg: Config, dims, *, actor, critic, reference, base: Callable | None, engine, eval_engine,
+    def __init__(self, cfg: Config, dims, *, actor, critic, reference: Callable | None, engine, eval_engine,
                  scheduler, task, heldout: list | None = None, teacher=None) -> None:
         self.cfg, self.dims = cfg, dims
-        self.actor, self.critic, self.reference, self.base = actor, critic, reference, base
+        self.actor, self.critic, self.reference = actor, critic, reference
         self.teacher = teacher  # on-policy distillation (algo.teacher.path): frozen, scored in `score`
         self.engine, self.eval_engine, self.task = engine, eval_engine, task
         self.rollout_scheduler, self.source = scheduler, scheduler.source  # when, and what, each rollout generates
@@ -305,8 +305,8 @@ class Trainer:
                     elif updates or algo.kl_in_reward:
                         self.actor.eval()
                         batch.action_log_probs = self.actor(batch)
-                    if self.base is not None:  # the reference copy, or the LoRA policy with its adapters off
-                        batch.base_action_log_probs = self.base(batch)
+                    if self.reference is not None:  # the frozen copy, or the LoRA policy with its adapters off
+                        batch.base_action_log_probs = self.reference(batch)
                     if self.teacher is not None:  # its own routing, never the student's replay records
                         k = algo.distill_topk if topk_kl(algo) else 0  # its top-k: this rank's rows, for `train`
                         batch.teacher_action_log_probs, teacher_argmax, *top = self.teacher(
