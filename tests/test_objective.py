@@ -68,3 +68,15 @@ def test_the_objective_alone_gives_train_microbatchs_terms_and_gradients(step):
     assert not any(torch.equal(wrong_grads[k], g) for k, g in want_grads.items() if g.abs().max() > 0)
     no_critic, actor_only = objective_alone(tr, mb, batch, values=None)
     assert "value_loss" not in no_critic and not any(k.startswith("1.") for k in actor_only)
+
+
+def test_the_run_config_has_every_field_the_objective_reads():
+    """`Objective` types `algo` by a Protocol (rl.algos does not import rl.config): `AlgoConfig` has
+    each field it declares (a field renamed on one side alone fails here)."""
+    import dataclasses
+
+    from rl.algos.objective import ObjectiveConfig
+    from rl.config.schema import AlgoConfig
+
+    declared = set(ObjectiveConfig.__annotations__)
+    assert declared and declared <= {f.name for f in dataclasses.fields(AlgoConfig)}, declared

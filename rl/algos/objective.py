@@ -13,28 +13,43 @@ maximum over microbatches instead.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from packing import Experience
-from rl.algos.losses import KLMode, aggregate, k3, kl_penalty, policy_loss, value_loss
+from rl.algos.losses import KLEstimator, KLMode, LossAgg, aggregate, k3, kl_penalty, policy_loss, value_loss
 
-if TYPE_CHECKING:
-    from rl.config import AlgoConfig
+
+class ObjectiveConfig(Protocol):
+    """The `algo.*` fields `Objective` reads itself; `policy_loss` reads the rest of
+    `PolicyLossConfig`'s. rl/config/schema.py `AlgoConfig` is one (rl.algos sits below rl.config
+    and does not import it)."""
+
+    loss_agg: LossAgg
+    kl_coef: float
+    kl_estimator: KLEstimator
+    kl_mode: KLMode
+    kl_clamp: float | None
+    kl_log_ratio_clamp: float | None
+    entropy_coef: float
+    distill_kl_coef: float
+    router_aux_loss_coef: float
+    vf_coef: float
+    value_clip: float | None
 
 
 class Objective:
-    """Built once from `algo.*` (an `AlgoConfig`), the Dr. GRPO constant `token_sum_norm`, the KL
-    controller (its current `value` is read at each call) and the policy's MoE layer count (the
-    router aux loss is averaged over layers).
+    """Built once from `algo.*` (an `ObjectiveConfig`: the run's `AlgoConfig`), the Dr. GRPO
+    constant `token_sum_norm`, the KL controller (its current `value` is read at each call) and
+    the policy's MoE layer count (the router aux loss is averaged over layers).
 
     `algo.*` stays one flat group (the policy-loss, KL and advantage fields side by side, not
     `algo.loss.*` / `algo.kl.*`): TRL's and OpenRLHF's users type these keys flat (TRL's `beta`,
     `epsilon`, `loss_type`; OpenRLHF's `init_kl_coef`, `advantage_estimator`), and verl nests by
     worker (actor, critic, ref), not by concept, so a nesting here would follow neither."""
 
-    def __init__(self, algo: AlgoConfig, *, token_sum_norm: float, kl_ctl, moe_layers: int = 0) -> None:
+    def __init__(self, algo: ObjectiveConfig, *, token_sum_norm: float, kl_ctl, moe_layers: int = 0) -> None:
         self.algo, self.token_sum_norm, self.kl_ctl, self.moe_layers = algo, token_sum_norm, kl_ctl, moe_layers
 
     def kl(self, log_probs: torch.Tensor, ref: torch.Tensor, estimator=None) -> torch.Tensor:
