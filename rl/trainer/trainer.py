@@ -65,7 +65,7 @@ from rl.trainer.state import load_sharded_state, sharded_state
 from rl.config import Balance, Config
 from rl.config.schema import OldLogProbs
 from rl.trainer.guard import DivergenceGuard, poison
-from rl.algos.losses import LossAgg, build_kl_controller, loss_normalizer
+from rl.algos.losses import build_kl_controller, loss_normalizer
 from rl.algos.objective import Objective
 from rl.algos.schedule import make_lr_scheduler
 from rl.tasks.reward import varied_groups
@@ -146,6 +146,7 @@ class Trainer:
         self.cfg, self.dims = cfg, dims
         self.actor, self.critic, self.reference = actor, critic, reference
         self.teacher = teacher  # on-policy distillation (algo.teacher.path): frozen, scored in `score`
+        self.teacher_topk = cfg.algo.distill_topk if topk_kl(cfg.algo) else 0  # algo.distill_kl=topk: its top-k
         self.engine, self.eval_engine, self.task = engine, eval_engine, task
         self.rollout_scheduler, self.source = scheduler, scheduler.source  # when, and what, each rollout generates
         self.heldout = heldout or []  # the held-out problems of `evaluate` (eval.every > 0)
@@ -265,7 +266,7 @@ class Trainer:
             mine = plan[dims.dp_rank]
             minibatches.append(MiniBatchPlan(rows=[[lo + i for i in items] if items else [lo] for items in mine],
                                              weights=[1.0 if items else 0.0 for items in mine],
-                                             tokens=loss_normalizer(part, LossAgg.TOKEN_MEAN),
+                                             tokens=float(sum(r.action_tokens for r in part)),
                                              normalizer=loss_normalizer(part, self.cfg.algo.loss_agg),
                                              all_tokens=sum(_length(r) for r in part)))
         return StepPlan(minibatches, [sorted(d) for d in dest])
@@ -308,7 +309,7 @@ class Trainer:
                     if self.reference is not None:  # the frozen copy, or the LoRA policy with its adapters off
                         batch.base_action_log_probs = self.reference(batch)
                     if self.teacher is not None:  # its own routing, never the student's replay records
-                        k = algo.distill_topk if topk_kl(algo) else 0  # its top-k: this rank's rows, for `train`
+                        k = self.teacher_topk  # its top-k: this rank's rows, for `train`
                         batch.teacher_action_log_probs, teacher_argmax, *top = self.teacher(
                             batch, return_argmax=True, return_topk=k)
                         if k:
