@@ -307,6 +307,25 @@ def test_a_thread_rollout_failure_is_the_divergence_error_of_the_step_that_takes
         tr.step(1)
 
 
+def test_the_rollout_stage_rolls_out_dynamic_sampling_rounds_until_the_step_has_its_varied_groups():
+    """algo.dynamic_sampling at k=0, one call (`RolloutScheduler.rollouts`): the groups whose rewards
+    are all equal are dropped, round 1 is generated (`more`) and task.prompts_per_step varied groups
+    kept; the engine sleeps once, after the last round. The control: the same step without dynamic
+    sampling holds a uniform group."""
+    from rl.tasks.reward import varied_groups
+
+    tr = trainer(*SMALL, "trainer.max_steps=1", "eval.every=0", "algo.dynamic_sampling=true")
+    rounds, slept, records, sleep = [], [], tr.source.records, tr.engine.sleep
+    tr.source.records = lambda step, round_, version: rounds.append(round_) or records(step, round_, version)
+    tr.engine.sleep = lambda: slept.append(list(rounds)) or sleep()
+    rollouts = tr.rollout(0)
+    assert rollouts.sampling == {"sampling_rounds": 2, "dropped_groups": 2, "kept_groups": 4} and rounds == [0, 1]
+    assert len({int(r.prompt_index) for r in rollouts.samples}) == 4 and varied_groups(rollouts.samples) == 1.0
+    assert slept == [[0, 1]]
+    plain = trainer(*SMALL, "trainer.max_steps=1", "eval.every=0")
+    assert varied_groups(plain.rollout(0).samples) < 1.0
+
+
 def test_a_rollout_thread_refuses_an_engine_that_generates_from_the_training_shards():
     """rollout.replica=auto resolves to sharded when the copy does not fit the budget: that engine
     has no weights of its own to generate with while the policy trains (validate cannot know)."""
