@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import threading
@@ -273,6 +274,20 @@ def test_a_failing_environment_ends_its_episode_only_and_a_seeded_one_repeats(ti
     strict = _env_task(tokenizer_dir, tmp_path, Moody, on_error="raise", timeout_s=0.3)
     with pytest.raises(KeyError, match="no such cell"):
         _play(strict, engine, seed=11)
+
+
+def test_a_chat_template_failure_names_the_sample_its_prompt_index_and_turn(tiny_llama, tokenizer_dir, tmp_path,
+                                                                            caplog):
+    """task.on_error=skip: an answer the chat template cannot render ends its episode, and the log
+    names where, as every other failure of an episode does (`Episode.where`)."""
+    task = _env_task(tokenizer_dir, tmp_path, Steady, on_error="skip", timeout_s=0.3)
+    task.observation_ids = lambda text: 1 / 0
+    engine = HFRolloutEngine(build_model(None, pretrained_path=str(tiny_llama)), stop_token_id=task.stop_token_id)
+    with caplog.at_level(logging.DEBUG, logger="rl.tasks.calls"):
+        records = _play(task, engine, seed=11)
+    assert Status(int(records[0].status)) is Status.ERROR
+    assert any(m.startswith("run_episodes: sample 3 (prompt index 1), turn 1: chat template of ")
+               for m in caplog.messages), caplog.messages
 
 
 # ----------------------------------------------------------------- the config

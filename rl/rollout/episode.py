@@ -282,8 +282,7 @@ class Episode:
             return
         if play.chars is not None and len(observation) > play.chars:  # cut before it is tokenized
             observation, self.truncated = observation[:play.chars], True
-        with (guard := play.calls.guard(f"chat template of {play.name}", f"run_episodes: sample {self.i}, "
-                                                                          f"turn {turn + 1}")):
+        with (guard := play.calls.guard(f"chat template of {play.name}", self.where(turn))):
             ids = list(task.observation_ids(observation))
         if guard.status is not None:
             return self.fail(guard.status)
