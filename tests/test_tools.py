@@ -252,7 +252,7 @@ def test_a_turns_tool_calls_overlap(tokenizer_dir, tokenizer, end_id, monkeypatc
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from rl.rollout import episodes
+    from rl.rollout import episode
 
     task = _task(tokenizer_dir, end_id)
     engine = Scripted(tokenizer, end_id, lambda text, turn: call("import time\ntime.sleep(1.5)\nprint('slept')")
@@ -261,7 +261,7 @@ def test_a_turns_tool_calls_overlap(tokenizer_dir, tokenizer, end_id, monkeypatc
     seconds = []
     for pool in (None, ThreadPoolExecutor(1)):
         if pool is not None:
-            monkeypatch.setattr(episodes, "_tool_pool", pool)
+            monkeypatch.setattr(episode, "_tool_pool", pool)
         start = time.monotonic()
         records = _play(task, engine, prompts)
         seconds.append(time.monotonic() - start)

@@ -28,7 +28,8 @@ from test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 from model.models import build_model
 from packing import Experience
 from rl.rollout.engine import HFRolloutEngine
-from rl.rollout.episodes import environment_seed, episode_metrics, run_episodes
+from rl.rollout.episode import environment_seed
+from rl.rollout.episodes import episode_metrics, run_episodes
 from rl.tasks.base import Task
 from rl.tasks.calls import CallTimeout, OnError, Status, TooManyHung, UserCalls, assign_rewards
 from rl.tasks.registry import build_task

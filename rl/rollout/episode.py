@@ -77,7 +77,7 @@ next turn's prefill and decode.
 from __future__ import annotations
 
 import inspect
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +92,9 @@ from rl.tasks.chat import answer_chars
 from rl.tasks.processes import RemoteEnvironment
 from rl.tasks.tools import ToolCall, ToolOutput
 
+_TOOL_THREADS = 8
+# one pool for the process (its threads start on first use): they keep their UserCalls workers from turn to turn
+_tool_pool = ThreadPoolExecutor(_TOOL_THREADS, thread_name_prefix="tools")
 _ENV_SALT = 0x5EED_E7E7  # environment seeds are drawn apart from the engine's sample seeds
 
 
@@ -124,12 +127,12 @@ class Turn:
 
 class Play:
     """What the episodes of one `run_episodes` call share: the task, how its user code is called
-    (`calls`), the engine's stop token, the pool the tools run on, the bound on an answer's
-    characters, and the chat template's frames around an empty answer (rendered once, when a cut
-    first needs them)."""
+    (`calls`), the engine's stop token, the pool the tools run on (the process's one), the bound on
+    an answer's characters, and the chat template's frames around an empty answer (rendered once,
+    when a cut first needs them)."""
 
-    def __init__(self, task: Task, calls: UserCalls, stop: int | None, seed: int, pool: Executor) -> None:
-        self.task, self.calls, self.stop, self.seed, self.pool = task, calls, stop, seed, pool
+    def __init__(self, task: Task, calls: UserCalls, stop: int | None, seed: int) -> None:
+        self.task, self.calls, self.stop, self.seed, self.pool = task, calls, stop, seed, _tool_pool
         self.name = task.reward_name or f"{type(task).__name__}.environment"
         self.tools_of = f"tools of {type(task).__name__}"
         tokenizer = task.tokenizer  # answers are cut to `chars` characters before they are tokenized

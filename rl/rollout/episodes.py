@@ -17,7 +17,7 @@ collective (rl/rollout/engine.py `PolicyRolloutEngine`) sees the same calls on e
 
 Each sample gets its own copy of its prompt's meta (a deep copy): a reward or environment that
 writes into it does not reach the other samples of its group. An environment whose `reset`
-takes a `seed` keyword gets a per-sample seed (`environment_seed`), mixed from (the call's seed,
+takes a `seed` keyword gets a per-sample seed (rl/rollout/episode.py `environment_seed`), mixed from (the call's seed,
 i.e. the run's seed and the step, the prompt index, the sample's place in its group): a stochastic
 environment draws the same episodes when a run is resumed or repeated with the same seed.
 `episode_metrics` counts the step's records by status.
@@ -27,21 +27,15 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import torch
 
 from packing.experience import Experience
-from rl.rollout.episode import Episode, Play, environment_seed  # noqa: F401 - environment_seed: part of this API
+from rl.rollout.episode import Episode, Play
 from rl.rollout.sampler import group_places
 from rl.tasks.base import Task, check_parts, is_multi_turn
 from rl.tasks.calls import Status, task_calls
-
-_TOOL_THREADS = 8
-# one pool for the process (its threads start on first use): they keep their UserCalls workers from turn to turn
-_tool_pool = ThreadPoolExecutor(_TOOL_THREADS, thread_name_prefix="tools")
-
 
 def run_episodes(engine, task: Task, prompts: Sequence[torch.Tensor], metas: Sequence[dict], *,
                  prompt_indices: Sequence[int], max_new_tokens: int, temperature: float,
@@ -52,7 +46,7 @@ def run_episodes(engine, task: Task, prompts: Sequence[torch.Tensor], metas: Seq
         raise ValueError(f"run_episodes: {len(prompts)} prompts, {len(metas)} metas, {len(prompt_indices)} "
                          f"prompt_indices (one each)")
     check_parts(task)
-    play = Play(task, task_calls(task), getattr(engine, "stop_token_id", None), seed, _tool_pool)
+    play = Play(task, task_calls(task), getattr(engine, "stop_token_id", None), seed)
     places = group_places(prompt_indices)
     episodes = [Episode(play, i, prompt, _own(meta), int(index), place)  # one meta per sample, not per group
                 for i, (prompt, meta, index, place) in enumerate(zip(prompts, metas, prompt_indices, places))]
