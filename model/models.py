@@ -121,8 +121,16 @@ def model_config_value(cfg: Any, key: str) -> tuple[Any, str]:
         return cfg.model.overrides[key], f"model.overrides.{key}"
     if cfg.model.pretrained_path is not None:
         fields = checkpoint_config(cfg.model.pretrained_path)
-        return (fields or {}).get(key), f"{key} of {Path(cfg.model.pretrained_path) / 'config.json'}"
+        return config_field(fields or {}, key), f"{key} of {Path(cfg.model.pretrained_path) / 'config.json'}"
     return MODELS[cfg.model.name.value][2].get(key), f"model.overrides.{key} (default)"
+
+
+def config_field(fields: Mapping[str, Any], key: str) -> Any:
+    """The field `key` of a checkpoint's config.json `fields`, also where its family's config class
+    saves it under another name (its `attribute_map`: transformers 5 writes qwen3_moe's `num_experts`
+    as `num_local_experts`); None when absent."""
+    family = MODELS.get(fields.get("model_type"))
+    return fields.get(key, fields.get(family[0].attribute_map.get(key, key)) if family else None)
 
 
 def model_family(cfg: Any) -> str:

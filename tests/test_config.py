@@ -109,6 +109,23 @@ def test_ep_must_divide_the_expert_count():
     assert message.startswith("parallel.ep=4 does not divide model.overrides.num_experts=6"), message
 
 
+def test_ep_must_divide_a_checkpoints_expert_count_under_either_name(tmp_path):
+    """transformers 5 saves qwen3_moe's num_experts as num_local_experts (its attribute_map): the
+    start-up check read num_experts alone and let ep=4 over 6 experts through to the model build."""
+    import json
+
+    from model.models import build_model
+
+    for experts in (6, 8):
+        build_model("qwen3_moe", seed=0, num_experts=experts).save_pretrained(tmp_path / str(experts))
+    saved = json.loads((tmp_path / "6" / "config.json").read_text())
+    assert saved.get("num_local_experts") == 6 and "num_experts" not in saved  # the name the check must follow
+    run = ("model=pretrained", "parallel.ep=4")
+    message = refused(*run, f"model.pretrained_path={tmp_path / '6'}", world_size=4)
+    assert message.startswith(f"parallel.ep=4 does not divide num_experts of {tmp_path / '6' / 'config.json'}=6"), message
+    compose(*run, f"model.pretrained_path={tmp_path / '8'}", world_size=4)  # the control: 2 experts per rank
+
+
 def test_ep_must_divide_dp():
     assert refused("parallel.ep=3", world_size=4).startswith("parallel.ep=3 does not divide dp=4")
 
