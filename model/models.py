@@ -133,6 +133,14 @@ def config_field(fields: Mapping[str, Any], key: str) -> Any:
     return fields.get(key, fields.get(family[0].attribute_map.get(key, key)) if family else None)
 
 
+def check_expert_split(experts: int | None, ep: int, what: str, where: str = "") -> None:
+    """`parallel.ep` divides the expert count `experts` (None or 0: a dense model), named `what` from `where`, at
+    start-up: what model/moe.py's `ExpertParallelExperts` would refuse once the model is built."""
+    if experts and ep > 1 and experts % ep:
+        raise ValueError(f"parallel.ep={ep} does not divide {what}={experts}{where}: each EP rank holds "
+                         "num_experts / ep experts")
+
+
 def model_family(cfg: Any) -> str:
     """The run's model family: the checkpoint's `model_type` (checked against `model.name`
     when both are given), else `model.name`."""

@@ -107,6 +107,7 @@ def test_float16_on_cpu_is_refused(key):
 def test_ep_must_divide_the_expert_count():
     message = refused("parallel.ep=4", "+model.overrides.num_experts=6", world_size=4)
     assert message.startswith("parallel.ep=4 does not divide model.overrides.num_experts=6"), message
+    compose("parallel.ep=4", "+model.overrides.num_experts=8", world_size=4)  # the control: 2 experts per rank
 
 
 def test_ep_must_divide_a_checkpoints_expert_count_under_either_name(tmp_path):

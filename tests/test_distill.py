@@ -270,8 +270,10 @@ def test_the_keys_must_agree(tmp_path):
         compose(*topk, "algo.distill_topk=65")
     compose(*topk, "algo.distill_topk=64")  # the control: k = the vocabulary, the full KL; topk alone reads it
     six = checkpoint(tmp_path / "six", "qwen3_moe", seed=0, num_experts=6)
-    with pytest.raises(ValueError, match=r"parallel.ep=4 does not divide the teacher's num_experts=6"):
+    with pytest.raises(ValueError, match=r"parallel.ep=4 does not divide the teacher's num_experts=6 "
+                                         r"\(algo.teacher.path='.*six'\): each EP rank holds num_experts / ep"):
         compose("algo.advantage=distill", f"algo.teacher.path={six}", "parallel.ep=4", world_size=4)
+    compose("algo.advantage=distill", f"algo.teacher.path={teacher}", "parallel.ep=4", world_size=4)  # 8 experts
 
 
 def test_a_different_vocabulary_is_refused_naming_both_sizes(tmp_path):

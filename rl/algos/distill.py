@@ -95,14 +95,11 @@ def check_teacher(cfg: Any) -> None:
     if not Path(t.path).is_dir():
         raise ValueError(f"algo.teacher.path={t.path!r}: folder not found (a local checkpoint folder is expected; "
                          "nothing is downloaded)")
-    from model.models import checkpoint_config, checkpoint_family
+    from model.models import check_expert_split, checkpoint_config, checkpoint_family, config_field
 
     checkpoint_family(t.path, key="algo.teacher.path")
-    fields = checkpoint_config(t.path)
-    experts = fields.get("num_experts") or fields.get("num_local_experts")  # transformers writes either
-    if experts and cfg.parallel.ep > 1 and experts % cfg.parallel.ep:
-        raise ValueError(f"parallel.ep={cfg.parallel.ep} does not divide the teacher's num_experts={experts} "
-                         f"(algo.teacher.path={t.path!r}): each EP rank holds num_experts / ep of its experts")
+    check_expert_split(config_field(checkpoint_config(t.path), "num_experts"), cfg.parallel.ep,
+                       "the teacher's num_experts", f" (algo.teacher.path={t.path!r})")
     check_vocabulary(cfg)
 
 

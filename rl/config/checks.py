@@ -213,12 +213,10 @@ def _check_experts(cfg: Config, ep: int, family: str) -> None:
     """ep divides the expert count (what model.moe.shard_experts would refuse later, named by
     config key here); the sizes against the world are ParallelDims' check."""
     if ep > 1 and family == ModelName.QWEN3_MOE.value:
-        from model.models import model_config_value  # imports transformers: only when needed
+        from model.models import check_expert_split, model_config_value  # imports transformers: only when needed
 
         experts, key = model_config_value(cfg, "num_experts")
-        if experts is not None and experts % ep:
-            raise ValueError(f"parallel.ep={ep} does not divide {key}={experts}: each EP rank holds "
-                             f"num_experts / ep experts")
+        check_expert_split(experts, ep, key)
 
 
 def _model_family(cfg: Config) -> str:
