@@ -319,6 +319,29 @@ def test_a_different_tokenizer_is_refused_naming_each_file_that_differs(tmp_path
         compose(*run)
 
 
+def test_each_tokenizer_file_is_hashed_once_per_version(tmp_path, monkeypatch):
+    """train.py validates twice (the command line, then the run): the student's and the teacher's
+    tokenizer.json are each read once. Control: a file written again (another size) is read again and
+    its new hash refused."""
+    from pathlib import Path
+
+    student, teacher = checkpoint(tmp_path / "s", "qwen3", seed=0), checkpoint(tmp_path / "t", "qwen3", seed=1)
+    _tokenizer(tmp_path / "s", "abc", None)
+    _tokenizer(tmp_path / "t", "abc", None)
+    reads, read_text = [], Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (
+        reads.append(self.parent.name) if self.name == "tokenizer.json" else None, read_text(self, *a, **k))[1])
+    run = ("model=pretrained", f"model.pretrained_path={student}", "model.name=null", "algo.advantage=distill",
+           f"algo.teacher.path={teacher}")
+    compose(*run)
+    compose(*run)
+    assert sorted(reads) == ["s", "t"], reads
+    _tokenizer(tmp_path / "t", "abcd", None)
+    with pytest.raises(ValueError, match=r"tokenizer.json \(sha256"):
+        compose(*run)
+    assert sorted(reads) == ["s", "t", "t"], reads
+
+
 def test_a_tokenizer_saved_again_is_the_same_and_one_more_token_is_not(tmp_path):
     """The export's round trip (AutoTokenizer.from_pretrained(...).save_pretrained, with a
     padding setting on) keeps every hash; one added token changes tokenizer.json's."""
