@@ -264,10 +264,6 @@ class Actor(nn.Module):
             hidden, targets = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), view.targets.reshape(-1)[rows]
         else:
             targets = view.targets
-        if teacher_topk is not None and tuple(teacher_topk[1].shape[:-1]) != tuple(targets.shape):
-            raise ValueError(f"Actor: teacher_topk holds rows of shape {tuple(teacher_topk[1].shape[:-1])}, this "
-                             f"forward scores {tuple(targets.shape)}: the teacher's top-k comes from its forward of "
-                             "the same batch on the same rank (the same layout, model.share_prompts and parallel dims)")
         out = token_log_probs(
             hidden, self.model.get_output_embeddings().weight, targets,
             temperature=self.temperature, chunk_bytes=self.chunk_bytes,

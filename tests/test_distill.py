@@ -369,6 +369,29 @@ def test_a_tokenizer_saved_again_is_the_same_and_one_more_token_is_not(tmp_path)
     assert any(d.startswith("tokenizer.json (sha256") for d in differ)
 
 
+def test_a_teachers_topk_of_other_rows_is_refused_naming_both_shapes():
+    """The student's forward reads the teacher's top-k ids row by row: ids from another batch's forward
+    are refused by the head (model/logprobs.py, `extra_targets`), naming the field, the shape seen and the
+    one expected. Control: the teacher's top-k of the same batch is read."""
+    from model.actor import Actor
+    from packing import make_experience_batch
+
+    actor = Actor(build_model("qwen3", seed=0, vocab_size=VOCAB), actions_only=True)
+
+    def pack(*lengths):
+        return make_experience_batch([Experience(sequences=torch.arange(n) % VOCAB, action_mask=torch.ones(
+            n - 1, dtype=torch.bool)) for n in lengths], packed=True)
+
+    with torch.no_grad():
+        _, *top = actor(pack(5, 7), return_topk=3)
+        _, *other = actor(pack(5, 4), return_topk=3)
+    assert tuple(top[1].shape) == (10, 3) and tuple(other[1].shape) == (7, 3)  # the action rows of each pack
+    lp, kl = actor(pack(5, 7), teacher_topk=tuple(top))  # the control
+    assert kl.shape == lp.shape
+    with pytest.raises(ValueError, match=r"token_log_probs: extra_targets has shape \(7, 3\), expected \[10, k\]"):
+        actor(pack(5, 7), teacher_topk=tuple(other))
+
+
 # ------------------------------------------------------------------ the self-test
 def test_self_test_passes_the_teacher_and_refuses_a_forward_that_differs(tmp_path):
     from model.actor import Actor
