@@ -565,6 +565,7 @@ def test_the_memory_plan_counts_the_teachers_shards_by_placement(tmp_path):
     come (a budget that fits the copy and the state but not the teacher then drops the copy, which
     one step off refuses), a resident one is already out of the measured budget, and at
     max_staleness=0 the copy sleeps through the score stage."""
+    from rl.algos.distill import TeacherPlacement
     from rl.rollout.replica import GIB, local_shard_bytes
 
     teacher = checkpoint(tmp_path / "t", "qwen3", seed=1)
@@ -576,6 +577,7 @@ def test_the_memory_plan_counts_the_teachers_shards_by_placement(tmp_path):
     assert shards == sum(p.numel() * p.element_size() for p in tr.teacher.parameters()) > 0
     assert (sharded.teacher_placement, sharded.teacher_bytes, sharded.teacher_to_come) == ("sharded", shards, 0)
     assert (offload.teacher_placement, offload.teacher_bytes, offload.teacher_to_come) == ("offload", shards, shards)
+    assert all(type(p) is TeacherPlacement for p in (sharded.teacher_placement, offload.teacher_placement))  # not str
     assert "algo.teacher.placement=offload" in offload.describe() and "the teacher to come" in offload.describe()
     assert trainer(*run, "algo.teacher.placement=offload").engine.replica.teacher_to_come == 0  # sync: it sleeps
     between = (offload.replica_bytes + offload.state_bytes + shards // 2) / GIB  # fits all but the teacher

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from runtime.parallel_dims import local_tensor
+from rl.algos.distill import TeacherPlacement
 from rl.choice import Choice
 
 GIB = 2**30
@@ -81,7 +82,7 @@ class ReplicaChoice:
     state_bytes: int  # training state still to come (gradients, AdamW moments)
     budget_bytes: int
     budget_source: str
-    teacher_placement: str = ""  # algo.teacher.placement; "" without a teacher
+    teacher_placement: TeacherPlacement | None = None  # algo.teacher.placement; None without a teacher
     teacher_bytes: int = 0  # this rank's shard bytes of the teacher
     teacher_to_come: int = 0  # of those, what comes onto the device beside the copy (module docstring)
 
@@ -92,8 +93,9 @@ class ReplicaChoice:
     def describe(self) -> str:
         verdict = "fits" if self.fits else "does not fit"
         teacher = ""
-        if self.teacher_placement:
-            where = ("resident on the device, out of the budget" if self.teacher_placement == "sharded" else
+        if self.teacher_placement is not None:
+            resident = self.teacher_placement is TeacherPlacement.SHARDED
+            where = ("resident on the device, out of the budget" if resident else
                      "on the host between steps, on the device for the score stage")
             teacher = (f" + the teacher to come {self.teacher_to_come / GIB:.3f} GiB (algo.teacher.placement="
                        f"{self.teacher_placement}: {self.teacher_bytes / GIB:.3f} GiB of shards, {where})")
@@ -105,7 +107,7 @@ class ReplicaChoice:
 
 def choose(setting: ReplicaMode | str, *, engine: str, replica_bytes: int, state_bytes: int, budget_bytes: int,
            budget_source: str, sharded_unsupported: str | None = None,
-           teacher: tuple[str, int, int] = ("", 0, 0)) -> ReplicaChoice:
+           teacher: tuple[TeacherPlacement | None, int, int] = (None, 0, 0)) -> ReplicaChoice:
     """The plan for `rollout.replica=setting` with `rollout.engine=engine`; a ValueError
     naming the setting and the sizes when it cannot be followed. `sharded_unsupported`:
     why generation from the sharded policy cannot serve this run (None: it can). `teacher`:
@@ -173,10 +175,10 @@ def choose_replica(cfg, dims, actor: nn.Module, teacher: nn.Module | None = None
     replica = sum(full_tensor_bytes(actor.model).values()) * copy // master
     # grads + AdamW moments of what trains (LoRA: the adapters); a critic trains all of about the policy's size
     state = 3 * (local_shard_bytes(actor, trainable=True) + (local_shard_bytes(actor) if cfg.algo.uses_critic else 0))
-    placement, shards, to_come = "", 0, 0
+    placement, shards, to_come = None, 0, 0
     if teacher is not None:  # its shards, resident (sharded) or back for each score stage (offload): module docstring
-        placement, shards = str(cfg.algo.teacher.placement), local_shard_bytes(teacher)
-        to_come = shards if placement == "offload" and max_staleness >= 1 else 0
+        placement, shards = TeacherPlacement(cfg.algo.teacher.placement), local_shard_bytes(teacher)
+        to_come = shards if placement is TeacherPlacement.OFFLOAD and max_staleness >= 1 else 0
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size if dims.device.type == "cpu" else 1))
     budget, source = device_budget(dims.device, budget_gb=r.memory_budget_gb, local_ranks=local_ranks)
     if dims.distributed:  # one plan for every rank (sharded generation is a collective): the tightest rank's figures
