@@ -34,6 +34,8 @@ with their gradient `onehot(id) - p` per id, in the same backward pass as the ta
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 LOGPROB_CHUNK_BYTES = 512 * 2**20  # default budget: [rows, V] fp32 per chunk (rows = budget // (4 V))
@@ -102,9 +104,9 @@ def token_log_probs(
         log_probs, entropy, extra = _LogProbHead.apply(flat_hidden, lm_head_weight, flat_targets, float(temperature),
                                                        return_entropy, chunks, flat_extra)
     else:  # scoring: nothing kept
-        log_probs, entropy, _, argmax, top, extra = _head_forward(
-            flat_hidden, lm_head_weight, flat_targets, float(temperature), return_entropy, chunks, keep=False,
-            argmax=return_argmax, topk=return_topk, extra=flat_extra)
+        out = _head_forward(flat_hidden, lm_head_weight, flat_targets, float(temperature), return_entropy, chunks,
+                            keep=False, argmax=return_argmax, topk=return_topk, extra=flat_extra)
+        log_probs, entropy, argmax, top, extra = out.log_probs, out.entropy, out.argmax, out.topk, out.extra
     shape = tuple(targets.shape)
     outs = tuple(o.view(shape) for o in (log_probs, *([entropy] if return_entropy else []),
                                          *([argmax] if return_argmax else [])))
@@ -212,13 +214,21 @@ def _entropy(logp: torch.Tensor) -> torch.Tensor:
     return out.neg_()
 
 
+class _HeadOut(NamedTuple):
+    """What `_head_forward` reads off each chunk's log-softmax; None where not asked."""
+
+    log_probs: torch.Tensor  # [N] fp32, of the targets
+    entropy: torch.Tensor | None  # [N] fp32
+    kept: torch.Tensor | None  # `keep` (a single chunk): its [N, V] log-softmax, for backward
+    argmax: torch.Tensor | None  # [N], each row's most likely id as fp32
+    topk: tuple[torch.Tensor, torch.Tensor] | None  # each row's k largest log-probs [N, k] fp32 and their ids
+    extra: torch.Tensor | None  # [N, k] fp32, the log-probs of the `extra` ids
+
+
 def _head_forward(hidden, weight, targets, temperature: float, return_entropy: bool, chunks, *, keep: bool,
-                  argmax: bool = False, topk: int = 0, extra: torch.Tensor | None = None):
-    """Log-probs `[N]` (and entropy `[N]`) chunk by chunk through one reused buffer; with
-    `keep` (a single chunk) the chunk's log-softmax is returned for backward; with `argmax`
-    each row's most likely id `[N]` (fp32), else None; with `topk` each row's k largest
-    log-probs and their ids `([N, k], [N, k])`, else None; with `extra [N, k]` ids their
-    log-probs `[N, k]`, else None."""
+                  argmax: bool = False, topk: int = 0, extra: torch.Tensor | None = None) -> _HeadOut:
+    """The targets' log-probs (and what else is asked: `_HeadOut`) chunk by chunk through one reused
+    buffer; `extra`: `[N, k]` ids whose log-probs are read too."""
     n = hidden.shape[0]
     logps = torch.empty(n, dtype=torch.float32, device=hidden.device)
     ents = torch.empty(n, dtype=torch.float32, device=hidden.device) if return_entropy else None
@@ -239,7 +249,7 @@ def _head_forward(hidden, weight, targets, temperature: float, return_entropy: b
             torch.topk(logp_all, topk, dim=-1, out=(best[0][start:end], best[1][start:end]))
         if extra is not None:
             torch.gather(logp_all, -1, extra[start:end], out=gathered[start:end])
-    return logps, ents, (buf if keep else None), top, best, gathered
+    return _HeadOut(logps, ents, buf if keep else None, top, best, gathered)
 
 
 class _LogProbHead(torch.autograd.Function):
@@ -248,14 +258,13 @@ class _LogProbHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, return_entropy: bool, chunks, extra=None):
         keep = len(chunks) == 1
-        logps, ents, kept, _, _, gathered = _head_forward(hidden, weight, targets, temperature, return_entropy,
-                                                          chunks, keep=keep, extra=extra)
+        out = _head_forward(hidden, weight, targets, temperature, return_entropy, chunks, keep=keep, extra=extra)
         ctx.set_materialize_grads(False)  # an unused entropy (a logged metric) costs no backward work
         ctx.save_for_backward(hidden, weight, targets, extra)
-        ctx.kept = kept  # not a saved tensor: backward turns it into the gradient in place
-        ctx.entropy = ents.detach() if ents is not None else None
+        ctx.kept = out.kept  # not a saved tensor: backward turns it into the gradient in place
+        ctx.entropy = out.entropy.detach() if out.entropy is not None else None
         ctx.temperature, ctx.chunks = temperature, chunks
-        return logps, ents, gathered
+        return out.log_probs, out.entropy, out.extra
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, grad_extra):
