@@ -19,10 +19,10 @@ import tempfile
 
 import torch
 
-from model.families import MOE
 from model.loading import materialize
 from model.lora import has_adapters, merged_state_dict
-from model.models import compute_copy, model_family
+from model.models import compute_copy
+from model.moe import is_moe
 from rl.rollout.engine import HFRolloutEngine, PolicyRolloutEngine, RolloutEngine
 from rl.rollout.replica import ReplicaMode, RolloutEngineName, choose_replica
 from rl.rollout.sync import resolve_bucket_bytes, sync_weights
@@ -68,7 +68,7 @@ def build_engine(cfg, dims, task, actor, new_model, teacher=None, max_staleness:
             max_model_len=max_len, seed=cfg.seed, sync_bucket_bytes=bucket,
             tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
             enable_sleep_mode=r.enable_sleep_mode, enforce_eager=r.enforce_eager, kv_cache_gb=r.kv_cache_gb,
-            tp_group=tp_group, routed_experts=cfg.algo.routing_replay and model_family(cfg) in MOE,
+            tp_group=tp_group, routed_experts=cfg.algo.routing_replay and is_moe(actor.model),
             lora=cfg.model.lora)
     engine.sync_bucket_bytes, engine.replica = bucket, replica
     sync_weights(engine, actor.model)  # bucket by bucket (rl/rollout/sync.py); nothing for the sharded policy
