@@ -186,11 +186,12 @@ def job_prompts(vocab: int, rows: int, prompt: int) -> tuple[list[torch.Tensor],
     return [distinct[i] for i in index], index
 
 
-def engine_phases(model, rows: int, prompt: int, new: int, repeats: int) -> tuple[float, float]:
+def engine_phases(model, rows: int, prompt: int, new: int, repeats: int, *, temperature: float = 1.0
+                  ) -> tuple[float, float]:
     """(prefill seconds, decode seconds a step) of the transformers engine on `model` (or an
     `HFRolloutEngine`): `rows` rows in groups of 8 sharing a random `prompt`-token prompt, no stop
-    token; the prefill is a generation of one token, a step the difference to one of `new + 1`
-    tokens over `new`; medians of `repeats` pairs."""
+    token, sampled at `temperature` (0: greedy); the prefill is a generation of one token, a step
+    the difference to one of `new + 1` tokens over `new`; medians of `repeats` pairs."""
     from rl.rollout.engine import HFRolloutEngine
 
     engine = model if isinstance(model, HFRolloutEngine) else HFRolloutEngine(model)
@@ -198,7 +199,7 @@ def engine_phases(model, rows: int, prompt: int, new: int, repeats: int) -> tupl
 
     def timed(n: int) -> float:
         t = time.perf_counter()
-        engine.generate(prompts, prompt_indices=index, max_new_tokens=n, temperature=1.0, seed=0)
+        engine.generate(prompts, prompt_indices=index, max_new_tokens=n, temperature=temperature, seed=0)
         return time.perf_counter() - t
 
     timed(2)  # warm

@@ -85,3 +85,21 @@ def test_decode_cost_equals_torchs_flop_count_of_a_real_decode_step():
 def test_model_shapes_cover_every_matmul_of_the_model():
     shapes = model_shapes(TINY, [8])
     assert sorted(shapes) == sorted([(8, 8, 4), (8, 8, 8), (8, 8, 16), (8, 16, 8), (8, 8, 32)])
+
+
+def test_decode_bench_replays_every_matmul_weight_the_floor_counts():
+    """bench/decode.py's `decode{R}_gemm_ms` streams the weights `decode_cost` counts: the body's
+    matmuls in the forward's order, then the head (tied to the embedding, still multiplied)."""
+    from decode import matmuls
+
+    from model.models import build_model
+
+    model = build_model("llama", seed=0, num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=128,
+                        tie_word_embeddings=True)
+    weights = matmuls(model)
+    body, head = matmul_weights(model.config)
+    assert sum(w.numel() for w in weights[:-1]) == body and weights[-1].numel() == head
+    assert weights[0] is model.model.layers[0].self_attn.q_proj.weight
+    assert weights[-1] is model.get_output_embeddings().weight is model.model.embed_tokens.weight
+    assert len(weights) == 2 * 7 + 1  # q, k, v, o, gate, up, down a layer
