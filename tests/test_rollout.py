@@ -378,6 +378,53 @@ def test_chunking_does_not_change_samples():
     assert all(torch.equal(a.sequences, b.sequences) for a, b in zip(whole, chunked))
 
 
+
+@pytest.mark.parametrize("temperature", [TEMP, 0.0])
+def test_head_in_slices_gives_the_samples_of_one_matmul(temperature, monkeypatch):
+    """`head_rows`: the fp32 LM head multiplied a slice of vocabulary rows at a time (CPU) draws
+    exactly the tokens, and gives exactly the log-probs, of one matmul over the whole head, on the
+    same seeds, sampled and greedy (a 4096-word vocabulary in slices of 1000: the last is 96 rows;
+    one thread, where the slices run).
+    Control: a sampling step that draws each token with the next step's noise is caught by the
+    same comparison, and the slices did run (a matmul by 1000 vocabulary rows)."""
+    from rl.rollout import engine as engine_module
+
+    model = build_model("llama", seed=0, num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=4096,
+                        tie_word_embeddings=True)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 4096, (int(n),), generator=g) for n in (5, 9, 9, 12, 7, 7, 7, 7)]
+    indices = [0, 1, 1, 2, 3, 3, 3, 3]
+
+    def run(head_rows):
+        engine = HFRolloutEngine(model)
+        engine.head_rows = head_rows
+        return engine.generate(prompts, prompt_indices=indices, max_new_tokens=12, temperature=temperature, seed=7)
+
+    def same(a, b):
+        return all(torch.equal(x.sequences, y.sequences) and torch.equal(x.rollout_log_probs, y.rollout_log_probs)
+                   for x, y in zip(a, b))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the slices run on one thread only (two: one matmul)
+    try:
+        whole = run(None)
+        widths, linear = [], F.linear
+        monkeypatch.setattr(F, "linear", lambda x, w, *a: widths.append(w.shape[0]) or linear(x, w, *a))
+        sliced = run(1000)
+        monkeypatch.setattr(F, "linear", linear)
+        control = None
+        if temperature:
+            noise = engine_module.uniform_noise
+            monkeypatch.setattr(engine_module, "uniform_noise", lambda seeds, step: noise(seeds, step + 1))
+            control = run(1000)
+    finally:
+        torch.set_num_threads(threads)
+    assert same(sliced, whole)
+    assert {1000, 96} <= set(widths) and 4096 not in widths
+    assert control is None or not same(control, whole)
+
+
 # ------------------------------------------------------------------ routing
 def test_moe_routed_experts_are_the_live_routing_of_a_fresh_forward(moe):
     cfg = moe.model.config

@@ -173,6 +173,9 @@ class HFRolloutEngine(RolloutEngine):
 
     asleep = False  # the copy's weights released by `sleep` until the next full `load_weights`
     check_every = 8  # decode steps between two host reads of the stop / non-finite flags (`_generate_chunk`)
+    # fp32 on one CPU thread: the LM head multiplied by this many vocabulary rows at a time (`_forward`;
+    # None: one matmul); the same logits, bit for bit (tests/test_rollout.py)
+    head_rows: int | None = 1024
 
     def __init__(
         self,
@@ -488,15 +491,22 @@ class HFRolloutEngine(RolloutEngine):
         (its `logits_to_keep=1`), with the head's weight detached: a weight that requires grad
         (the training policy's) picks another CPU matmul path, ~5e-7 apart in fp32. In a 16-bit
         compute dtype the logits are fp32 as the trainer's (model/logprobs.py `logits_fp32`), not
-        rounded to bf16 before the log-softmax."""
+        rounded to bf16 before the log-softmax. fp32 on one CPU thread: the head by `head_rows`
+        vocabulary rows at a time, each slice the same strided `F.linear` (the same kernel, so the
+        same logits bit for bit; a contiguous 2-D input takes another path, ~1e-6 apart)."""
         hidden = self._run(
             input_ids=ids.to(device), attention_mask=None if mask is None else mask.to(device),
             position_ids=position.to(device), past_key_values=cache, use_cache=True,
         ).last_hidden_state
         weight = self.model.get_output_embeddings().weight.detach()
-        if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
+        if hidden.dtype != torch.float32 or weight.dtype != torch.float32:
+            return logits_fp32(hidden[:, -1], weight)
+        if (self.head_rows is None or weight.device.type != "cpu" or weight.shape[0] <= self.head_rows
+                or torch.get_num_threads() > 1):
             return F.linear(hidden[:, -1:, :], weight)[:, -1]
-        return logits_fp32(hidden[:, -1], weight)
+        # one thread: MKL streams a whole head (113 MB on SmolLM2) ~20% slower at 8-32 rows than slices of it
+        # (docs/benchmarks.md); with two, each slice's parallel region waits on a busy core: one matmul
+        return torch.cat([F.linear(hidden[:, -1:, :], w)[:, -1] for w in weight.split(self.head_rows)], -1)
 
 
 # ------------------------------------------------- generation from the policy itself
