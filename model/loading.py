@@ -215,7 +215,10 @@ def load_sharded(wrapper: nn.Module, path: str | Path, dims: ParallelDims) -> nn
             state |= _expert_views(local_tensor(tensors[e.name]), e.experts,
                                    e.first_expert + _local_rows(tensors[e.name])[0], shapes)
     with quiet_single_process():
-        dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
+        # with dedicated rollout ranks the trainers read alone (parallel.rollout_ranks: the trainers' group)
+        group = dims.trainer_group if dims.rollout_ranks else None
+        alone = not dist.is_initialized() or bool(dims.rollout_ranks and group is None)  # one trainer: no collective
+        dcp.load(state, storage_reader=reader, no_dist=alone, process_group=group)
     return wrapper
 
 

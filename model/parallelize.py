@@ -195,7 +195,7 @@ def clip_grad_norm_(parameters, max_norm: float, dims: ParallelDims) -> torch.Te
     for g in local:
         sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
     if dims.distributed:
-        dist.all_reduce(sq)
+        dist.all_reduce(sq, group=dims.trainer_group)
     norm = sq.sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -226,7 +226,7 @@ def expert_load_metrics(model: nn.Module, dims: ParallelDims) -> dict[str, float
     """Tokens dispatched per expert since the last `reset_expert_load`, summed over all ranks."""
     if not moe_blocks(model, strict=False):
         return {}
-    load = expert_load(model, dist.group.WORLD if dims.distributed else None)
+    load = expert_load(model, dims.trainer_group)
     per_expert = load["per_expert"].double()
     mean = float(per_expert.mean())
     per_layer = load["per_layer"].double()

@@ -22,6 +22,16 @@ expert shard over. Dense parameters shard over every rank (`fsdp_mesh`, the flat
     fsdp_mesh / expert_fsdp_mesh   FSDP2 sharding of dense / expert parameters
     WORLD       the records gather, the global gradient norm
 
+Dedicated rollout ranks (`parallel.rollout_ranks=R`, docs/rollouts.md): torchrun starts
+`world_size + R` processes; the first `world_size = dp * cp` train (every mesh above is
+theirs: ranks 0..world_size-1) and the last R only generate (`generates`). Then:
+
+    trainer_group   the trainers' own world-wide collectives (gradient norm, metric maxima,
+                    a checkpoint's read): WORLD without generators
+    push_group      trainer 0 and the generators: the weight push, the step's destinations
+    records_*       where the records gather and exchange run: the DP group and DP ranks,
+                    or (with generators) WORLD and global ranks (trainer d is global rank d)
+
 A group property is `None` when its dim has size 1, which means "no collective needed";
 never hand `None` to a collective (torch reads it as WORLD). Without a process group (one
 plain `python` process) every size is 1, every group and mesh is None.
@@ -41,17 +51,20 @@ from torch.distributed.tensor import DTensor
 
 @dataclass
 class ParallelDims:
-    """`dp * cp == world_size`; `ep` divides `dp`. `dp=-1` is inferred as `world_size // cp`."""
+    """`dp * cp == world_size` (the training ranks); `ep` divides `dp`. `dp=-1` is inferred as
+    `world_size // cp`. `rollout_ranks` more ranks only generate (ranks world_size.. of the group)."""
 
     dp: int = -1
     cp: int = 1
     ep: int = 1
     world_size: int = 1
+    rollout_ranks: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # set by build_mesh; a single process keeps None
     mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     expert_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     fsdp_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    push_group: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         """The one check of the parallel sizes (config validation builds this too): each error
@@ -74,6 +87,8 @@ class ParallelDims:
         if self.dp % self.ep:
             raise ValueError(f"parallel.ep={self.ep} does not divide dp={self.dp} (EP groups are carved from the "
                              f"data-parallel ranks; world_size={self.world_size}, parallel.cp={self.cp})")
+        if isinstance(self.rollout_ranks, bool) or not isinstance(self.rollout_ranks, int) or self.rollout_ranks < 0:
+            raise ValueError(f"parallel.rollout_ranks={self.rollout_ranks!r}: expected an int >= 0")
         self.device = torch.device(self.device)
 
     # ------------------------------------------------------------------ ranks
@@ -84,7 +99,46 @@ class ParallelDims:
 
     @property
     def rank(self) -> int:
-        return dist.get_rank() if self.distributed else 0
+        """This process's rank in the job (a trainer's is its training rank: the trainers come first)."""
+        return dist.get_rank() if self.joined else 0
+
+    @property
+    def ranks(self) -> int:
+        """Every process of the job: the trainers and the generators."""
+        return self.world_size + self.rollout_ranks
+
+    @property
+    def joined(self) -> bool:
+        """True when the job's processes run collectives together (start-up, the stop signal)."""
+        return self.ranks > 1 and dist.is_initialized()
+
+    @property
+    def generates(self) -> bool:
+        """This rank is a dedicated generator (parallel.rollout_ranks > 0, one of the last ranks)."""
+        return self.rank >= self.world_size
+
+    @property
+    def trainer_group(self) -> dist.ProcessGroup | None:
+        """The training ranks' group for their world-wide collectives (None: one trainer)."""
+        if not self.distributed:
+            return None
+        return dist.group.WORLD if not self.rollout_ranks else self.fsdp_mesh.get_group()
+
+    @property
+    def records_rank(self) -> int:
+        """This rank's index in the records gather and exchange (`StandIn.source[0]`)."""
+        return self.rank if self.rollout_ranks else self.dp_rank
+
+    @property
+    def records_ranks(self) -> int:
+        """The ranks of one records exchange: the DP ranks, or every process with generators."""
+        return self.ranks if self.rollout_ranks else self.dp
+
+    @property
+    def records_group(self) -> dist.ProcessGroup | None:
+        if self.rollout_ranks:
+            return dist.group.WORLD if self.joined else None
+        return self.dp_group
 
     @property
     def dp_rank(self) -> int:
@@ -145,13 +199,17 @@ def build_mesh(dims: ParallelDims) -> DeviceMesh | None:
                 "(launch with torchrun and call init_distributed)"
             )
         return None
-    if dist.get_world_size() != dims.world_size:
+    if dist.get_world_size() != dims.ranks:
         raise ValueError(
             f"build_mesh: the process group has {dist.get_world_size()} ranks, ParallelDims has "
-            f"world_size={dims.world_size} (dp={dims.dp} x cp={dims.cp})"
+            f"world_size={dims.world_size} (dp={dims.dp} x cp={dims.cp}) + parallel.rollout_ranks={dims.rollout_ranks}"
         )
     kind = dims.device.type
-    dims.mesh = init_device_mesh(kind, (dims.dp, dims.cp), mesh_dim_names=("dp", "cp"))
+    if dims.rollout_ranks:  # the trainers' meshes over ranks 0..world_size-1: every rank builds them (new_group)
+        dims.mesh = DeviceMesh(kind, torch.arange(dims.world_size).view(dims.dp, dims.cp), mesh_dim_names=("dp", "cp"))
+        dims.push_group = dist.new_group([0, *range(dims.world_size, dims.ranks)])
+    else:
+        dims.mesh = init_device_mesh(kind, (dims.dp, dims.cp), mesh_dim_names=("dp", "cp"))
     dims.fsdp_mesh = DeviceMesh(kind, torch.arange(dims.world_size), mesh_dim_names=("dp_cp",))
     # rank = (edp_rank * ep + ep_rank) * cp + cp_rank; row ep_rank of (ep, edp_cp) holds one expert shard
     ranks = torch.arange(dims.world_size).view(dims.edp, dims.ep, dims.cp).permute(1, 0, 2).reshape(dims.ep, -1)
@@ -184,7 +242,7 @@ def use_tf32(device: torch.device) -> None:
         torch.set_float32_matmul_precision("high")
 
 
-def init_distributed(dp: int = -1, cp: int = 1, ep: int = 1, *, device: str = "auto",
+def init_distributed(dp: int = -1, cp: int = 1, ep: int = 1, *, device: str = "auto", rollout_ranks: int = 0,
                      timeout_s: float = 600.0, one_rank_group: bool = False) -> ParallelDims:
     """Read torchrun's env (RANK, WORLD_SIZE, LOCAL_RANK), join the process group, build the meshes.
 
@@ -211,9 +269,11 @@ def init_distributed(dp: int = -1, cp: int = 1, ep: int = 1, *, device: str = "a
                 if var not in os.environ:
                     raise RuntimeError(f"init_distributed: WORLD_SIZE={world} but {var} is not set "
                                        f"(launch with torchrun)")
-            ParallelDims(dp=dp, cp=cp, ep=ep, world_size=world)  # fail on bad sizes before joining anyone
+            # fail on bad sizes before joining anyone
+            ParallelDims(dp=dp, cp=cp, ep=ep, world_size=world - rollout_ranks, rollout_ranks=rollout_ranks)
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    dims = ParallelDims(dp=dp, cp=cp, ep=ep, world_size=dist.get_world_size(), device=where)
+    dims = ParallelDims(dp=dp, cp=cp, ep=ep, world_size=dist.get_world_size() - rollout_ranks,
+                        rollout_ranks=rollout_ranks, device=where)
     build_mesh(dims)
     return dims
 
@@ -223,7 +283,7 @@ def decided_on_rank0(dims: ParallelDims, decide):
     exception it raises on rank 0 is raised on every rank. What a start-up decision reads from
     local state (free memory, a folder listing, a file) is read once, so every rank takes the
     same branch before a collective (one rank picking another plan would hang the group)."""
-    if not dims.distributed:
+    if not dims.joined:
         return decide()
     box: list = [None]
     if dims.rank == 0:
@@ -240,8 +300,8 @@ def decided_on_rank0(dims: ParallelDims, decide):
 
 def gathered(dims: ParallelDims, value) -> list:
     """Every rank's `value` (picklable), in rank order, on every rank (a one-item list alone)."""
-    if not dims.distributed:
+    if not dims.joined:
         return [value]
-    out: list = [None] * dims.world_size
+    out: list = [None] * dims.ranks
     dist.all_gather_object(out, value)
     return out

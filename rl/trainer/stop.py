@@ -58,6 +58,6 @@ class StopSignal:
     def requested(self) -> bool:
         """Whether any rank has received a stop signal (a collective over the world group)."""
         flag = torch.tensor([1.0 if self.received else 0.0], device=self.dims.device)
-        if self.dims.distributed:
+        if self.dims.joined:  # the generators of parallel.rollout_ranks too: they stop after the same step
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
