@@ -48,10 +48,12 @@ def main(dict_cfg: DictConfig) -> dict:
 
 def run(dict_cfg: DictConfig, out_dir: str) -> dict:
     silence_library_noise()  # before the imports that print it (torchao's kernels, its enums)
-    from rl.trainer.build import build_trainer  # transformers and the model code: after the config is checked
+    from rl.trainer.build import build_generator, build_trainer  # transformers, the model code: after the checks
 
     cfg, dims, held = start_up(dict_cfg, out_dir)
     ckpt = Checkpointer(cfg, dims, out_dir)  # checkpoint.* and resume checked before any model is built
+    if dims.generates:  # parallel.rollout_ranks: this rank only generates (rl/rollout/dedicated.py)
+        return generate(build_generator(cfg, dims), cfg, dims, held)
 
     trainer = build_trainer(cfg, dims)
     start = ckpt.resume(trainer)  # steps already done: 0, or those of the checkpoint `resume` names
@@ -59,8 +61,8 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
     writer = MetricsWriter(out_dir, enabled=dims.rank == 0, loggers=cfg.trainer.loggers, resume_step=start,
                            project=cfg.trainer.project, config=OmegaConf.to_container(dict_cfg, resolve=True))
     if dims.rank == 0:  # the only rank that logs INFO: its two git calls are not repeated on every rank
-        log.info("run folder %s; dp=%d cp=%d ep=%d on %s; code at commit %s", out_dir, dims.dp, dims.cp, dims.ep,
-                 dims.device, code_commit() or "unknown (not a git checkout)")
+        log.info("run folder %s; dp=%d cp=%d ep=%d rollout_ranks=%d on %s; code at commit %s", out_dir, dims.dp,
+                 dims.cp, dims.ep, dims.rollout_ranks, dims.device, code_commit() or "unknown (not a git checkout)")
     bar = tqdm(range(start, cfg.trainer.max_steps), disable=dims.rank != 0 or not cfg.trainer.progress, desc="train")
     shown, now = {}, {}  # the last step's figures; what the running step is doing (decode t/T, turn, train i/n)
 
@@ -86,6 +88,10 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
             saved = ckpt.after_step(trainer, step + 1)  # every checkpoint.every steps, and after the last
             if step + 1 < cfg.trainer.max_steps and stop.requested():
                 stopped = step + 1
+                if dims.rollout_ranks:  # no checkpoint with dedicated rollout ranks yet (rl/config/checks.py)
+                    log.info("%s: stopped after %d of %d steps (dedicated rollout ranks: no checkpoint)",
+                             stop.received or "a stop signal on another rank", stopped, cfg.trainer.max_steps)
+                    break
                 saved = saved or ckpt.save(trainer, stopped)
                 log.info("%s: stopped after %d of %d steps with the checkpoint %s; continue the run with resume=auto "
                          "(or resume=%s)", stop.received or "a stop signal on another rank", stopped,
@@ -103,6 +109,20 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
     return writer.history[-1] if writer.history else {}
 
 
+def generate(generator, cfg: Config, dims: ParallelDims, held: Held) -> dict:
+    """A dedicated generator's run: each step's rollout, in the trainers' step order, until the
+    last step or a stop signal (the same collective as the trainers', so every rank stops alike)."""
+    with StopSignal(dims) as stop:
+        for step in range(cfg.trainer.max_steps):
+            generator.step(step)
+            if step + 1 < cfg.trainer.max_steps and stop.requested():
+                break
+    generator.close()
+    held.close()
+    torch.distributed.destroy_process_group()
+    return {}
+
+
 def start_up(dict_cfg: DictConfig, out_dir: str) -> tuple[Config, ParallelDims, Held]:
     """The config checked and resolved (`validate`'s return), the process group and device, the run
     folder claimed, the start-up warnings logged: before any model is built."""
@@ -110,11 +130,11 @@ def start_up(dict_cfg: DictConfig, out_dir: str) -> tuple[Config, ParallelDims, 
     cfg, sizes = checked.cfg, checked.dims
     # model.param_dtype is FSDP2's mixed precision: one process gets a one-rank group to apply it
     dims = init_distributed(sizes.dp, sizes.cp, sizes.ep, device=cfg.trainer.device.value,
-                            one_rank_group=cfg.model.param_dtype is not None)
+                            rollout_ranks=sizes.rollout_ranks, one_rank_group=cfg.model.param_dtype is not None)
     if dims.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)  # train.log gets one copy of each line
     torch.manual_seed(cfg.seed)
-    torch.set_num_threads(1 if dims.world_size > 1 else torch.get_num_threads())
+    torch.set_num_threads(1 if dims.ranks > 1 else torch.get_num_threads())
 
     # the run folder (and checkpoint.dir) locked for the run's life and seen by every rank, else a refusal on every rank
     held = claim([out_dir, cfg.checkpoint.dir], dims)

@@ -38,8 +38,10 @@ def validate(cfg: Config, world_size: int) -> Checked:
     """Everything checkable before a model is built; each error names its key. Returns what it
     resolves (`Checked`); `cfg` itself is not written."""
     _check_ranges(cfg)
-    # the one check of the parallel sizes (cp, dp, ep against the world): ParallelDims' own
-    dims = ParallelDims(dp=cfg.parallel.dp, cp=cfg.parallel.cp, ep=cfg.parallel.ep, world_size=world_size)
+    generators = _check_rollout_ranks(cfg, world_size)
+    # the one check of the parallel sizes (cp, dp, ep against the training ranks): ParallelDims' own
+    dims = ParallelDims(dp=cfg.parallel.dp, cp=cfg.parallel.cp, ep=cfg.parallel.ep,
+                        world_size=world_size - generators, rollout_ranks=generators)
     if cfg.task.prompts_per_step % dims.dp:
         raise ValueError(f"task.prompts_per_step={cfg.task.prompts_per_step} does not divide over dp={dims.dp} "
                          f"ranks (world_size={world_size}, parallel.cp={dims.cp})")
@@ -52,8 +54,51 @@ def validate(cfg: Config, world_size: int) -> Checked:
     compute = compute_dtype(cfg.model.dtype, cfg.model.param_dtype, resolve_device(cfg.trainer.device.value))
     run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, param_dtype=compute))  # auto, resolved once
     _check_device(run)
+    if generators:
+        _check_dedicated(run, family)
     _check_rollout(run, world_size, family)
     return Checked(run, dims)
+
+
+def _check_rollout_ranks(cfg: Config, world_size: int) -> int:
+    """`parallel.rollout_ranks` R: at least one rank left to train, and the step's prompts split
+    evenly over the generators (generator g rolls out slice g of R)."""
+    r = cfg.parallel.rollout_ranks
+    if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size:
+        raise ValueError(f"parallel.rollout_ranks={r!r}: expected an int in [0, world_size={world_size}) (the last R "
+                         f"ranks generate, the others train: at least one trains)")
+    if r and cfg.task.prompts_per_step % r:
+        raise ValueError(f"task.prompts_per_step={cfg.task.prompts_per_step} does not divide over "
+                         f"parallel.rollout_ranks={r} generators")
+    return r
+
+
+def _check_dedicated(cfg: Config, family: str) -> None:
+    """What dedicated rollout ranks (parallel.rollout_ranks > 0) run today: the project's engine on a
+    dense model, every trainer its own DP rank, no evaluation or checkpoint yet (docs/rollouts.md)."""
+    p, r = cfg.parallel, cfg.rollout
+    keys = "parallel.rollout_ranks=" + str(p.rollout_ranks)
+    refused = [
+        (RolloutEngineName(r.engine) is RolloutEngineName.VLLM,
+         "rollout.engine=vllm: vLLM on dedicated rollout ranks comes later; use rollout.engine=hf"),
+        (p.cp > 1 or p.ep > 1, f"parallel.cp={p.cp}, parallel.ep={p.ep}: the trainers run data parallel only for "
+                               f"now; set both to 1"),
+        (family in MOE, f"model family {family}: MoE (routing replay on generators) comes later; use a dense model"),
+        (ReplicaMode(r.replica) is ReplicaMode.SHARDED, "rollout.replica=sharded: a generator holds its own copy; "
+                                                        "use rollout.replica=auto or keep"),
+        (r.tensor_parallel_size > 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: expected 1"),
+        (bool(cfg.model.lora.rank), f"model.lora.rank={cfg.model.lora.rank}: LoRA pushes come later; expected 0"),
+        (cfg.algo.dynamic_sampling, "algo.dynamic_sampling=true: extra rounds on generators come later"),
+        (cfg.algo.teacher.path is not None, "algo.teacher.path: distillation on dedicated ranks comes later"),
+        (bool(cfg.eval.every), f"eval.every={cfg.eval.every}: the trainers hold no engine; expected 0"),
+        (bool(cfg.checkpoint.every) or cfg.checkpoint.final or cfg.resume != "never",
+         f"checkpoint.every={cfg.checkpoint.every}, checkpoint.final={cfg.checkpoint.final}, resume={cfg.resume}: "
+         f"checkpoints with the generators' queued rollouts come later; set checkpoint.every=0 "
+         f"checkpoint.final=false resume=never"),
+    ]
+    for bad, why in refused:
+        if bad:
+            raise ValueError(f"{keys} (dedicated rollout ranks): {why}")
 
 
 def _check_algo(cfg: Config) -> None:

@@ -104,6 +104,9 @@ class ParallelConfig:
     dp: int = -1  # -1: world_size // cp
     cp: int = 1  # context parallelism: ranks that split each packed microbatch's tokens (ring attention)
     ep: int = 1  # expert parallelism (MoE): ranks that split the experts (num_experts / ep each)
+    # dedicated rollout ranks (docs/rollouts.md): the last R of torchrun's ranks only generate, the others train
+    # (dp x cp of them); the weights go to the generators after every update; 0 = every rank generates and trains
+    rollout_ranks: int = 0
 
 
 class Balance(Choice):

@@ -109,7 +109,11 @@ class Rollouts:
 
 class RolloutScheduler:
     def __init__(self, source: RolloutSource, engine, *, max_staleness: int, max_steps: int,
-                 samples_per_step: int, rank: int, device: torch.device) -> None:
+                 samples_per_step: int, rank: int, device: torch.device, staged: bool = False,
+                 write=sync_weights) -> None:
+        """`staged`: a stage at k = 1 too (a dedicated generator receives the next version while it
+        generates with the current one); `write(target, model)` writes an update into the engine
+        or the stage (`sync_weights`: gathered from the policy; a generator: received)."""
         if max_staleness and not engine.needs_sync:
             replica = f"{engine.replica.setting} -> {engine.replica.mode}" if engine.replica else "sharded"
             raise ValueError(f"rollout.max_staleness={max_staleness} needs the rollout engine's own copy of the "
@@ -119,7 +123,9 @@ class RolloutScheduler:
                              "the copy fits in)")
         self.source, self.engine, self.k = source, engine, max_staleness
         self.max_steps, self.samples_per_step, self.rank = max_steps, samples_per_step, rank
-        self.stage = StagedWeights(engine.sync_bucket_bytes, pin=device.type == "cuda") if self.k >= 2 else None
+        self.write = write
+        self.stage = (StagedWeights(engine.sync_bucket_bytes, pin=device.type == "cuda")
+                      if self.k >= 2 or (staged and self.k) else None)
         self.queue: dict[int, Buffered] = {}  # generated, not yet taken, by step
         self._cv = threading.Condition()
         self._base = 0  # the version the run (or its resume) starts from: no rollout gets an older one
@@ -132,6 +138,8 @@ class RolloutScheduler:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" and self.k else None
         self._busy: list[tuple[float, float]] = []  # the thread's generation intervals
         self._busy_since: float | None = None  # the start of the generation running now
+        self._idle = 0.0  # seconds the thread waited to start a rollout since the last sync
+        self.thread_wait_s = 0.0  # of those, up to the last sync (a dedicated generator reports it)
         self._dropped = 0  # samples of loaded rollouts older than the bound (counted in the next take)
         self._metrics: dict[str, float] = {}
         self._step_start = self._train_start = 0.0
@@ -166,7 +174,7 @@ class RolloutScheduler:
             # every group uniform in every round: train on the first round (advantages 0)
             samples = [r for r in kept if int(r.prompt_index) in first] or samples
         # this rank's records of the step (by their places in it): rank 0's come first
-        places = [j for j, s in enumerate(samples) if s.source[0] == dims.dp_rank]
+        places = [j for j, s in enumerate(samples) if s.source[0] == dims.records_rank]
         mine = [records[samples[j].source[1]] for j in places]
         rows = sample_rows(mine[:log_samples], task, step=step, places=places[:log_samples]) if log_samples else []
         rollouts = Rollouts(samples, records, sampling, time.perf_counter() - t0,
@@ -175,11 +183,7 @@ class RolloutScheduler:
         return rollouts
 
     def _share(self, records: list[Experience], round_: int) -> tuple[list[StandIn], dict[Hashable, Experience]]:
-        """Every rank: the round's samples, DP rank by DP rank, as metadata (CP peers checked
-        alike; a collective), and this rank's records by key."""
-        dims = self.source.dims
-        samples = gather_metadata(records, round_, dp_rank=dims.dp_rank, dp=dims.dp, cp=dims.cp, device=dims.device)
-        return samples, {(round_, i): rec for i, rec in enumerate(records)}
+        return share_records(records, round_, self.source.dims)
 
     def take(self, step: int) -> Buffered:
         """The step's rollout: generated now (k = 0), or the thread's (started on the first take)."""
@@ -223,16 +227,16 @@ class RolloutScheduler:
         (k = 1: the thread is idle; k >= 2: into the stage, once the engine holds v); the step's
         metrics, `rollout_publish_wait_s` the seconds waited."""
         if not self.k:
-            sync_weights(self.engine, model)
+            self.write(self.engine, model)
             return {}
         now = time.perf_counter()
         with self._cv:
             busy = self._busy + ([(self._busy_since, now)] if self._busy_since is not None else [])
-            self._busy = []
+            self._busy, self.thread_wait_s, self._idle = [], self._idle, 0.0
             v = self._published
             self._cv.wait_for(lambda: self._done_with(v) or self._error is not None or self._closed)
         waited = time.perf_counter() - now
-        sync_weights(self.stage or self.engine, model)  # the full tensors gathered bucket by bucket
+        self.write(self.stage or self.engine, model)  # the full tensors gathered bucket by bucket
         with self._cv:
             self._published = v + 1
             self._loaded = self._loaded if self.stage else v + 1
@@ -274,8 +278,10 @@ class RolloutScheduler:
                 torch.cuda.set_device(self._stream.device)  # the current device is per thread
             while self._next < self.max_steps:
                 with self._cv:  # the rollout's step - k taken and its version published, or closed
+                    t0 = time.perf_counter()
                     self._cv.wait_for(lambda: self._closed or (self._next - self.k <= self._taken and
                                                                self._published >= self.version_of(self._next)))
+                    self._idle += time.perf_counter() - t0
                     if self._closed:
                         return
                     self._busy_since = time.perf_counter()
@@ -343,6 +349,15 @@ class RolloutScheduler:
 
 def _groups(samples: list[StandIn]) -> int:
     return len({int(r.prompt_index) for r in samples})
+
+
+def share_records(records: list[Experience], round_: int, dims) -> tuple[list[StandIn], dict[Hashable, Experience]]:
+    """Every rank: the round's samples, rank by rank, as metadata (CP peers checked alike; a
+    collective over the records ranks: the DP ranks, or every rank with dedicated generators,
+    `dims.records_*`), and this rank's records by key."""
+    samples = gather_metadata(records, round_, dp_rank=dims.records_rank, dp=dims.records_ranks, cp=dims.cp,
+                              device=dims.device)
+    return samples, {(round_, i): rec for i, rec in enumerate(records)}
 
 
 def _close(ref) -> None:

@@ -14,17 +14,20 @@ from rl.tasks.reward import apply_overlong_penalty
 
 
 class RolloutSource:
-    def __init__(self, cfg, dims, engine, task) -> None:
+    def __init__(self, cfg, dims, engine, task, *, part: tuple[int, int] | None = None) -> None:
+        """`part` = (index, parts): which slice of the step's prompts this rank rolls out; None: its DP
+        rank's of dp (a dedicated generator: its index among the parallel.rollout_ranks generators)."""
         self.cfg, self.dims, self.engine, self.task = cfg, dims, engine, task
+        self.part = part if part is not None else (dims.dp_rank, dims.dp)
 
     def records(self, step: int, round_: int, version: int) -> list[Experience]:
         """This rank's records of one rollout round, rewarded, each stamped with the policy
         `version` the engine holds (the caller knows it). Every rank draws the round's global
         prompt list from the same seed and takes its DP slice, so which prompt a sample comes from
         (and its seed) never depends on the layout; prompt indices are unique within the step."""
-        task, dims, algo = self.cfg.task, self.dims, self.cfg.algo
-        per_rank = task.prompts_per_step // dims.dp
-        first = dims.dp_rank * per_rank
+        task, algo, (index, parts) = self.cfg.task, self.cfg.algo, self.part
+        per_rank = task.prompts_per_step // parts
+        first = index * per_rank
         seed = round_seed(self.cfg.seed, step, round_)
         # a JSONL task walks its lines in seeded epochs, step k from position k * prompts_per_step (rl/tasks/files.py)
         prompts = self.task.step_prompts(task.prompts_per_step, seed=seed, run_seed=self.cfg.seed,

@@ -96,6 +96,12 @@ def _entries(model: nn.Module, adapters_only: bool = False) -> list[_Entry]:
     return out
 
 
+def tensor_order(model: nn.Module) -> list[tuple[list[str], tuple[int, ...], torch.dtype]]:
+    """Every distinct full tensor a sync of `model` yields, in its order: (its names, tied ones
+    together; full shape; dtype). A model built on the meta device gives the order without data."""
+    return [(e.names, e.shape, e.value.dtype) for e in _entries(model)]
+
+
 def full_tensor_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of every distinct full tensor the sync yields, by (first) name; their sum is the
     size of an unsharded copy of `model` in its own dtype."""

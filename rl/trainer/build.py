@@ -23,17 +23,20 @@ import torch
 from model import kernels
 from model.actor import Actor, Critic
 from runtime.allocator import release_memory
-from model.loading import load_sharded
+from model.loading import load_sharded, materialize
 from model.lora import adapters_disabled, apply_lora
-from model.models import build_model, model_config_value
+from model.models import build_model, compute_copy, model_config_value
 from runtime.parallel_dims import ParallelDims
 from model.parallelize import parallelize
 from rl.algos.distill import build_teacher
 from rl.config import Config, check_task_fits, max_staleness
 from rl.rollout.build import build_engine, evaluation_engine
+from rl.rollout.dedicated import Generator, RemoteRollouts, WeightPush, received_weights
+from rl.rollout.engine import HFRolloutEngine
 from rl.rollout.evaluate import heldout_problems
 from rl.rollout.scheduler import RolloutScheduler
 from rl.rollout.source import RolloutSource
+from rl.rollout.sync import resolve_bucket_bytes, sync_weights
 from rl.tasks.calls import UserCalls
 from rl.tasks.registry import build_task
 from rl.trainer.trainer import Trainer
@@ -121,8 +124,14 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> Trainer:
         reference = adapters_off(actor) if m.lora.rank else build.frozen(temperature=m.temperature)
     # on-policy distillation's teacher (rl/algos/distill.py): its own shards, before the engine's memory plan
     teacher = build_teacher(cfg, dims, build.frozen, param_dtype=build.param_dtype) if cfg.algo.teacher.path else None
-    # rollout.engine: hf | vllm (rl/rollout/build.py); its memory plan counts the teacher
     k = max_staleness(cfg.rollout)
+    if dims.rollout_ranks:  # dedicated generators (rl/rollout/dedicated.py): the trainers push, hold no engine
+        engine = WeightPush(dims, resolve_bucket_bytes(actor.model, cfg.rollout.sync_bucket_bytes,
+                                                       world=dims.world_size))
+        sync_weights(engine, actor.model)  # version 0, to every generator (`build_generator`)
+        return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine,
+                       eval_engine=engine, scheduler=RemoteRollouts(engine, dims), task=task, heldout=heldout)
+    # rollout.engine: hf | vllm (rl/rollout/build.py); its memory plan counts the teacher
     engine = build_engine(cfg, dims, task, actor, build.policy_lm, teacher=teacher, max_staleness=k)
     release_memory()  # what loading and sharding freed, back to the OS (runtime/allocator.py)
     source = RolloutSource(cfg, dims, engine, task)  # what each rollout round generates; the scheduler says when
@@ -132,3 +141,31 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> Trainer:
     return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine,
                    eval_engine=evaluation_engine(dims, task, actor, engine, k), scheduler=scheduler, task=task,
                    heldout=heldout, teacher=teacher)
+
+
+def build_generator(cfg: Config, dims: ParallelDims) -> Generator:
+    """A dedicated generator rank (parallel.rollout_ranks, rl/rollout/dedicated.py): the task, the
+    project's engine over an unsharded copy of the policy in the compute dtype, filled by the
+    trainers' first push (version 0), and a `RolloutScheduler` over generator g's slice of the
+    prompts (the slice a colocated DP rank g of R rolls out) whose syncs receive the pushes."""
+    m, build = cfg.model, ModelBuilder(cfg, dims)
+    compute = build.param_dtype or build.dtype
+    kernels.select(m.attention, dims.device, compute)
+    task = build_task(cfg.task.name, prompts_path=cfg.task.prompts_path, reward_fn=cfg.task.reward_fn,
+                      tokenizer_path=cfg.task.tokenizer_path, vocab_size=model_config_value(cfg, "vocab_size")[0],
+                      **cfg.task.options, calls=UserCalls(cfg.task.on_error, cfg.task.timeout_s, cfg.task.isolation))
+    check_task_fits(cfg, task)
+    layout = build.policy_lm("meta")  # names, shapes and dtypes of what a push sends
+    engine = HFRolloutEngine(materialize(compute_copy(build.policy_lm("meta"), compute), dims.device),
+                             stop_token_id=task.stop_token_id)
+    engine.load_weights(received_weights(layout, dims, dims.device))  # version 0
+
+    def receive(target, _model) -> None:
+        target.load_weights(received_weights(layout, dims, dims.device))
+
+    k = max_staleness(cfg.rollout)
+    source = RolloutSource(cfg, dims, engine, task, part=(dims.rank - dims.world_size, dims.rollout_ranks))
+    scheduler = RolloutScheduler(source, engine, max_staleness=k, max_steps=cfg.trainer.max_steps,
+                                 samples_per_step=cfg.task.prompts_per_step * cfg.task.samples_per_prompt,
+                                 rank=dims.rank, device=dims.device, staged=True, write=receive)
+    return Generator(scheduler, dims)

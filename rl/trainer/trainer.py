@@ -69,6 +69,7 @@ from rl.algos.losses import build_kl_controller, loss_normalizer
 from rl.algos.objective import Objective
 from rl.algos.schedule import make_lr_scheduler
 from rl.tasks.reward import varied_groups
+from rl.rollout.dedicated import share_destinations
 from rl.rollout.sync import sync_weights
 from rl.rollout.evaluate import evaluate
 from rl.rollout.episodes import episode_metrics
@@ -279,8 +280,10 @@ class Trainer:
         The generated records are let go, and the stand-ins keep only their scalars (the
         rewards `advantages` reads)."""
         dims = self.dims
-        mine = exchange(rollouts.records, rollouts.samples, plan.destinations, dp_rank=dims.dp_rank, dp=dims.dp,
-                        group=dims.dp_group, device=dims.device)
+        if dims.rollout_ranks:  # dedicated rollout ranks send the records: they get the plan's destinations
+            share_destinations(plan.destinations, len(rollouts.samples), dims)
+        mine = exchange(rollouts.records, rollouts.samples, plan.destinations, dp_rank=dims.records_rank,
+                        dp=dims.records_ranks, group=dims.records_group, device=dims.device)
         rollouts.records.clear()
         packed = self.cfg.batch.packed
         return [MiniBatch(mb, [make_experience_batch([mine[j] for j in rows], packed=packed)
@@ -514,8 +517,8 @@ def reduce_maxes(maxes: dict[str, torch.Tensor], dims) -> dict[str, float]:
         return {}
     keys = sorted(maxes)
     flat = torch.stack([torch.as_tensor(maxes[k], dtype=torch.float64, device=dims.device).reshape(()) for k in keys])
-    if dims.distributed:
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+    if dims.trainer_group is not None:
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=dims.trainer_group)
     return dict(zip(keys, flat.tolist()))
 
 

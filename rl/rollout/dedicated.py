@@ -1,0 +1,158 @@
+"""Dedicated rollout ranks (`parallel.rollout_ranks=R`, docs/rollouts.md): of the job's ranks the
+first `dims.world_size` train and the last R only generate. The pieces, trainer side and generator
+side of each collective:
+
+    WeightPush          the trainers' "engine": `sync_weights(push, model)` gathers the full tensors
+                        bucket by bucket over the trainers (rl/rollout/sync.py, as a colocated sync)
+                        and trainer 0 broadcasts each distinct one over `dims.push_group`
+    received_weights    a generator's side of a push: `(name, tensor)` in the same order, received
+                        into fresh buffers (names, shapes and dtypes from the model built on meta)
+    RemoteRollouts      the trainers' scheduler: the rollout stage is the metadata gather alone (the
+                        records come from the generators in the exchange, rl/trainer/trainer.py);
+                        `sync` is the push, then the generators' figures
+    share_destinations  the ranks each sample goes to: the trainers plan, trainer 0 sends the plan's
+                        destinations to the generators (they take part in the exchange as senders)
+    Generator           a generator's step: its `RolloutScheduler` (the thread as colocated; its
+                        `sync` receives the push, at max_staleness >= 1 into a stage the thread loads
+                        between rollouts), the metadata gather, the exchange, the push, the figures
+
+Every rank runs the per-step collectives in one order: gather (world) -> destinations (push group) ->
+exchange (world) -> push (push group) -> figures (push group) -> stop signal (world, train.py). A
+generator's rollout thread runs no collective. Rollout j uses exactly version max(0, j - k) of the
+weights, a broadcast copies bits, and generator g rolls out the prompts a colocated DP rank g of R
+would: the records are the colocated run's with dp = R (tests/test_dedicated.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.exchange import exchange
+from rl.rollout.scheduler import RolloutScheduler, Rollouts, share_records
+from rl.rollout.sync import sync_weights, tensor_order
+
+# what each generator reports after a push (the largest over the generators reaches trainer 0)
+FIGURES = ("generator_generate_s", "generator_wait_s")
+
+
+class WeightPush:
+    """The trainers' side of the weight push, an engine to `sync_weights` (rl/rollout/sync.py):
+    every trainer gathers the buckets, trainer 0 broadcasts each distinct tensor (a tied one once)
+    over the push group; `loaded_bytes` is what one push sends."""
+
+    needs_sync = True
+    holds_base = False  # LoRA is refused on dedicated ranks for now (rl/config/checks.py)
+    replica = None
+
+    def __init__(self, dims, sync_bucket_bytes: int | None) -> None:
+        self.dims, self.sync_bucket_bytes = dims, sync_bucket_bytes
+        self.on_progress = None
+        self.loaded_bytes = 0
+
+    def sleep(self) -> None:
+        """Nothing held to free: the trainers have no engine."""
+
+    @torch.no_grad()
+    def load_weights(self, weights) -> None:
+        sent, last = 0, None
+        for _, tensor in weights.items() if isinstance(weights, dict) else weights:
+            if tensor is last:  # a tied weight's second name: the generator knows it from its own model
+                continue
+            last = tensor
+            if self.dims.rank == 0:
+                dist.broadcast(tensor.contiguous(), src=0, group=self.dims.push_group)
+            sent += tensor.numel() * tensor.element_size()
+        self.loaded_bytes = sent
+
+
+@torch.no_grad()
+def received_weights(model: nn.Module, dims, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """A generator's side of one push: `(name, tensor)` for every state-dict entry of `model` (the
+    policy's causal LM, on meta: its names, shapes and master dtypes), each distinct tensor received
+    once from trainer 0 over the push group, in the order the trainers' buckets send them."""
+    for names, shape, dtype in tensor_order(model):
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(buf, src=0, group=dims.push_group)
+        for name in names:
+            yield name, buf
+
+
+def share_destinations(destinations: list[list[int]] | None, samples: int, dims) -> list[list[int]]:
+    """The DP ranks each of the step's `samples` goes to: the trainers' plan (`destinations`, on
+    every trainer) sent by trainer 0 to the generators over the push group, as a [samples, trainers]
+    mask. Other trainers return theirs untouched."""
+    if dims.rank not in (0, *range(dims.world_size, dims.ranks)):
+        return destinations
+    mask = torch.zeros(samples, dims.world_size, dtype=torch.uint8, device=dims.device)
+    if dims.rank == 0:
+        for j, ranks in enumerate(destinations):
+            mask[j, ranks] = 1
+    dist.broadcast(mask, src=0, group=dims.push_group)
+    if dims.rank == 0:
+        return destinations
+    return [torch.nonzero(row).flatten().tolist() for row in mask.cpu()]
+
+
+def generator_figures(values: list[float], dims) -> dict[str, float]:
+    """Each generator's `FIGURES` (trainer 0: zeros), their maxima on trainer 0 (push group MAX)."""
+    t = torch.tensor(values, dtype=torch.float64, device=dims.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dims.push_group)
+    return dict(zip(FIGURES, t.tolist()))
+
+
+class RemoteRollouts:
+    """The trainers' `RolloutScheduler`: the rollout stage (`rollouts`) is the metadata gather alone
+    (a trainer holds no records: they come in the exchange), its seconds the trainers' wait for the
+    generators; `sync` pushes the update and returns (trainer 0) the generators' figures."""
+
+    k = 0  # nothing generated on this rank (the stage's seconds are the wait)
+    source = None
+
+    def __init__(self, push: WeightPush, dims) -> None:
+        self.push, self.dims = push, dims
+
+    def rollouts(self, step: int, *, log_samples: int = 0) -> Rollouts:
+        t0 = time.perf_counter()
+        samples, _ = share_records([], 0, self.dims)
+        return Rollouts(samples, {}, {}, time.perf_counter() - t0)
+
+    def sync(self, model) -> dict[str, float]:
+        """The push (the trainer's `weight_sync_s` times it), then on trainer 0 the generators' figures."""
+        sync_weights(self.push, model)
+        return generator_figures([0.0] * len(FIGURES), self.dims) if self.dims.rank == 0 else {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state, step: int) -> None:
+        if step or state:
+            raise RuntimeError("dedicated rollout ranks: resume is refused at start-up (checkpoints come later)")
+
+
+class Generator:
+    """A generator rank's steps (train.py runs `step` for each, then the stop signal): see the
+    module docstring. `scheduler` is a `RolloutScheduler` over this rank's engine and its slice of
+    the prompts, whose `sync` receives the push (`received_weights`)."""
+
+    def __init__(self, scheduler: RolloutScheduler, dims) -> None:
+        self.scheduler, self.dims = scheduler, dims
+
+    def step(self, step: int) -> None:
+        dims = self.dims
+        rollouts = self.scheduler.rollouts(step)  # take, the metadata gather (k = 0: the engine sleeps after)
+        destinations = share_destinations(None, len(rollouts.samples), dims)
+        exchange(rollouts.records, rollouts.samples, destinations, dp_rank=dims.records_rank, dp=dims.records_ranks,
+                 group=dims.records_group, device=dims.device)
+        t0 = time.perf_counter()
+        self.scheduler.sync(None)  # the step's update, received (k >= 1: into the stage)
+        # waited for weights: k = 0 the push itself (the trainers train meanwhile), k >= 1 the thread's idle time
+        waited = self.scheduler.thread_wait_s if self.scheduler.k else time.perf_counter() - t0
+        generator_figures([rollouts.seconds if rollouts.generated_s is None else rollouts.generated_s, waited], dims)
+
+    def close(self) -> None:
+        self.scheduler.close()

@@ -1,0 +1,165 @@
+"""Dedicated rollout ranks (`parallel.rollout_ranks`, rl/rollout/dedicated.py): the last R ranks only
+generate, the first T train. With R = 2 generators and T = 2 trainers at max_staleness=1 every
+step's records (tokens, the engine's log-probs, rewards, versions) are bit for bit those of the
+colocated dp = 2 run (generator g rolls out colocated rank g's prompts with the same version of the
+weights), two dedicated runs are identical, and the losses and final weights are the colocated
+run's within the FSDP tolerance; the control: max_staleness=0 gives other records from step 1 (and,
+run from a checkpoint of the same weights, the same step 0: the trainers' sharded load works beside
+the generators).
+The unsupported combinations are refused at start-up, naming their keys."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from testing.distributed import run_distributed
+from testing.inprocess import SMALL, compose
+
+from model.models import build_model
+
+DENSE = (*SMALL, "model=dense_tiny", "task.prompts_per_step=4", "algo.tis_cap=2.0", "eval.every=0",
+         "checkpoint.final=false", "trainer.log_samples=0")
+DEDICATED = ("parallel.rollout_ranks=2",)
+STEPS = 3
+FIELDS = ("sequences", "rollout_log_probs", "rewards", "prompt_index", "policy_version")
+TOL = 7.8e-6  # the FSDP reductions' rounding (tests/test_fsdp.py)
+
+
+def _fields(records) -> list[dict]:
+    return [{name: getattr(r, name).clone() for name in FIELDS} for r in records]
+
+
+def _recorded(scheduler) -> list[list[dict]]:
+    """The records each `take` of `scheduler` hands over, step by step (filled as the steps run)."""
+    take, records = scheduler.take, []
+
+    def keep(step):
+        taken = take(step)
+        records.append(_fields(taken.records))
+        return taken
+
+    scheduler.take = keep
+    return records
+
+
+def run_rank(rank: int, world: int, overrides: tuple[str, ...], steps: int) -> dict:
+    """train.py's rank, in-process: a generator's records per step, or a trainer's metrics, final
+    weights and (colocated) records per step."""
+    from runtime.parallel_dims import init_distributed
+    from rl.trainer.build import build_generator, build_trainer
+    from testing.inprocess import weights
+
+    cfg = compose(*overrides, world_size=world)
+    p = cfg.parallel
+    dims = init_distributed(p.dp, p.cp, p.ep, device="cpu", rollout_ranks=p.rollout_ranks)
+    torch.manual_seed(cfg.seed)
+    if dims.generates:
+        generator = build_generator(cfg, dims)
+        records = _recorded(generator.scheduler)
+        for step in range(steps):
+            generator.step(step)
+        generator.close()
+        return {"role": "generator", "records": records}
+    tr = build_trainer(cfg, dims)
+    records = _recorded(tr.rollout_scheduler) if not dims.rollout_ranks else []  # trainers: no records of their own
+    metrics = [tr.step(s) for s in range(steps)]
+    if hasattr(tr.rollout_scheduler, "close"):
+        tr.rollout_scheduler.close()
+    return {"role": "trainer", "records": records, "metrics": metrics, "weights": weights(tr)}
+
+
+def _same(a: list[list[dict]], b: list[list[dict]]) -> bool:
+    return len(a) == len(b) and all(
+        len(x) == len(y) and all(all(torch.equal(r[k], s[k]) for k in FIELDS) for r, s in zip(x, y))
+        for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+def test_dedicated_generators_give_the_colocated_records_bit_for_bit_and_train_alike(tmp_path):
+    k1 = ("rollout.max_staleness=1",)
+    colocated = run_distributed(run_rank, 2, (*DENSE, *k1), STEPS, timeout=600)
+    dedicated = run_distributed(run_rank, 4, (*DENSE, *k1, *DEDICATED), STEPS, timeout=600)
+    again = run_distributed(run_rank, 4, (*DENSE, *k1, *DEDICATED), STEPS, timeout=600)
+    # the control reads the same weights from a checkpoint (the trainers' sharded load, without the generators)
+    build_model("qwen3", seed=0, vocab_size=64, max_position_embeddings=512).save_pretrained(tmp_path)
+    control = run_distributed(run_rank, 4, (*DENSE, "rollout.max_staleness=0", *DEDICATED,
+                                            f"model.pretrained_path={tmp_path}"), STEPS, timeout=600)
+
+    assert [r["role"] for r in dedicated] == ["trainer", "trainer", "generator", "generator"]
+    for g in (0, 1):  # generator g (rank 2 + g) holds colocated rank g's rows
+        gen, col = dedicated[2 + g]["records"], colocated[g]["records"]
+        assert len(gen) == STEPS and all(len(step) == 8 for step in gen)  # 2 prompts x 4 samples each step
+        assert _same(gen, col), f"generator {g}: records differ from colocated rank {g}'s"
+        assert _same(gen, again[2 + g]["records"]), f"generator {g}: two dedicated runs differ"
+        # the control: at max_staleness=0 rollout j uses version j, not j - 1: the same step 0 (version 0, the
+        # checkpoint's weights pushed), other records after
+        ctl = control[2 + g]["records"]
+        assert _same(gen[:1], ctl[:1]) and not _same(gen[1:2], ctl[1:2])
+        assert [int(s[0]["policy_version"]) for s in gen] == [0, 0, 1]
+        assert [int(s[0]["policy_version"]) for s in ctl] == [0, 1, 2]
+
+    for t in (0, 1):  # the trainers train on the same samples: losses and weights within the FSDP tolerance
+        got, want = dedicated[t], colocated[t]
+        for m, w in zip(got["metrics"], want["metrics"]):
+            assert m["loss"] == pytest.approx(w["loss"], abs=TOL) and m["reward_mean"] == w["reward_mean"]
+            assert m["tokens"] == w["tokens"] and m["rollout_staleness_max"] == w["rollout_staleness_max"]
+        for name, value in want["weights"].items():
+            torch.testing.assert_close(got["weights"][name], value, atol=TOL, rtol=0)
+    first = dedicated[0]["metrics"]  # measured on trainer 0: the push and both sides' waits
+    full = sum(v.numel() * v.element_size() for v in dedicated[0]["weights"].values())
+    tied = full - sum(v.numel() * v.element_size() for n, v in dedicated[0]["weights"].items() if "lm_head" in n)
+    for m in first:
+        assert m["weight_sync_bytes"] in (full, tied)  # one model's bytes a push (a tied head once)
+        assert m["weight_sync_s"] > 0 and m["rollout_s"] >= 0
+        assert m["generator_generate_s"] > 0 and m["generator_wait_s"] >= 0
+    assert "generator_generate_s" not in dedicated[1]["metrics"][0]  # reported on trainer 0 only
+
+
+def test_unsupported_combinations_are_refused_at_start_up_naming_their_keys():
+    ok = compose(*DENSE, *DEDICATED, world_size=4)
+    assert ok.parallel.rollout_ranks == 2
+    for extra, world, match in [
+        ((), 2, r"parallel\.rollout_ranks=2: expected an int in \[0, world_size=2\)"),
+        (("task.prompts_per_step=3",), 4, r"task\.prompts_per_step=3 does not divide over parallel\.rollout_ranks=2"),
+        (("rollout.engine=vllm",), 4, r"rollout\.engine=vllm: vLLM on dedicated rollout ranks comes later"),
+        (("model=moe_tiny",), 4, r"model family qwen3_moe: MoE"),
+        (("parallel.cp=2", "task.prompts_per_step=4"), 6, r"parallel\.cp=2, parallel\.ep=1"),
+        (("eval.every=2",), 4, r"eval\.every=2"),
+        (("checkpoint.final=true",), 4, r"checkpoint\.final=True"),
+        (("algo.dynamic_sampling=true", "rollout.max_staleness=0"), 4, r"algo\.dynamic_sampling=true"),
+        (("model.lora.rank=4",), 4, r"model\.lora\.rank=4"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            compose(*DENSE, *DEDICATED, *extra, world_size=world)
+
+
+@pytest.mark.slow
+def test_train_py_runs_one_trainer_and_one_generator_and_a_generators_stop_signal_stops_every_rank(tmp_path):
+    """torchrun 2 ranks, parallel.rollout_ranks=1 (one trainer: no trainers' collectives): train.py
+    runs the generator's loop on rank 1; a SIGTERM to the generator as it starts rollout 3 (the fault
+    hook, tests/fault/sitecustomize.py) stops both ranks after the same step, without a checkpoint."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py",
+           f"hydra.run.dir={out}", *DENSE, "parallel.rollout_ranks=1", "rollout.max_staleness=1",
+           "trainer.max_steps=8", "trainer.plot=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(root / "tests" / "fault"), str(root)]),
+           "RL_TEST_KILL": "in_rollout:3:1", "RL_TEST_SIGNAL": "TERM"}
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    log = (out / "train.log").read_text()
+    assert "dp=1 cp=1 ep=1 rollout_ranks=1" in log
+    stopped = re.search(r"a stop signal on another rank: stopped after (\d+) of 8 steps "
+                        r"\(dedicated rollout ranks: no checkpoint\)", log)
+    assert stopped, log[-2000:]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert 3 <= int(stopped[1]) < 8 and [m["step"] for m in steps] == list(range(int(stopped[1])))
+    assert all(m["rollout_staleness_max"] == (1.0 if m["step"] else 0.0) for m in steps)
+    assert all(m["weight_sync_bytes"] > 0 and "generator_wait_s" in m for m in steps)
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
