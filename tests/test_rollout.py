@@ -587,7 +587,7 @@ def test_vllm_random_init_folder_is_one_per_model_and_a_restart_finds_it(tmp_pat
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    dims, built = SimpleNamespace(distributed=False), []
+    dims, built = SimpleNamespace(distributed=False, joined=False), []
 
     def new_model(name, seed=0):
         def make(device=None):
