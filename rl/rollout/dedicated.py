@@ -30,11 +30,10 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from runtime.exchange import exchange
 from rl.rollout.scheduler import RolloutScheduler, Rollouts, share_records
-from rl.rollout.sync import sync_weights, tensor_order
+from rl.rollout.sync import sync_weights
 
 # what each generator reports after a push (the largest over the generators reaches trainer 0)
 FIGURES = ("generator_generate_s", "generator_wait_s")
@@ -71,11 +70,12 @@ class WeightPush:
 
 
 @torch.no_grad()
-def received_weights(model: nn.Module, dims, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """A generator's side of one push: `(name, tensor)` for every state-dict entry of `model` (the
-    policy's causal LM, on meta: its names, shapes and master dtypes), each distinct tensor received
-    once from trainer 0 over the push group, in the order the trainers' buckets send them."""
-    for names, shape, dtype in tensor_order(model):
+def received_weights(order: list[tuple[list[str], tuple[int, ...], torch.dtype]], dims,
+                     device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """A generator's side of one push: `(name, tensor)` for every state-dict entry in `order` (the
+    policy's `tensor_order`, rl/rollout/sync.py: its names, shapes and master dtypes), each distinct
+    tensor received once from trainer 0 over the push group, in the order the trainers' buckets send them."""
+    for names, shape, dtype in order:
         buf = torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(buf, src=0, group=dims.push_group)
         for name in names:

@@ -36,7 +36,7 @@ from rl.rollout.engine import HFRolloutEngine
 from rl.rollout.evaluate import heldout_problems
 from rl.rollout.scheduler import RolloutScheduler
 from rl.rollout.source import RolloutSource
-from rl.rollout.sync import resolve_bucket_bytes, sync_weights
+from rl.rollout.sync import resolve_bucket_bytes, sync_weights, tensor_order
 from rl.tasks.calls import UserCalls
 from rl.tasks.registry import build_task
 from rl.trainer.trainer import Trainer
@@ -155,13 +155,13 @@ def build_generator(cfg: Config, dims: ParallelDims) -> Generator:
                       tokenizer_path=cfg.task.tokenizer_path, vocab_size=model_config_value(cfg, "vocab_size")[0],
                       **cfg.task.options, calls=UserCalls(cfg.task.on_error, cfg.task.timeout_s, cfg.task.isolation))
     check_task_fits(cfg, task)
-    layout = build.policy_lm("meta")  # names, shapes and dtypes of what a push sends
-    engine = HFRolloutEngine(materialize(compute_copy(build.policy_lm("meta"), compute), dims.device),
-                             stop_token_id=task.stop_token_id)
-    engine.load_weights(received_weights(layout, dims, dims.device))  # version 0
+    lm = build.policy_lm("meta")
+    order = tensor_order(lm)  # names, shapes and master dtypes of what a push sends, before the compute copy
+    engine = HFRolloutEngine(materialize(compute_copy(lm, compute), dims.device), stop_token_id=task.stop_token_id)
+    engine.load_weights(received_weights(order, dims, dims.device))  # version 0
 
     def receive(target, _model) -> None:
-        target.load_weights(received_weights(layout, dims, dims.device))
+        target.load_weights(received_weights(order, dims, dims.device))
 
     k = max_staleness(cfg.rollout)
     source = RolloutSource(cfg, dims, engine, task, part=(dims.rank - dims.world_size, dims.rollout_ranks))
