@@ -74,21 +74,24 @@ class ParallelDims:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 key = "world_size" if name == "world_size" else f"parallel.{name}"
                 raise ValueError(f"{key}={value!r}: expected an int >= 1")
+        if isinstance(self.rollout_ranks, bool) or not isinstance(self.rollout_ranks, int) or self.rollout_ranks < 0:
+            raise ValueError(f"parallel.rollout_ranks={self.rollout_ranks!r}: expected an int >= 0")
+        # with generators the sizes below fill the training ranks, not torchrun's whole world
+        note = (f"; world_size: torchrun's {self.ranks} ranks less parallel.rollout_ranks={self.rollout_ranks}"
+                if self.rollout_ranks else "")
         if isinstance(self.dp, bool) or not isinstance(self.dp, int) or (self.dp < 1 and self.dp != -1):
             raise ValueError(f"parallel.dp={self.dp!r}: expected an int >= 1 or -1 (world_size // cp)")
         if self.world_size % self.cp:
             raise ValueError(f"parallel.cp={self.cp} does not divide world_size={self.world_size} (torchrun starts "
-                             f"dp x cp ranks)")
+                             f"dp x cp ranks){note}")
         if self.dp == -1:
             self.dp = self.world_size // self.cp
         if self.dp * self.cp != self.world_size:
             raise ValueError(f"parallel.dp x parallel.cp must fill the world: dp={self.dp} x cp={self.cp} = "
-                             f"{self.dp * self.cp} != world_size={self.world_size} (parallel.dp=-1 fills it)")
+                             f"{self.dp * self.cp} != world_size={self.world_size} (parallel.dp=-1 fills it){note}")
         if self.dp % self.ep:
             raise ValueError(f"parallel.ep={self.ep} does not divide dp={self.dp} (EP groups are carved from the "
-                             f"data-parallel ranks; world_size={self.world_size}, parallel.cp={self.cp})")
-        if isinstance(self.rollout_ranks, bool) or not isinstance(self.rollout_ranks, int) or self.rollout_ranks < 0:
-            raise ValueError(f"parallel.rollout_ranks={self.rollout_ranks!r}: expected an int >= 0")
+                             f"data-parallel ranks; world_size={self.world_size}, parallel.cp={self.cp}){note}")
         self.device = torch.device(self.device)
 
     # ------------------------------------------------------------------ ranks

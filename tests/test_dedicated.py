@@ -129,6 +129,9 @@ def test_unsupported_combinations_are_refused_at_start_up_naming_their_keys():
         (("rollout.engine=vllm",), 4, r"rollout\.engine=vllm: vLLM on dedicated rollout ranks comes later"),
         (("model=moe_tiny",), 4, r"model family qwen3_moe: MoE"),
         (("parallel.cp=2", "task.prompts_per_step=4"), 6, r"parallel\.cp=2, parallel\.ep=1"),
+        # the sizes fill the trainers: the error says world_size is torchrun's ranks less the generators
+        (("parallel.dp=4",), 4, r"4 != world_size=2 \(parallel\.dp=-1 fills it\); world_size: torchrun's 4 ranks "
+                                r"less parallel\.rollout_ranks=2"),
         (("eval.every=2",), 4, r"eval\.every=2"),
         (("checkpoint.final=true",), 4, r"checkpoint\.final=True"),
         (("algo.dynamic_sampling=true", "rollout.max_staleness=0"), 4, r"algo\.dynamic_sampling=true"),
