@@ -98,6 +98,15 @@ def share_destinations(destinations: list[list[int]] | None, samples: int, dims)
     return [torch.nonzero(row).flatten().tolist() for row in mask.cpu()]
 
 
+def exchange_records(rollouts: Rollouts, destinations: list[list[int]] | None, dims) -> list:
+    """The step's exchange over the records ranks (`dims.records_*`), to the trainers' plan `destinations`
+    (a generator passes None: it gets them from trainer 0, `share_destinations`); this rank's records."""
+    if dims.rollout_ranks:
+        destinations = share_destinations(destinations, len(rollouts.samples), dims)
+    return exchange(rollouts.records, rollouts.samples, destinations, dp_rank=dims.records_rank,
+                    dp=dims.records_ranks, group=dims.records_group, device=dims.device)
+
+
 def generator_figures(values: list[float], dims) -> dict[str, float]:
     """Each generator's `FIGURES` (trainer 0: zeros), their maxima on trainer 0 (push group MAX)."""
     t = torch.tensor(values, dtype=torch.float64, device=dims.device)
@@ -145,9 +154,7 @@ class Generator:
     def step(self, step: int) -> None:
         dims = self.dims
         rollouts = self.scheduler.rollouts(step)  # take, the metadata gather (k = 0: the engine sleeps after)
-        destinations = share_destinations(None, len(rollouts.samples), dims)
-        exchange(rollouts.records, rollouts.samples, destinations, dp_rank=dims.records_rank, dp=dims.records_ranks,
-                 group=dims.records_group, device=dims.device)
+        exchange_records(rollouts, None, dims)  # the plan's destinations from trainer 0, the records sent
         t0 = time.perf_counter()
         self.scheduler.sync(None)  # the step's update, received (k >= 1: into the stage)
         # waited for weights: k = 0 the push itself (the trainers train meanwhile), k >= 1 the thread's idle time

@@ -58,7 +58,7 @@ from model.moe import moe_blocks, reset_expert_load, router_aux_loss
 from model.parallelize import clip_grad_norm_, expert_load_metrics, sharded_on_host
 from packing import Experience, make_experience_batch, plan_microbatches
 from packing.flops import flop_cost
-from runtime.exchange import StandIn, exchange
+from runtime.exchange import StandIn
 from rl.algos.advantages import compute_advantages
 from rl.algos.distill import distilling, teacher_on_device, topk_kl
 from rl.trainer.state import load_sharded_state, sharded_state
@@ -69,7 +69,7 @@ from rl.algos.losses import build_kl_controller, loss_normalizer
 from rl.algos.objective import Objective
 from rl.algos.schedule import make_lr_scheduler
 from rl.tasks.reward import varied_groups
-from rl.rollout.dedicated import share_destinations
+from rl.rollout.dedicated import exchange_records
 from rl.rollout.sync import sync_weights
 from rl.rollout.evaluate import evaluate
 from rl.rollout.episodes import episode_metrics
@@ -280,10 +280,7 @@ class Trainer:
         The generated records are let go, and the stand-ins keep only their scalars (the
         rewards `advantages` reads)."""
         dims = self.dims
-        if dims.rollout_ranks:  # dedicated rollout ranks send the records: they get the plan's destinations
-            share_destinations(plan.destinations, len(rollouts.samples), dims)
-        mine = exchange(rollouts.records, rollouts.samples, plan.destinations, dp_rank=dims.records_rank,
-                        dp=dims.records_ranks, group=dims.records_group, device=dims.device)
+        mine = exchange_records(rollouts, plan.destinations, dims)  # dedicated rollout ranks: they send
         rollouts.records.clear()
         packed = self.cfg.batch.packed
         return [MiniBatch(mb, [make_experience_batch([mine[j] for j in rows], packed=packed)
