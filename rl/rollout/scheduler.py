@@ -159,13 +159,13 @@ class RolloutScheduler:
         algo, want = cfg.algo, cfg.task.prompts_per_step
         t0 = time.perf_counter()
         taken = self.take(step)
-        samples, records = self._share(taken.records, 0)
+        samples, records = share_records(taken.records, 0, dims)
         sampling = {}
         if algo.dynamic_sampling:
             kept, dropped = filter_uniform_groups(samples)
             rounds = 1
             while _groups(kept) < want and rounds < algo.max_sampling_rounds:
-                generated, local = self._share(self.more(step, rounds), rounds)
+                generated, local = share_records(self.more(step, rounds), rounds, dims)
                 records |= local
                 more, lost = filter_uniform_groups(generated)
                 kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
@@ -181,9 +181,6 @@ class RolloutScheduler:
                             taken.seconds if self.k else None, turn_counts(mine, task), rows)
         self.rest()
         return rollouts
-
-    def _share(self, records: list[Experience], round_: int) -> tuple[list[StandIn], dict[Hashable, Experience]]:
-        return share_records(records, round_, self.source.dims)
 
     def take(self, step: int) -> Buffered:
         """The step's rollout: generated now (k = 0), or the thread's (started on the first take)."""
