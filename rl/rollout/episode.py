@@ -127,12 +127,12 @@ class Turn:
 
 class Play:
     """What the episodes of one `run_episodes` call share: the task, how its user code is called
-    (`calls`), the engine's stop token, the pool the tools run on (the process's one), the bound on
-    an answer's characters, and the chat template's frames around an empty answer (rendered once,
-    when a cut first needs them)."""
+    (`calls`), the engine's stop token, the bound on an answer's characters, and the chat template's
+    frames around an empty answer (rendered once, when a cut first needs them). The tools run on the
+    process's one pool, `_tool_pool`."""
 
     def __init__(self, task: Task, calls: UserCalls, stop: int | None, seed: int) -> None:
-        self.task, self.calls, self.stop, self.seed, self.pool = task, calls, stop, seed, _tool_pool
+        self.task, self.calls, self.stop, self.seed = task, calls, stop, seed
         self.name = task.reward_name or f"{type(task).__name__}.environment"
         self.tools_of = f"tools of {type(task).__name__}"
         tokenizer = task.tokenizer  # answers are cut to `chars` characters before they are tokenized
@@ -206,7 +206,7 @@ class Episode:
         if guard.status is not None:
             self.tools = (guard.status, [], [])
         else:
-            self.tools = play.pool.submit(self._run_tools, called, turn) if called else (None, [], [])
+            self.tools = _tool_pool.submit(self._run_tools, called, turn) if called else (None, [], [])
 
     def _run_tools(self, called: list[ToolCall], turn: int) -> tuple[Status | None, list[ToolCall], list[ToolOutput]]:
         """(a failure's status or None, the calls, their outputs: none when it failed), a sample's
