@@ -379,7 +379,6 @@ def test_process_isolation_kills_a_call_past_its_deadline_a_gil_holding_one_incl
         with (busy := calls.guard("reward busy")):
             calls.run(_busy_with_a_child, what="reward busy")
         assert busy.status is Status.TIMEOUT and calls.hung == 0
-        time.sleep(0.2)  # the zygote reaps the killed worker
         assert _pool_only(calls) and not _sleepers()  # nothing left running
         with (fine := calls.guard("reward")):
             assert calls.run(_double, 21.0) == 42.0
@@ -448,7 +447,6 @@ def test_process_isolation_plays_environments_in_processes_and_kills_a_stuck_one
         outcomes[isolation] = ([Status(int(r.status)) for r in records], [r.sequences.tolist() for r in records],
                                task.calls.hung)
         if isolation == "process":
-            time.sleep(0.2)  # the zygote reaps the killed worker
             idle = len(task.calls._pool._idle)
             assert _pool_only(task.calls) and idle == 5  # the stuck one's worker killed, the others back in the pool
             pids = [p.pid for p in _pool_processes(task.calls)]
