@@ -378,7 +378,6 @@ def test_chunking_does_not_change_samples():
     assert all(torch.equal(a.sequences, b.sequences) for a, b in zip(whole, chunked))
 
 
-
 @pytest.mark.parametrize("temperature", [TEMP, 0.0])
 def test_head_in_slices_gives_the_samples_of_one_matmul(temperature, monkeypatch):
     """`head_rows`: the fp32 LM head multiplied a slice of vocabulary rows at a time (CPU) draws
