@@ -20,6 +20,7 @@ rounds, `_min` the best:
                             over the measured copy bandwidth
     decode{R}_floor_gemm_ms the step's FLOPs over the best fp32 FLOP/s of a matmul sweep at R
                             rows by the model's weight shapes (`gemm_peak`), weights hot in cache
+    decode{R}_over_floor    decode{R}_ms over decode{R}_floor_bandwidth_ms
     decode{R}_share_<what>  the step's profiled self-CPU op time (torch.profiler, the same
                             difference of two generations) by what runs it: `gemm` (aten::mm, the
                             body's matmuls), `head` (aten::mm by the LM head's weight: its output
