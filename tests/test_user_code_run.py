@@ -299,19 +299,22 @@ def _catastrophic():
     return float(bool(re.match(r"(a+)+$", "a" * 26 + "b")))  # seconds in C (~2 s idle here), holding the GIL
 
 
-def _busy_with_a_child():
-    subprocess.Popen(["sleep", "4711"])  # what the code started dies with it
+_SLEEP = ["sleep", str(4711 + os.getpid())]  # this pytest process's own (the same test may run elsewhere at once)
+
+
+def _busy_with_a_child(argv):
+    subprocess.Popen(argv)  # what the code started dies with it
     while True:
         pass
 
 
 def _sleepers() -> list:
-    """The `sleep 4711` processes alive anywhere (what `_busy_with_a_child` starts; reparented to init if its
+    """The `_SLEEP` processes alive anywhere (what `_busy_with_a_child` starts; reparented to init if its
     worker's process group were not killed, so not looked for among this process's children)."""
     import psutil
 
     return [p for p in psutil.process_iter(["cmdline", "status"])
-            if p.info["cmdline"] == ["sleep", "4711"] and p.info["status"] != psutil.STATUS_ZOMBIE]
+            if p.info["cmdline"] == _SLEEP and p.info["status"] != psutil.STATUS_ZOMBIE]
 
 
 def _double(x):
@@ -377,7 +380,7 @@ def test_process_isolation_kills_a_call_past_its_deadline_a_gil_holding_one_incl
         seconds = time.perf_counter() - start
         assert guard.status is Status.TIMEOUT and "its process killed" in str(guard.error) and seconds < 1.0, seconds
         with (busy := calls.guard("reward busy")):
-            calls.run(_busy_with_a_child, what="reward busy")
+            calls.run(_busy_with_a_child, _SLEEP, what="reward busy")
         assert busy.status is Status.TIMEOUT and calls.hung == 0
         assert _pool_only(calls) and not _sleepers()  # nothing left running
         with (fine := calls.guard("reward")):
