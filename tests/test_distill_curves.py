@@ -4,22 +4,14 @@ curves merged where the new runs do not evaluate."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load():
-    sys.path.insert(0, str(ROOT / "bench"))  # distill_curves imports lora_seeds from there
-    spec = importlib.util.spec_from_file_location("distill_curves", ROOT / "bench/distill_curves.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # as tests/test_roofline.py
+import distill_curves as curves  # noqa: E402
 
 
 def run(tmp_path: Path, name: str, evals: dict[int, float], num_prompts: int = 200) -> str:
@@ -42,7 +34,6 @@ def earlier(tmp_path: Path) -> str:
 
 
 def test_first_steps_ratios_and_the_merge_of_an_earlier_headline(tmp_path):
-    curves = load()
     d0 = run(tmp_path, "d0", {0: 0.3, 2: 0.4, 4: 0.55, 6: 0.5, 8: 0.6, 10: 0.58})  # first 4, not 8
     d1 = run(tmp_path, "d1", {0: 0.3, 2: 0.4, 4: 0.5, 6: 0.5, 8: 0.56, 10: 0.6})
     r1 = run(tmp_path, "r1", {0: 0.3, 2: 0.4, 4: 0.45, 6: 0.5, 8: 0.55, 10: 0.59})  # step 10: 0.59 vs earlier 0.56
@@ -69,7 +60,6 @@ def test_first_steps_ratios_and_the_merge_of_an_earlier_headline(tmp_path):
 
 
 def test_refuses_runs_on_different_heldout_sets_and_a_missing_teacher(tmp_path):
-    curves = load()
     a, b = run(tmp_path, "a", {0: 0.3}, 200), run(tmp_path, "b", {0: 0.3}, 100)
     with pytest.raises(SystemExit, match="num_prompts"):
         curves.main(["--earlier", earlier(tmp_path), "--distill", f"0={a}", f"1={b}"])
