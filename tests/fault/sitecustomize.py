@@ -11,7 +11,10 @@ request, rl/trainer/stop.py):
               has begun (while an earlier step trains: a rollout in flight)
 `RL_TEST_TRACE=<file>` (every attempt) appends one JSON line per trained step and rank: the
 attempt (torchrun's restart count), the rank, the prompt indices of the samples this rank
-generated for it and a digest of their tokens.
+generated for it and a digest of their tokens. `RL_TEST_TAKES=<file>` (every attempt) appends one
+JSON line per rollout taken (a colocated rank's or a dedicated generator's, rl/rollout/scheduler.py
+`take`): the attempt, the rank, the step, its policy versions and prompt indices, and a digest of
+the records (tokens, the engine's log-probs, rewards).
 """
 
 import os
@@ -85,3 +88,28 @@ if TRACE:
         return collate(self, rollouts, plan)
 
     _trainer.Trainer.collate = _collate
+
+TAKES = os.environ.get("RL_TEST_TAKES")
+if TAKES:
+    import hashlib
+    import json
+
+    import torch.distributed as dist
+
+    from rl.rollout import scheduler as _scheduler
+
+    take = _scheduler.RolloutScheduler.take
+
+    def _take(self, step):
+        taken = take(self, step)
+        fields = [t for r in taken.records for t in (r.sequences, r.rollout_log_probs, r.rewards)]
+        line = {"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
+                "rank": dist.get_rank() if dist.is_initialized() else 0, "step": step,
+                "versions": sorted({int(r.policy_version) for r in taken.records}),
+                "prompts": [int(r.prompt_index) for r in taken.records],
+                "records": hashlib.sha256(b"".join(t.numpy().tobytes() for t in fields)).hexdigest()}
+        with open(TAKES, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        return taken
+
+    _scheduler.RolloutScheduler.take = _take
