@@ -53,7 +53,7 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
     cfg, dims, held = start_up(dict_cfg, out_dir)
     ckpt = Checkpointer(cfg, dims, out_dir)  # checkpoint.* and resume checked before any model is built
     if dims.generates:  # parallel.rollout_ranks: this rank only generates (rl/rollout/dedicated.py)
-        return generate(build_generator(cfg, dims), cfg, dims, held)
+        return generate(build_generator(cfg, dims), ckpt, cfg, dims, held)
 
     trainer = build_trainer(cfg, dims)
     start = ckpt.resume(trainer)  # steps already done: 0, or those of the checkpoint `resume` names
@@ -88,10 +88,6 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
             saved = ckpt.after_step(trainer, step + 1)  # every checkpoint.every steps, and after the last
             if step + 1 < cfg.trainer.max_steps and stop.requested():
                 stopped = step + 1
-                if dims.rollout_ranks:  # no checkpoint with dedicated rollout ranks yet (rl/config/checks.py)
-                    log.info("%s: stopped after %d of %d steps (dedicated rollout ranks: no checkpoint)",
-                             stop.received or "a stop signal on another rank", stopped, cfg.trainer.max_steps)
-                    break
                 saved = saved or ckpt.save(trainer, stopped)
                 log.info("%s: stopped after %d of %d steps with the checkpoint %s; continue the run with resume=auto "
                          "(or resume=%s)", stop.received or "a stop signal on another rank", stopped,
@@ -109,13 +105,19 @@ def run(dict_cfg: DictConfig, out_dir: str) -> dict:
     return writer.history[-1] if writer.history else {}
 
 
-def generate(generator, cfg: Config, dims: ParallelDims, held: Held) -> dict:
-    """A dedicated generator's run: each step's rollout, in the trainers' step order, until the
-    last step or a stop signal (the same collective as the trainers', so every rank stops alike)."""
+def generate(generator, ckpt: Checkpointer, cfg: Config, dims: ParallelDims, held: Held) -> dict:
+    """A dedicated generator's run: its part of the checkpoint resumed (its queued rollouts, the
+    policy the trainers push), then each step's rollout and checkpoint, in the trainers' step order,
+    until the last step or a stop signal (the same collectives as the trainers': every rank stops
+    after the same step and writes its part of the same checkpoint)."""
+    start = ckpt.resume(generator)
     with StopSignal(dims) as stop:
-        for step in range(cfg.trainer.max_steps):
+        for step in range(start, cfg.trainer.max_steps):
             generator.step(step)
+            saved = ckpt.after_step(generator, step + 1)
             if step + 1 < cfg.trainer.max_steps and stop.requested():
+                if saved is None:
+                    ckpt.save(generator, step + 1)
                 break
     generator.close()
     held.close()

@@ -133,7 +133,6 @@ def test_unsupported_combinations_are_refused_at_start_up_naming_their_keys():
         (("parallel.dp=4",), 4, r"4 != world_size=2 \(parallel\.dp=-1 fills it\); world_size: torchrun's 4 ranks "
                                 r"less parallel\.rollout_ranks=2"),
         (("eval.every=2",), 4, r"eval\.every=2"),
-        (("checkpoint.final=true",), 4, r"checkpoint\.final=True"),
         (("algo.dynamic_sampling=true", "rollout.max_staleness=0"), 4, r"algo\.dynamic_sampling=true"),
         (("model.lora.rank=4",), 4, r"model\.lora\.rank=4"),
     ]:
@@ -145,7 +144,8 @@ def test_unsupported_combinations_are_refused_at_start_up_naming_their_keys():
 def test_train_py_runs_one_trainer_and_one_generator_and_a_generators_stop_signal_stops_every_rank(tmp_path):
     """torchrun 2 ranks, parallel.rollout_ranks=1 (one trainer: no trainers' collectives): train.py
     runs the generator's loop on rank 1; a SIGTERM to the generator as it starts rollout 3 (the fault
-    hook, tests/fault/sitecustomize.py) stops both ranks after the same step, without a checkpoint."""
+    hook, tests/fault/sitecustomize.py) stops both ranks after the same step, each writing its part of
+    the checkpoint (tests/test_dedicated_resume.py resumes them)."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py",
@@ -158,11 +158,14 @@ def test_train_py_runs_one_trainer_and_one_generator_and_a_generators_stop_signa
     assert done.returncode == 0, done.stderr[-4000:]
     log = (out / "train.log").read_text()
     assert "dp=1 cp=1 ep=1 rollout_ranks=1" in log
-    stopped = re.search(r"a stop signal on another rank: stopped after (\d+) of 8 steps "
-                        r"\(dedicated rollout ranks: no checkpoint\)", log)
+    stopped = re.search(r"a stop signal on another rank: stopped after (\d+) of 8 steps with the checkpoint (\S+);",
+                        log)
     assert stopped, log[-2000:]
+    saved = Path(stopped[2])
+    assert saved == out / "checkpoints" / f"step_{int(stopped[1]):08d}"
+    assert {"COMPLETE", "__0_0.distcp", "__1_0.distcp"} <= {p.name for p in saved.iterdir()}  # the generator's part
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert 3 <= int(stopped[1]) < 8 and [m["step"] for m in steps] == list(range(int(stopped[1])))
     assert all(m["rollout_staleness_max"] == (1.0 if m["step"] else 0.0) for m in steps)
     assert all(m["weight_sync_bytes"] > 0 and "generator_wait_s" in m for m in steps)
-    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [saved.name]  # checkpoint.final=false: that one

@@ -75,7 +75,7 @@ def _check_rollout_ranks(cfg: Config, world_size: int) -> int:
 
 def _check_dedicated(cfg: Config, family: str) -> None:
     """What dedicated rollout ranks (parallel.rollout_ranks > 0) run today: the project's engine on a
-    dense model, every trainer its own DP rank, no evaluation or checkpoint yet (docs/rollouts.md)."""
+    dense model, every trainer its own DP rank, no evaluation yet (docs/rollouts.md)."""
     p, r = cfg.parallel, cfg.rollout
     keys = "parallel.rollout_ranks=" + str(p.rollout_ranks)
     refused = [
@@ -91,10 +91,6 @@ def _check_dedicated(cfg: Config, family: str) -> None:
         (cfg.algo.dynamic_sampling, "algo.dynamic_sampling=true: extra rounds on generators come later"),
         (cfg.algo.teacher.path is not None, "algo.teacher.path: distillation on dedicated ranks comes later"),
         (bool(cfg.eval.every), f"eval.every={cfg.eval.every}: the trainers hold no engine; expected 0"),
-        (bool(cfg.checkpoint.every) or cfg.checkpoint.final or cfg.resume != "never",
-         f"checkpoint.every={cfg.checkpoint.every}, checkpoint.final={cfg.checkpoint.final}, resume={cfg.resume}: "
-         f"checkpoints with the generators' queued rollouts come later; set checkpoint.every=0 "
-         f"checkpoint.final=false resume=never"),
     ]
     for bad, why in refused:
         if bad:

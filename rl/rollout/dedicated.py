@@ -14,13 +14,23 @@ side of each collective:
                         destinations to the generators (they take part in the exchange as senders)
     Generator           a generator's step: its `RolloutScheduler` (the thread as colocated; its
                         `sync` receives the push, at max_staleness >= 1 into a stage the thread loads
-                        between rollouts), the metadata gather, the exchange, the push, the figures
+                        between rollouts), the metadata gather, the exchange, the push, the figures;
+                        its part of a checkpoint (`state_dict`: the queued rollouts) and its resume
 
 Every rank runs the per-step collectives in one order: gather (world) -> destinations (push group) ->
-exchange (world) -> push (push group) -> figures (push group) -> stop signal (world, train.py). A
-generator's rollout thread runs no collective. Rollout j uses exactly version max(0, j - k) of the
-weights, a broadcast copies bits, and generator g rolls out the prompts a colocated DP rank g of R
-would: the records are the colocated run's with dp = R (tests/test_dedicated.py).
+exchange (world) -> push (push group) -> figures (push group) -> [checkpoint (world)] -> stop signal
+(world, train.py), and on resume: the checkpoint's choice and load (world) -> push (push group, the
+checkpoint's policy: the end of `Trainer.load_state_dict`, the start of `Generator.load_state_dict`)
+-> the load's agreement (world). A generator's rollout thread runs no collective. Rollout j uses
+exactly version max(base, j - k) of the weights (base: 0, or the resumed checkpoint's steps), a
+broadcast copies bits, and generator g rolls out the prompts a colocated DP rank g of R would: the
+records are the colocated run's with dp = R (tests/test_dedicated.py).
+
+Checkpoints (rl/trainer/checkpoint.py): one DCP save over every rank; a generator's part is its
+scheduler's queue (`RolloutScheduler.state_dict`, taken once the rollouts that need a version older
+than the checkpoint's are generated) and its RNG state, in its own file, which the metadata names, so
+the checkpoint is published only with every generator's part. A run killed anywhere (a generator or a
+trainer) resumes on the uninterrupted run's records (tests/test_dedicated_resume.py).
 """
 
 from __future__ import annotations
@@ -136,11 +146,11 @@ class RemoteRollouts:
         return generator_figures([0.0] * len(FIGURES), self.dims) if self.dims.rank == 0 else {}
 
     def state_dict(self) -> dict:
+        """Nothing: the queued rollouts are the generators' part of a checkpoint (`Generator.state_dict`)."""
         return {}
 
     def load_state_dict(self, state, step: int) -> None:
-        if step or state:
-            raise RuntimeError("dedicated rollout ranks: resume is refused at start-up (checkpoints come later)")
+        """Nothing to put back (the trainer's load then pushes the checkpoint's policy: `Generator.load_state_dict`)."""
 
 
 class Generator:
@@ -160,6 +170,18 @@ class Generator:
         # waited for weights: k = 0 the push itself (the trainers train meanwhile), k >= 1 the thread's idle time
         waited = self.scheduler.thread_wait_s if self.scheduler.k else time.perf_counter() - t0
         generator_figures([rollouts.seconds if rollouts.generated_s is None else rollouts.generated_s, waited], dims)
+
+    def state_dict(self) -> dict:
+        """The generator's part of a checkpoint (rl/trainer/checkpoint.py, beside the trainers'): its
+        scheduler's queued rollouts (max_staleness >= 1), `rollout` as a colocated rank saves it."""
+        produced = self.scheduler.state_dict()
+        return {"rollout": produced} if produced else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The checkpoint's policy received into the engine (the trainers push it at the end of their
+        load, `Trainer.load_state_dict`), then the queued rollouts put back before the first take."""
+        self.scheduler.write(self.scheduler.engine, None)
+        self.scheduler.load_state_dict(state.get("rollout"), int(state.get("step", 0)))
 
     def close(self) -> None:
         self.scheduler.close()

@@ -12,6 +12,7 @@ One folder per save, named by the steps it completed, under `checkpoint.dir` (de
 
     step_00000004/
         .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP): each rank writes its shards
+                                       (a dedicated generator its queued rollouts: see below)
         config.yaml                    the run's resolved config: provenance, and checked on resume
         hf_config.json                 the policy's Hugging Face config (what `rl.trainer.export` rebuilds)
         COMPLETE                       written last (JSON: step, layout); a folder without it is never loaded
@@ -41,7 +42,10 @@ What a checkpoint holds (`Trainer.state_dict` plus the two entries added here):
   scheduler the LR schedule                   kl_coef   the (adaptive) KL coefficient
   step      steps completed                   rng       every rank's RNG states (torch CPU/CUDA, python)
   rollout   rollout.max_staleness >= 1: the queued rollouts, generated and not yet trained
-            (their steps, policy versions, and every rank's records: rl/rollout/scheduler.py)
+            (their steps, policy versions, and every rank's records: rl/rollout/scheduler.py);
+            with dedicated rollout ranks (parallel.rollout_ranks) the generators' alone: the save
+            and the load run over every rank, a generator's part is its queue and RNG state
+            (rl/rollout/dedicated.py `Generator`), so COMPLETE covers every generator's file too
 The reference model is frozen and rebuilt from the same seed or pretrained path, so it is not
 saved. A step's prompts and samples come from generators seeded by (seed, step, prompt index)
 (rl/rollout/source.py), so the step is the prompt cursor; what the rollout thread
@@ -49,7 +53,7 @@ has generated ahead of it is `rollout`, so a resumed run trains on exactly the s
 uninterrupted one would have. A `rollout` entry that does not apply is let go, with a log line,
 and the step's prompts are generated again (none skipped, none repeated): a checkpoint without
 one (a sync run's) resumed with max_staleness >= 1, one resumed with max_staleness=0, or one
-saved on another world size (the records are per rank).
+saved on another world size or number of rollout ranks (the records are per rank).
 
 Resharding: with world_size > 1 every entry is a DTensor, and DCP stores each shard at its
 global offsets, so any layout loads any other's checkpoint (RNG states only load on the same
@@ -152,8 +156,8 @@ def save_checkpoint(trainer: Checkpointable, root: Path, step: int, cfg: "Config
         tmp.mkdir(parents=True)
     _barrier(dims)
     state = {**trainer.state_dict(), "step": step, "rng": {f"rank{dims.rank}": rng_state(dims)}}
-    with quiet_single_process():
-        dcp.save(state, checkpoint_id=tmp, no_dist=not dims.distributed)  # returns once every rank has written
+    with quiet_single_process():  # over every rank, dedicated generators too: their parts are in the metadata
+        dcp.save(state, checkpoint_id=tmp, no_dist=not dims.joined)  # returns once every rank has written
     decided_on_rank0(dims, lambda: _publish(trainer, tmp, final, step, cfg, dims))  # an error raised on every rank
     return final
 
@@ -171,7 +175,7 @@ def _publish(trainer: Checkpointable, tmp: Path, final: Path, step: int, cfg: "C
     (tmp / "config.yaml").write_text(config_yaml(cfg))
     trainer.hf_config.to_json_file(tmp / "hf_config.json")
     info = {"step": step, "world_size": dims.world_size, "dp": dims.dp, "cp": dims.cp, "ep": dims.ep,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "rollout_ranks": dims.rollout_ranks, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     _write_synced(tmp / MARKER, json.dumps(info) + "\n")
     old = final.with_name(final.name + ".old")
     if final.exists():  # the same step saved before (a resume from an older checkpoint)
@@ -220,28 +224,37 @@ def load_checkpoint(trainer: Checkpointable, path: str | Path, dims: ParallelDim
     reader = dcp.FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     state: dict[str, Any] = {**trainer.state_dict(), "step": 0}
-    check_entries(state, saved, path)
-    same_world = info.get("world_size") == dims.world_size
+    if not dims.generates:  # a dedicated generator holds no tensor of the checkpoint (its part: `rollout`, `rng`)
+        check_entries(state, saved, path)
+    # the per-rank entries (RNG states, queued records) are keyed by global rank: the same trainers and generators
+    saved_on, here = (info.get("world_size"), info.get("rollout_ranks", 0)), (dims.world_size, dims.rollout_ranks)
+    same_world = saved_on == here
     if same_world:
         state["rng"] = {f"rank{dims.rank}": rng_state(dims)}
     buffered = any(k.startswith("rollout.") for k in saved)
-    if "rollout" in state and not (buffered and same_world):
+    # the rollouts this rank restores; a dedicated trainer speaks for its generators (they load theirs, rank 0 logs)
+    holds = "rollout" in state or (buffered and dims.rollout_ranks and not dims.generates)
+    if holds and not (buffered and same_world):
         log.info("checkpoint %s: %s; the first step's rollout is generated again", path,
                  "no buffered rollout (saved with rollout.mode=sync)" if not buffered else
-                 f"its buffered rollout was saved on {info.get('world_size')} ranks, not restored on {dims.world_size}")
-        del state["rollout"]
-    elif buffered and "rollout" not in state:
+                 f"its buffered rollout was saved on {_layout(*saved_on)}, not restored on {_layout(*here)}")
+        state.pop("rollout", None)
+    elif buffered and not holds:
         log.info("checkpoint %s: its buffered rollouts (rollout.mode=one_step_off or async) are let go; the "
                  "first step's rollout is generated again", path)
     with quiet_single_process():
-        dcp.load(state, storage_reader=reader, no_dist=not dims.distributed)
+        dcp.load(state, storage_reader=reader, no_dist=not dims.joined)
     trainer.load_state_dict(state)
     if same_world:
         set_rng_state(state["rng"][f"rank{dims.rank}"], dims)
     else:
-        log.info("checkpoint saved on %s ranks, loaded on %d: RNG states not restored", info.get("world_size"),
-                 dims.world_size)
+        log.info("checkpoint saved on %s, loaded on %s: RNG states not restored", _layout(*saved_on), _layout(*here))
     return int(state["step"])
+
+
+def _layout(world_size, rollout_ranks) -> str:
+    """A checkpoint's ranks as a log line names them: `world_size=4`, `world_size=2 + rollout_ranks=2`."""
+    return f"world_size={world_size}" + (f" + rollout_ranks={rollout_ranks}" if rollout_ranks else "")
 
 
 def _tensors(value: Any, key: str = "") -> dict[str, torch.Tensor]:
@@ -524,7 +537,7 @@ def _set_aside(path: Path) -> Path:
 
 
 def _barrier(dims: ParallelDims) -> None:
-    if dims.distributed:
+    if dims.joined:
         dist.barrier()
 
 
