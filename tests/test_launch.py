@@ -72,6 +72,28 @@ def test_slurm_passes_the_socket_interfaces_to_the_ranks_when_set():
     assert only_gloo == _srun_line(env=("GLOO_SOCKET_IFNAME=lo",))
 
 
+def test_slurm_generator_nodes_give_the_last_whole_nodes_to_dedicated_rollout_ranks():
+    """GENERATOR_NODES=G: parallel.rollout_ranks = G x NPROC (torchrun's last ranks are the last
+    nodes' blocks, so generators and trainers get disjoint nodes), named on stderr. The control:
+    without it the line has no rollout_ranks; a count that leaves no trainer, is not a number, or
+    comes with parallel.rollout_ranks already given is refused naming GENERATOR_NODES."""
+    line = _dry_run("launch/slurm.sbatch", "--dry-run", "trainer.max_steps=3", env={**SLURM_2x8, "GENERATOR_NODES": "1"})
+    assert line == [*_srun_line(), "parallel.rollout_ranks=8"]
+    four = {**SLURM_2x8, "SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_NODELIST": "gpu[07-10]", "NPROC": "4",
+            "GENERATOR_NODES": "3"}
+    done = _bash("launch/slurm.sbatch", "--dry-run", "trainer.max_steps=3", env=four)
+    assert done.returncode == 0, done.stderr
+    assert shlex.split(done.stdout) == [*_srun_line(nproc="4", nodes="4"), "parallel.rollout_ranks=12"]
+    assert "the last 3 of 4 nodes generate (parallel.rollout_ranks=12), the first 1 train" in done.stderr
+    assert "rollout_ranks" not in " ".join(_dry_run("launch/slurm.sbatch", "--dry-run", env=SLURM_2x8))
+    for bad, message in [("2", r"GENERATOR_NODES=2: expected an integer in \[1, 2\)"),
+                         ("0", r"GENERATOR_NODES=0: expected"), ("x", r"GENERATOR_NODES=x: expected")]:
+        done = _bash("launch/slurm.sbatch", "--dry-run", env={**SLURM_2x8, "GENERATOR_NODES": bad})
+        assert done.returncode == 2 and re.search(message, done.stderr), done.stderr
+    done = _bash("launch/slurm.sbatch", "--dry-run", "parallel.rollout_ranks=4", env={**SLURM_2x8, "GENERATOR_NODES": "1"})
+    assert done.returncode == 2 and "GENERATOR_NODES=1 sets parallel.rollout_ranks=8" in done.stderr, done.stderr
+
+
 def test_slurm_time_limit_signal_is_usr1_to_the_batch_shell_and_the_script_execs_srun():
     """SLURM's warning goes to the script alone (B:), which by then is srun (exec): srun turns a
     SIGTERM into SIGKILL for its tasks, a SIGUSR1 it passes on (torchrun: --signals-to-handle)."""
