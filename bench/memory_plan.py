@@ -1,7 +1,9 @@
 """Will it fit? Per-GPU memory of one policy-training step for Qwen2.5-7B, Qwen3-8B,
 Qwen3-30B-A3B and Qwen3-235B-A22B on 8 and 64 GPUs of 80 GB, for a few dp x cp x ep layouts
 and pack sizes; then the rollout's memory per GPU in each rollout mode (rollout.replica) for
-Qwen2.5-7B, Qwen3-8B and Qwen3-30B-A3B on 8 GPUs, and the mode the start-up plan chooses.
+Qwen2.5-7B, Qwen3-8B and Qwen3-30B-A3B on 8 GPUs, and the mode the start-up plan chooses; then
+the memory per placement (colocated, and parallel.rollout_ranks' trainers and generators:
+`placement_plan`) for SmolLM2-135M and Qwen3-8B on 8 GPUs.
 
 Parameter counts are exact: each model is built on the meta device from its real config
 (below; no weights, nothing downloaded) and its parameters are counted, dense apart from
@@ -79,8 +81,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit  # noqa: E402  (puts the repo on sys.path)
 
 import torch  # noqa: E402
-from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,  # noqa: E402
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,  # noqa: E402
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from model.moe import is_expert_param  # noqa: E402
 from rl.rollout.replica import RESERVE, choose  # noqa: E402
@@ -99,6 +101,11 @@ _COMMON = dict(vocab_size=151936, head_dim=128, tie_word_embeddings=False, max_p
                rope_theta=1_000_000.0, rms_norm_eps=1e-6)
 _MOE = dict(num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
 MODELS = {
+    # HuggingFaceTB/SmolLM2-135M(-Instruct): 134,515,008 (tests/test_real_model.py loads it: 134.5M), the lm head tied
+    "SmolLM2-135M": (LlamaConfig, LlamaForCausalLM, 134_515_008, dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192,
+        rope_theta=100000.0, rms_norm_eps=1e-5)),
     "Qwen2.5-7B": (Qwen2Config, Qwen2ForCausalLM, 7_615_616_512, dict(
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, max_position_embeddings=131072,
@@ -260,6 +267,57 @@ def rollout_plan(counts: dict[str, Counts], train_rows: list[dict], gpu_gib: flo
     return out
 
 
+# Placements (issue 54, docs/rollouts.md "Memory per placement"): (model, N GPUs, R of them dedicated generators)
+PLACEMENTS = [("SmolLM2-135M", 8, 4), ("Qwen3-8B", 8, 4), ("Qwen3-8B", 8, 2)]
+
+
+def placement_plan(counts: dict[str, Counts], gpu_gib: float, reserve_gib: float, rows: int, length: int,
+                   tokens: int = ROLLOUT_TRAIN_TOKENS) -> list[dict]:
+    """Per-GPU memory of a dense model on N GPUs, colocated against dedicated rollout ranks
+    (R generators, T = N - R trainers; `rows` x `length` tokens of KV cache a colocated GPU holds):
+
+        colocated  each GPU: training state 16 B x P / N (fp32 masters, gradients, AdamW moments) +
+                   transients + activations (`plan`), and the rollout copy (rl/rollout/build.py: in
+                   the compute dtype, bf16: 2 B x P) with its KV cache and sampling buffers: peak =
+                   max(resident 12 B x P / N + copy + KV + sampling, training + copy)
+        trainer    16 B x P / T + transients + activations + one sync bucket of full fp32 tensors
+                   (the push's gather, rl/rollout/sync.py); no copy, no KV cache
+        generator  the copy in the compute dtype (2 B x P) + the KV cache and sampling buffers of
+                   N / R colocated GPUs' rows (it rolls out their prompts) + one received tensor in
+                   fp32 (the largest); no optimizer state, no gradients, no activations. At
+                   max_staleness >= 1 the next version waits in host memory (4 B x P, the stage)."""
+    from rl.rollout.sync import DEFAULT_BUCKET_BYTES
+
+    budget = (gpu_gib - reserve_gib) * GIB
+    out = []
+    for name, n, r in PLACEMENTS:
+        c, P, t = counts[name], counts[name].total, n - r
+        cfg = c.config
+        transient = 4 * c.root + 2 * 8 * c.layer_dense
+        act = activation_bytes(cfg, tokens, 1)
+        largest = FP32 * cfg.vocab_size * cfg.hidden_size  # the embedding (and an untied head)
+        kv, sampling = rows * length * kv_bytes_per_token(cfg, BF16), rows * cfg.vocab_size * (FP32 + FP32 + 8)
+        copy = BF16 * P
+        colocated = max(3 * FP32 * P / n + copy + kv + sampling, STATE_BYTES * P / n + transient + act + copy)
+        bucket = max(min(DEFAULT_BUCKET_BYTES, FP32 * P / t), largest)
+        trainer = STATE_BYTES * P / t + transient + act + bucket
+        generator = copy + (n / r) * (kv + sampling) + largest
+        out.append({"model": name, "gpus": n, "rollout_ranks": r, "params": P, "colocated": colocated / GIB,
+                    "trainer": trainer / GIB, "trainer_state": STATE_BYTES * P / t / GIB, "generator": generator / GIB,
+                    "generator_kv": (n / r) * kv / GIB, "generator_copy": copy / GIB,
+                    "generator_host_stage": FP32 * P / GIB, "colocated_fits": colocated <= budget,
+                    "trainer_fits": trainer <= budget, "generator_fits": generator <= budget})
+    return out
+
+
+def placement_table(rows: list[dict]) -> str:
+    head = ["model", "GPUs", "R", "colocated", "trainer", "(state)", "generator", "(copy)", "(KV x N/R)",
+            "host stage (k>=1)", "fits: colocated", "trainer", "generator"]
+    keys = ["model", "gpus", "rollout_ranks", "colocated", "trainer", "trainer_state", "generator", "generator_copy",
+            "generator_kv", "generator_host_stage", "colocated_fits", "trainer_fits", "generator_fits"]
+    return _format(head, keys, rows)
+
+
 def rollout_table(rows: list[dict]) -> str:
     head = ["model", "GPUs", "train peak", "resident", "keep: copy", "rollout", "peak", "fits",
             "sharded: gathered", "received a decode step", "rollout", "peak", "fits", "vllm TP", "rollout", "chosen",
@@ -317,6 +375,11 @@ def main(argv: list[str] | None = None) -> dict:
           f"beside it: T{ROLLOUT_TRAIN_TOKENS // 1024}k; fits: <= {args.gpu_gib:g} - {args.reserve_gib:g} GiB at "
           f"the step's peak; chosen: rollout.replica=auto at start-up)")
     print(rollout_table(rollout))
+    placements = placement_plan(counts, args.gpu_gib, args.reserve_gib, args.rollout_rows, args.rollout_len)
+    print(f"\nPlacements, GiB per GPU ({args.rollout_rows} x {args.rollout_len} tokens of KV cache per colocated "
+          f"GPU, a generator N/R times that; training T{ROLLOUT_TRAIN_TOKENS // 1024}k; bf16 compute; host stage: "
+          "host memory of a generator at max_staleness >= 1)")
+    print(placement_table(placements))
     summary = {
         "gpu_gib": args.gpu_gib, "reserve_gib": args.reserve_gib,
         "params": {name: c.total for name, c in counts.items()},
@@ -328,8 +391,10 @@ def main(argv: list[str] | None = None) -> dict:
         "rollout_gib_keep": {r["model"]: round(r["keep_rollout"], 1) for r in rollout},
         "rollout_gib_sharded": {r["model"]: round(r["sharded_rollout"], 1) for r in rollout},
         "sharded_received_gib_per_decode_step": {r["model"]: round(r["sharded_step_received"], 1) for r in rollout},
+        "placements_gib": {f"{r['model']}@{r['gpus']}:R{r['rollout_ranks']}": {
+            k: round(r[k], 2) for k in ("colocated", "trainer", "generator")} for r in placements},
     }
-    return emit("memory_plan", summary, {"rows": rows, "rollout": rollout})
+    return emit("memory_plan", summary, {"rows": rows, "rollout": rollout, "placements": placements})
 
 
 if __name__ == "__main__":

@@ -254,7 +254,7 @@ def test_memory_plan_counts_published_parameters_and_says_what_fits(monkeypatch,
     summary = plan.main([])
     out = capsys.readouterr().out.strip().splitlines()
     assert json.loads(out[-1]) == summary and (tmp_path / "memory_plan.json").exists()
-    assert summary["params"] == {"Qwen2.5-7B": 7_615_616_512, "Qwen3-8B": 8_190_735_360,
+    assert summary["params"] == {"SmolLM2-135M": 134_515_008, "Qwen2.5-7B": 7_615_616_512, "Qwen3-8B": 8_190_735_360,
                                  "Qwen3-30B-A3B": 30_532_122_624, "Qwen3-235B-A22B": 235_093_634_560}
     # rollout.replica=auto on 8 x 80 GB: the dense models keep a copy, the 30B MoE's (114 GiB in fp32) cannot
     assert summary["rollout_chosen"] == {"Qwen2.5-7B": "keep", "Qwen3-8B": "keep", "Qwen3-30B-A3B": "sharded"}
@@ -265,6 +265,17 @@ def test_memory_plan_counts_published_parameters_and_says_what_fits(monkeypatch,
     ep1, ep8 = rows["Qwen3-30B-A3B@8:dp8xcp1xep1,T8k"], rows["Qwen3-30B-A3B@8:dp8xcp1xep8,T8k"]
     assert ep1["adam"] == ep8["adam"] == pytest.approx(8 * 30_532_122_624 / 8 / 2**30)
     assert ep8["transient"] < ep1["transient"]
+    # placements: a trainer holds 16 B x P / T of state and no copy; a generator the bf16 copy and the KV cache of
+    # N / R colocated GPUs, no state. The control: R = 2 instead of 4 (T = 6) shrinks the trainer's state to 16 P / 6
+    # and doubles the generator's KV cache
+    placements = {(r["model"], r["rollout_ranks"]): r
+                  for r in json.loads((tmp_path / "memory_plan.json").read_text())["details"]["placements"]}
+    p8 = 8_190_735_360
+    r4, r2 = placements[("Qwen3-8B", 4)], placements[("Qwen3-8B", 2)]
+    assert r4["trainer_state"] == pytest.approx(16 * p8 / 4 / 2**30) and r2["trainer_state"] == pytest.approx(16 * p8 / 6 / 2**30)
+    assert r4["generator_copy"] == r2["generator_copy"] == pytest.approx(2 * p8 / 2**30)
+    assert r2["generator_kv"] == pytest.approx(2 * r4["generator_kv"]) and r2["generator"] > r4["generator"]
+    assert r4["generator"] < r4["trainer"] < r4["colocated"] + r4["trainer_state"]
 
 
 @pytest.mark.parametrize("args,experiment", [("", "smollm2_arithmetic"),
