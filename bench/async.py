@@ -94,8 +94,24 @@ push waits until the stage's version is loaded; or unpaced, the peers' free-runn
 two phases overlapping on one GPU must slow each other before dedicated beats colocated async.
 Last line JSON (bench/results/async_dedicated.json); docs/benchmarks.md has the figures.
 
+`--check-dedicated` checks that model against measured runs on this CPU (issue 54's done-when: within
+15%). One job (CHECK_JOB: the tiny dense model, 4 prompts x 8 samples, 128 new tokens, where
+generation takes ~2x training) runs under torchrun on 127.0.0.1 with one thread per rank: colocated
+on 1 rank alone (k = 0's condition: one side busy at a time), two colocated runs side by side (k =
+1's: both cores busy at once, as the dedicated run's two ranks), and dedicated with 1 trainer and 1
+generator (`parallel.rollout_ranks=1`) at max_staleness 1 and 0, each rank on one of the 2 cores; and
+the link alone (the job's push, gloo broadcasts on loopback, to an idle rank). `check_dedicated`
+predicts each k from the colocated medians (`predict_dedicated`; `simulate_dedicated` over the
+per-step generation seconds) against the dedicated runs' median steady step; `error_own_phases` is
+the formula on the dedicated runs' own per-side seconds (what is left is the model's error; the
+rest is each side running at another speed than it did colocated). With them: bytes a push, the
+trainer's idle seconds (`rollout_s`, its wait for the generator), the generator's
+(`generator_wait_s`), the staleness histogram, and the cores each run kept busy. Last line JSON
+(bench/results/async_check.json).
+
     python bench/async.py [--quick] [--steps N] [--threads 1|2] [hydra overrides ...]
     python bench/async.py --predict [--ranks N] [--train-s S]
+    python bench/async.py --check-dedicated [--steps N] [--rounds R]
 
 `--quick`: 4 prompts x 4 samples, 5 steps (~10 s here; the default ~15 s). Last stdout line:
 one JSON object (also bench/results/async.json, with every step's figures).
@@ -472,6 +488,195 @@ def placements_table(summary: dict, details: dict) -> str:
     return "\n".join(rows)
 
 
+# --------------------------------------- dedicated rollout ranks (issue 54 item 4): the prediction, checked
+# `--check-dedicated`: one job run colocated (1 rank), then dedicated (R = 1 generator, T = 1 trainer) at k = 1 and 0
+CHECK_JOB = ("model=dense_tiny", "task.prompts_per_step=4", "task.samples_per_prompt=8", "task.max_new_tokens=128",
+             "algo.tis_cap=2.0", "eval.every=0", "checkpoint.final=false", "trainer.plot=false",
+             "trainer.progress=false", "trainer.log_samples=0")
+CHECK_STEPS = 10
+CHECK_ROUNDS = 1
+CHECK_TOLERANCE = 0.15  # issue 54's done-when: the prediction within 15% of the measured dedicated step
+PUSH_REPEATS = 20
+
+
+def steady_dedicated(steps: list[dict], k: int) -> list[dict]:
+    """A dedicated run's steady steps: step 0 warms up; at k >= 1 rollouts 1..k start before any
+    push (their steps fill the pipeline) and the last k steps have nothing generated ahead."""
+    return steps[k + 1:len(steps) - k]
+
+
+def dedicated_sides(m: dict) -> dict[str, float]:
+    """One dedicated step's figures from trainer 0's metrics: its step, its wait for the
+    generators (`rollout_s`: trainer idle), the push (`weight_sync_s`), its own work (the rest:
+    the exchange, collate, score, updates), the generators' rollout seconds and their wait for weights."""
+    return {"step": m["step_s"], "trainer_idle": m["rollout_s"], "push": m["weight_sync_s"],
+            "train": m["step_s"] - m["rollout_s"] - m["weight_sync_s"], "generate": m["generator_generate_s"],
+            "generator_idle": m["generator_wait_s"], "push_bytes": m["weight_sync_bytes"]}
+
+
+def check_dedicated(colocated: dict[int, list[list[dict]]], dedicated: dict[int, list[list[dict]]], push: float,
+                    samples_per_step: int) -> dict:
+    """The dedicated step at staleness k predicted from colocated runs' phases (`colocated[k]`:
+    median generate, train over their steady steps; `push`: the link's seconds for one push,
+    measured alone) against the dedicated runs at k (trainer 0's metrics of each run,
+    `dedicated[k]`): `error` = measured / predicted - 1 of the median steady step, for the formula
+    (`predict_dedicated`) and for the event simulation (`simulate_dedicated` over the colocated
+    per-step generation seconds, cycled), and `error_own_phases`: the formula on the dedicated
+    runs' own per-side medians (what is left is the model's error; the rest is each side running
+    slower or faster than it did colocated: `generate_slowdown`, `train_slowdown`, `push_slowdown`)."""
+    out: dict = {"push_link_s": push}
+    for k, runs in sorted(dedicated.items()):
+        c_steps = [phases("sync", m) for run in colocated[k] for m in steady("sync", run)]
+        c = medians(c_steps)
+        gens = [s["generate"] for s in c_steps] * (400 // len(c_steps) + 1)
+        d = medians([dedicated_sides(m) for run in runs for m in steady_dedicated(run, k)])
+        steps = [m for run in runs for m in run]
+        pred = predict_dedicated(c["generate"], c["train"], push, k)
+        sim = simulate_dedicated(gens, c["train"], push, staleness=k)
+        own = predict_dedicated(d["generate"], d["train"], d["push"], k)
+        out[f"k{k}"] = {
+            "colocated": c, "ratio": c["generate"] / c["train"],
+            "measured": d, "predicted": pred, "simulated": {x: sim[x] for x in pred}, "own_phases": own,
+            "error": d["step"] / pred["step_s"] - 1, "error_simulated": d["step"] / sim["step_s"] - 1,
+            "error_own_phases": d["step"] / own["step_s"] - 1,
+            "within_tolerance": abs(d["step"] / pred["step_s"] - 1) <= CHECK_TOLERANCE,
+            "generate_slowdown": d["generate"] / c["generate"], "train_slowdown": d["train"] / c["train"],
+            "push_slowdown": d["push"] / push if push > 0 else math.inf,
+            "staleness_histogram": staleness_histogram(steps, samples_per_step),
+            "push_bytes": sorted({m["weight_sync_bytes"] for m in steps}),
+        }
+    return out
+
+
+def push_link_rank(rank: int, world: int, repeats: int) -> tuple[int, list[float]]:
+    """The link alone: trainer 0 (rank 0) broadcasts the check job's model tensor by tensor (the
+    order and sizes of a push, rl/rollout/sync.py `tensor_order`; conf/model/dense_tiny.yaml) to an
+    idle rank 1, `repeats` times; the bytes of one push and each push's seconds."""
+    import torch
+    import torch.distributed as dist
+
+    from model.models import build_model
+    from rl.rollout.sync import tensor_order
+
+    order = [(shape, dtype) for _, shape, dtype in tensor_order(build_model("qwen3", vocab_size=64,
+                                                                             max_position_embeddings=512))]
+    times = []
+    for _ in range(repeats):
+        bufs = [torch.ones(shape, dtype=dtype) for shape, dtype in order]
+        dist.barrier()
+        t0 = time.perf_counter()
+        for buf in bufs:
+            dist.broadcast(buf, src=0)
+        times.append(time.perf_counter() - t0)
+    return sum(b.numel() * b.element_size() for b in bufs), times
+
+
+def train_run(nproc: int, overrides: list[str], folder: Path, copies: int = 1) -> tuple[list[list[dict]], float]:
+    """train.py under torchrun (`--standalone`: 127.0.0.1), OMP_NUM_THREADS=1 (train.py gives each of
+    several ranks one thread), `copies` of it at once (each its own folder); trainer 0's metrics of
+    every step of each, and the cores the processes kept busy (their CPU seconds over the wall
+    seconds, start-up included: below nproc x copies where other jobs took the cores)."""
+    import json
+    import resource
+    import subprocess
+
+    used = lambda: (lambda r: r.ru_utime + r.ru_stime)(resource.getrusage(resource.RUSAGE_CHILDREN))  # noqa: E731
+    c0, t0 = used(), time.perf_counter()
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    folders = [folder.with_name(f"{folder.name}_{i}") for i in range(copies)]
+    cmds = [[sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py",
+             f"hydra.run.dir={f}", *overrides] for f in folders]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for cmd in cmds]
+    for cmd, proc in zip(cmds, procs):
+        _, err = proc.communicate()
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{err[-4000:]}")
+    cores = (used() - c0) / (time.perf_counter() - t0)
+    return [[json.loads(line) for line in (f / "metrics.jsonl").read_text().splitlines()] for f in folders], cores
+
+
+def check_report(steps: int, rounds: int) -> tuple[dict, dict]:
+    """`--check-dedicated`: the link, then `rounds` rounds of the four arms (colocated alone, two
+    colocated side by side, dedicated at k = 1 and 0; odd rounds in reverse order, so a load that
+    drifts over the rounds falls on every arm alike), and `check_dedicated` over them."""
+    import tempfile
+
+    sys.path.insert(0, str(ROOT))
+    from testing.distributed import run_distributed
+
+    job = [*CHECK_JOB, f"trainer.max_steps={steps}"]
+    load = [round(x, 2) for x in os.getloadavg()]
+    with tempfile.TemporaryDirectory(prefix="async_check_") as tmp:
+        link_bytes, link_s = run_distributed(push_link_rank, 2, PUSH_REPEATS)[0]
+        push = statistics.median(link_s[1:])  # the first warms up
+        # colocated alone (k = 0's condition: one side busy at a time) and two colocated runs side by side (k >= 1's:
+        # both sides busy at once, one core each); the dedicated runs at k = 1 and 0
+        arms = {"colocated": (1, ["rollout.max_staleness=0"], 1), "colocated_pair": (1, ["rollout.max_staleness=0"], 2),
+                **{f"k{k}": (2, ["parallel.rollout_ranks=1", f"rollout.max_staleness={k}"], 1) for k in (1, 0)}}
+        runs: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
+        cores: dict[str, list[float]] = {arm: [] for arm in arms}
+        for r in range(rounds):  # ABBA: round 1 runs the arms in reverse, so a load that drifts falls on all alike
+            names = list(arms) if r % 2 == 0 else list(arms)[::-1]
+            for arm in names:
+                nproc, extra, copies = arms[arm]
+                got, busy = train_run(nproc, [*job, *extra], Path(tmp) / f"{arm}_{r}", copies)
+                runs[arm] += got
+                cores[arm].append(round(busy, 3))
+                print(f"bench/async.py --check-dedicated: round {r} {arm}: median step "
+                      f"{statistics.median(m['step_s'] for m in got[-1][1:]):.3f} s, {busy:.2f} cores busy, load "
+                      f"{os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+    colocated = {1: runs["colocated_pair"], 0: runs["colocated"]}
+    dedicated = {k: runs[f"k{k}"] for k in (1, 0)}
+    alone = check_dedicated({1: runs["colocated"]}, {1: dedicated[1]}, push, 4 * 8)["k1"]  # k = 1 from the lone run
+    samples = 4 * 8  # CHECK_JOB's prompts x samples
+    res = check_dedicated(colocated, dedicated, push, samples)
+    r4 = lambda x: round(x, 4) + 0.0  # noqa: E731
+    summary = {"job": " ".join(CHECK_JOB), "steps": steps, "rounds": rounds, "ranks": "colocated 1 rank (alone, and "
+               "two runs side by side); dedicated 1 trainer + 1 generator; one core each (2 cores, OMP_NUM_THREADS=1)",
+               "push_link_s": r4(push), "push_link_bytes": link_bytes,
+               "k1_error_from_lone_colocated": r4(alone["error"]),
+               "k1_predicted_from_lone_colocated_step_s": r4(alone["predicted"]["step_s"]),
+               "cores_busy": {arm: v for arm, v in cores.items()}}
+    for k in (1, 0):
+        x = res[f"k{k}"]
+        c, d, pred = x["colocated"], x["measured"], x["predicted"]
+        figures = {"colocated_step_s": c["step"], "colocated_generate_s": c["generate"],
+                   "colocated_train_s": c["train"], "colocated_sync_s": c["sync"], "ratio": x["ratio"],
+                   "predicted_step_s": pred["step_s"], "simulated_step_s": x["simulated"]["step_s"],
+                   "measured_step_s": d["step"], "error": x["error"], "error_simulated": x["error_simulated"],
+                   "error_own_phases": x["error_own_phases"], "within_15pct": x["within_tolerance"],
+                   "push_bytes": x["push_bytes"], "push_s": d["push"], "trainer_idle_s": d["trainer_idle"],
+                   "generator_idle_s": d["generator_idle"], "predicted_trainer_idle_s": pred["trainer_idle_s"],
+                   "predicted_generator_idle_s": pred["generator_idle_s"], "generate_s": d["generate"],
+                   "train_s": d["train"], "generate_slowdown": x["generate_slowdown"],
+                   "train_slowdown": x["train_slowdown"], "staleness_histogram": x["staleness_histogram"]}
+        summary |= {f"k{k}_{name}": r4(v) if type(v) is float else v for name, v in figures.items()}
+    summary["loadavg"] = [load, [round(x, 2) for x in os.getloadavg()]]
+    return summary, {**res, "k1_from_lone_colocated": alone, "runs": runs}
+
+
+def check_table(summary: dict) -> str:
+    s = summary
+    rows = [f"the link alone: a push of {s['push_link_bytes']} bytes {s['push_link_s']:.4f} s",
+            f"{'dedicated R=1 T=1':<18}{'colocated g + t':>17}{'predicted':>11}{'simulated':>11}{'measured':>10}"
+            f"{'error':>9}{'own phases':>12}{'trainer idle':>14}{'gen idle':>10}{'push':>8}{'gen x':>7}{'train x':>9}"]
+    for k in (1, 0):
+        rows.append(f"{f'max_staleness={k}':<18}{s[f'k{k}_colocated_generate_s']:>8.4f} +{s[f'k{k}_colocated_train_s']:>7.4f}"
+                    f"{s[f'k{k}_predicted_step_s']:>11.4f}{s[f'k{k}_simulated_step_s']:>11.4f}"
+                    f"{s[f'k{k}_measured_step_s']:>10.4f}{s[f'k{k}_error']:>+9.1%}{s[f'k{k}_error_own_phases']:>+12.1%}"
+                    f"{s[f'k{k}_trainer_idle_s']:>14.4f}{s[f'k{k}_generator_idle_s']:>10.4f}{s[f'k{k}_push_s']:>8.4f}"
+                    f"{s[f'k{k}_generate_slowdown']:>7.2f}{s[f'k{k}_train_slowdown']:>9.2f}")
+        rows.append(f"  staleness {s[f'k{k}_staleness_histogram']} samples; {s[f'k{k}_push_bytes']} bytes a push")
+    rows.append(f"cores busy (CPU s / wall s of each run, start-up included): {s['cores_busy']}; load "
+                f"{s['loadavg']}")
+    rows.append(f"colocated phases: k = 1 from two colocated runs side by side (both cores busy, as the dedicated "
+                f"run's two ranks at k = 1), k = 0 from one alone; k = 1 predicted from the lone run: "
+                f"{s['k1_predicted_from_lone_colocated_step_s']:.4f} s, error {s['k1_error_from_lone_colocated']:+.1%}")
+    return "\n".join(rows)
+
+
 # ------------------------------------------------------------------------------------- the run
 def run(steps: int, overrides: list[str]) -> tuple[dict[str, list[dict]], int]:
     """Both modes' metrics of every step (steps interleaved) and the samples per step."""
@@ -602,6 +807,10 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=GPU_RANKS, help=f"--predict: N ranks (default {GPU_RANKS})")
     p.add_argument("--train-s", type=float, default=GPU_TRAIN_S,
                    help=f"--predict: colocated sync's training seconds a step on N ranks (default {GPU_TRAIN_S:g})")
+    p.add_argument("--check-dedicated", action="store_true",
+                   help="run the check job colocated and dedicated (1 trainer + 1 generator, k = 1 and 0) and compare "
+                        "the prediction (bench/results/async_check.json)")
+    p.add_argument("--rounds", type=int, default=CHECK_ROUNDS, help="--check-dedicated: rounds of its four arms")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for both modes (e.g. model=dense_tiny)")
     args = p.parse_args()
     if args.predict:
@@ -614,6 +823,20 @@ def main() -> None:
         summary, details = placements_report(args.ranks, args.train_s)
         print(placements_table(summary, details), flush=True)
         emit("async_dedicated", summary, details)
+        return
+    if args.check_dedicated:
+        if args.overrides or args.quick:
+            p.error(f"--check-dedicated runs its own job (CHECK_JOB), got overrides {args.overrides}, --quick {args.quick}")
+        steps = args.steps or CHECK_STEPS
+        if steps < 5:
+            p.error(f"--check-dedicated --steps {steps}: expected >= 5 (k = 1's steady steps are 2 .. steps - 2)")
+        os.environ["OMP_NUM_THREADS"] = "1"  # the ranks' (train_run sets it for them); here before torch loads
+        sys.path.insert(0, str(ROOT / "bench"))
+        from common import emit
+
+        summary, details = check_report(steps, args.rounds)
+        print(check_table(summary), flush=True)
+        emit("async_check", summary, details, clock="wall")
         return
     steps = args.steps or (5 if args.quick else 10)
     if steps < ASYNC_K + 3:

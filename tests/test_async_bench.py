@@ -172,3 +172,49 @@ def test_linear_scaling_makes_the_best_split_colocated_syncs_step_and_sublinear_
     assert close(slow["push_s"], 13.12) and slow["best_rollout_ranks"] == 3  # the trainers take a rank to pay for it
     assert close(slow["dedicated_step_s"], 10.0 * 8 / 5 + 13.12)  # R = 3: 16 s training + the push > 80/3 s rollout
     assert close(slow["colocated_sync_step_s"], 20.0 + b.MODEL_BYTES / (b.SYNC_GBPS * 1e9))  # its sync in the node
+
+
+def _colocated_run(n: int, generate: float, train: float, sync: float) -> list[dict]:
+    return [{"step": s, "step_s": generate + train + sync, "rollout_s": generate, "weight_sync_s": sync}
+            for s in range(n)]
+
+
+def _dedicated_run(n: int, k: int, generate: float, train: float, push: float, samples: int = 32) -> list[dict]:
+    """Trainer 0's metrics of a dedicated run stepping as `predict_dedicated` says (steady state
+    from step k + 1; before it and after step n - k - 1 the run is off it by 10 s: the windows)."""
+    step = generate + train + push if not k else max(generate, train + push)
+    out = []
+    for s in range(n):
+        off = 10.0 if s < k + 1 or s >= n - k else 0.0
+        out.append({"step": s, "step_s": step + off, "rollout_s": step - train - push + off, "weight_sync_s": push,
+                    "generator_generate_s": generate, "generator_wait_s": step - generate,
+                    "weight_sync_bytes": 4096.0, "rollout_staleness_mean": float(min(s, k)),
+                    "rollout_staleness_max": float(min(s, k))})
+    return out
+
+
+def test_the_dedicated_check_predicts_from_colocated_phases_and_flags_a_miss_over_15_percent():
+    """Colocated phases generate 0.6, train 0.25 and a 0.05 s push: the dedicated step is
+    max(0.6, 0.3) = 0.6 at k = 1 and 0.9 at k = 0. Runs that step so give error 0 (the
+    steady windows leave out steps 0..k and the last k, which are 10 s off), the trainer's idle
+    0.3 at k = 1, the staleness histogram by samples. The control: a k = 1 run whose generator
+    is 1.3x slower than colocated (0.78 s a step) misses by +30% and is flagged, while the
+    formula on its own phases still holds (error_own_phases 0)."""
+    b = bench()
+    colocated = [_colocated_run(8, 0.6, 0.25, 0.001), _colocated_run(8, 0.6, 0.25, 0.001)]
+    runs = {1: [_dedicated_run(10, 1, 0.6, 0.25, 0.05)], 0: [_dedicated_run(10, 0, 0.6, 0.25, 0.05)]}
+    assert [m["step"] for m in b.steady_dedicated(runs[1][0], 1)] == list(range(2, 9))
+    assert [m["step"] for m in b.steady_dedicated(runs[0][0], 0)] == list(range(1, 10))
+    got = b.check_dedicated({1: colocated, 0: colocated}, runs, 0.05, 32)
+    k1, k0 = got["k1"], got["k0"]
+    assert k1["ratio"] == pytest.approx(0.6 / 0.25)
+    assert k1["predicted"]["step_s"] == pytest.approx(0.6) and k0["predicted"]["step_s"] == pytest.approx(0.9)
+    assert k1["error"] == pytest.approx(0.0, abs=1e-12) and k0["error"] == pytest.approx(0.0, abs=1e-12)
+    assert k1["within_tolerance"] and k0["within_tolerance"]
+    assert k1["measured"]["trainer_idle"] == pytest.approx(0.3) and k1["predicted"]["trainer_idle_s"] == pytest.approx(0.3)
+    assert k1["simulated"]["step_s"] == pytest.approx(0.6, rel=1e-9)  # constant phases: the event simulation agrees
+    assert k1["staleness_histogram"] == {"0": 32, "1": 9 * 32} and k0["staleness_histogram"] == {"0": 10 * 32}
+    assert k1["push_bytes"] == [4096.0]
+    slow = b.check_dedicated({1: colocated}, {1: [_dedicated_run(10, 1, 0.78, 0.25, 0.05)]}, 0.05, 32)["k1"]  # control
+    assert slow["error"] == pytest.approx(0.3) and not slow["within_tolerance"]
+    assert slow["generate_slowdown"] == pytest.approx(1.3) and slow["error_own_phases"] == pytest.approx(0.0, abs=1e-12)
