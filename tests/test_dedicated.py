@@ -1,11 +1,11 @@
 """Dedicated rollout ranks (`parallel.rollout_ranks`, rl/rollout/dedicated.py): the last R ranks only
-generate, the first T train. With R = 2 generators and T = 2 trainers at max_staleness=1 every
-step's records (tokens, the engine's log-probs, rewards, versions) are bit for bit those of the
-colocated dp = 2 run (generator g rolls out colocated rank g's prompts with the same version of the
-weights), two dedicated runs are identical, and the losses and final weights are the colocated
-run's within the FSDP tolerance; the control: max_staleness=0 gives other records from step 1 (and,
-run from a checkpoint of the same weights, the same step 0: the trainers' sharded load works beside
-the generators).
+generate, the first T train. Every step's records (tokens, the engine's log-probs, rewards, versions)
+are bit for bit those of the colocated dp = R run with the same max_staleness k (generator g rolls
+out colocated rank g's prompts with the same version of the weights), and the losses and final
+weights are the colocated run's within the FSDP tolerance. The cases, each against its colocated
+run: R = 2, T = 2, k = 1 (two dedicated runs identical; the control: k = 0 gives other records from
+step 1, and, run from a checkpoint of the same weights, the same step 0); R = 1, T = 1, k = 2 (the
+control: a k = 1 run differs from rollout 2).
 The unsupported combinations are refused at start-up, naming their keys."""
 
 import json
@@ -22,16 +22,18 @@ from testing.inprocess import SMALL, compose
 
 from model.models import build_model
 
-DENSE = (*SMALL, "model=dense_tiny", "task.prompts_per_step=4", "algo.tis_cap=2.0", "eval.every=0",
-         "checkpoint.final=false", "trainer.log_samples=0")
+BASE = (*SMALL, "task.prompts_per_step=4", "algo.tis_cap=2.0", "eval.every=0", "checkpoint.final=false",
+        "trainer.log_samples=0")
+DENSE = (*BASE, "model=dense_tiny")
 DEDICATED = ("parallel.rollout_ranks=2",)
 STEPS = 3
-FIELDS = ("sequences", "rollout_log_probs", "rewards", "prompt_index", "policy_version")
+# routed_experts [L, K, T]: the generation's routes (MoE routing replay), None on a dense model
+FIELDS = ("sequences", "rollout_log_probs", "rewards", "prompt_index", "policy_version", "routed_experts")
 TOL = 7.8e-6  # the FSDP reductions' rounding (tests/test_fsdp.py)
 
 
 def _fields(records) -> list[dict]:
-    return [{name: getattr(r, name).clone() for name in FIELDS} for r in records]
+    return [{name: getattr(r, name).clone() for name in FIELDS if getattr(r, name) is not None} for r in records]
 
 
 def _recorded(scheduler) -> list[list[dict]]:
@@ -47,9 +49,25 @@ def _recorded(scheduler) -> list[list[dict]]:
     return records
 
 
+def _received() -> list[list[dict | None]]:
+    """What the step's exchange hands this trainer, step by step: per sample of the step (global
+    order: generator by generator, or colocated rank by rank) its fields, None where it is not a destination."""
+    from rl.trainer import trainer
+
+    exchange, received = trainer.exchange_records, []
+
+    def keep(*args):
+        mine = exchange(*args)
+        received.append([None if r is None else _fields([r])[0] for r in mine])
+        return mine
+
+    trainer.exchange_records = keep
+    return received
+
+
 def run_rank(rank: int, world: int, overrides: tuple[str, ...], steps: int) -> dict:
     """train.py's rank, in-process: a generator's records per step, or a trainer's metrics, final
-    weights and (colocated) records per step."""
+    weights, (colocated) records and received samples per step."""
     from runtime.parallel_dims import init_distributed
     from rl.trainer.build import build_generator, build_trainer
     from testing.inprocess import weights
@@ -67,16 +85,68 @@ def run_rank(rank: int, world: int, overrides: tuple[str, ...], steps: int) -> d
         return {"role": "generator", "records": records}
     tr = build_trainer(cfg, dims)
     records = _recorded(tr.rollout_scheduler) if not dims.rollout_ranks else []  # trainers: no records of their own
+    received = _received()
     metrics = [tr.step(s) for s in range(steps)]
     if hasattr(tr.rollout_scheduler, "close"):
         tr.rollout_scheduler.close()
-    return {"role": "trainer", "records": records, "metrics": metrics, "weights": weights(tr)}
+    return {"role": "trainer", "records": records, "received": received, "metrics": metrics, "weights": weights(tr)}
 
 
 def _same(a: list[list[dict]], b: list[list[dict]]) -> bool:
     return len(a) == len(b) and all(
-        len(x) == len(y) and all(all(torch.equal(r[k], s[k]) for k in FIELDS) for r, s in zip(x, y))
+        len(x) == len(y) and all(r.keys() == s.keys() and all(torch.equal(r[k], s[k]) for k in r)
+                                 for r, s in zip(x, y))
         for x, y in zip(a, b))
+
+
+def _check_records(colocated: list[dict], dedicated: list[dict], generators: int, k: int) -> list[list[dict]]:
+    """Generator g's records (rank T + g) against colocated rank g's (dp = R, the same max_staleness
+    `k`): bit for bit at every step when the trainers are as many as the colocated ranks. With T != R
+    trainers the FSDP reductions sum in another order than the colocated run's, so a pushed version
+    (>= 1) is its weights up to rounding: the steps at version 0 are bit for bit, later ones the same
+    samples (tokens, routes, rewards) with log-probs within rounding, and not bit for bit (the
+    control: a bit-for-bit comparison sees rounding-level weights). Every trainer receives in the
+    exchange exactly the generators' records the plan sends it (routes included), and every sample
+    reaches one. Returns each step's records in the step's order (generator by generator)."""
+    trainers = len(dedicated) - generators
+    assert [r["role"] for r in dedicated] == ["trainer"] * trainers + ["generator"] * generators
+    steps = len(colocated[0]["records"])
+    versions = [max(0, s - k) for s in range(steps)]  # rollout j uses version max(0, j - k)
+    exact = steps if trainers == generators else versions.count(0)
+    for g in range(generators):
+        gen, col = dedicated[trainers + g]["records"], colocated[g]["records"]
+        assert [len(step) for step in gen] == [16 // generators] * steps  # 4 prompts x 4 samples a step
+        assert [int(step[0]["policy_version"]) for step in gen] == versions
+        assert _same(gen[:exact], col[:exact]), f"generator {g}: records differ from colocated rank {g}'s"
+        if exact < steps:
+            assert not _same(gen[exact:], col[exact:]), f"generator {g}: T={trainers} trainers' versions are " \
+                                                        f"the colocated dp={generators} run's bit for bit"
+            for x, y in zip(gen[exact:], col[exact:]):
+                for r, c in zip(x, y):
+                    assert r.keys() == c.keys() and all(torch.equal(r[f], c[f]) for f in r if f != "rollout_log_probs")
+                    torch.testing.assert_close(r["rollout_log_probs"], c["rollout_log_probs"], atol=TOL, rtol=0)
+    sent = [[r for g in range(generators) for r in dedicated[trainers + g]["records"][s]] for s in range(steps)]
+    for s, records in enumerate(sent):
+        got = [dedicated[t]["received"][s] for t in range(trainers)]
+        assert all(len(mine) == len(records) for mine in got)
+        for j, record in enumerate(records):
+            arrived = [mine[j] for mine in got if mine[j] is not None]
+            assert arrived and _same([arrived], [[record] * len(arrived)]), f"step {s} sample {j}: not received"
+    return sent
+
+
+def _check_training(colocated: list[dict], dedicated: list[dict]) -> None:
+    """The trainers train on the samples the colocated ranks train on: the step's (global) losses,
+    rewards and token counts and the final weights within the FSDP tolerance, trainer t against
+    colocated rank t."""
+    for got, want in zip(dedicated, colocated):
+        if got["role"] != "trainer":
+            break
+        for m, w in zip(got["metrics"], want["metrics"], strict=True):
+            assert m["loss"] == pytest.approx(w["loss"], abs=TOL) and m["reward_mean"] == w["reward_mean"]
+            assert m["tokens"] == w["tokens"] and m["rollout_staleness_max"] == w["rollout_staleness_max"]
+        for name, value in want["weights"].items():
+            torch.testing.assert_close(got["weights"][name], value, atol=TOL, rtol=0)
 
 
 @pytest.mark.slow
@@ -90,26 +160,17 @@ def test_dedicated_generators_give_the_colocated_records_bit_for_bit_and_train_a
     control = run_distributed(run_rank, 4, (*DENSE, "rollout.max_staleness=0", *DEDICATED,
                                             f"model.pretrained_path={tmp_path}"), STEPS, timeout=600)
 
-    assert [r["role"] for r in dedicated] == ["trainer", "trainer", "generator", "generator"]
-    for g in (0, 1):  # generator g (rank 2 + g) holds colocated rank g's rows
-        gen, col = dedicated[2 + g]["records"], colocated[g]["records"]
-        assert len(gen) == STEPS and all(len(step) == 8 for step in gen)  # 2 prompts x 4 samples each step
-        assert _same(gen, col), f"generator {g}: records differ from colocated rank {g}'s"
+    _check_records(colocated, dedicated, 2, 1)  # generator g (rank 2 + g) holds colocated rank g's rows
+    for g in (0, 1):
+        gen = dedicated[2 + g]["records"]
         assert _same(gen, again[2 + g]["records"]), f"generator {g}: two dedicated runs differ"
         # the control: at max_staleness=0 rollout j uses version j, not j - 1: the same step 0 (version 0, the
         # checkpoint's weights pushed), other records after
         ctl = control[2 + g]["records"]
         assert _same(gen[:1], ctl[:1]) and not _same(gen[1:2], ctl[1:2])
-        assert [int(s[0]["policy_version"]) for s in gen] == [0, 0, 1]
         assert [int(s[0]["policy_version"]) for s in ctl] == [0, 1, 2]
 
-    for t in (0, 1):  # the trainers train on the same samples: losses and weights within the FSDP tolerance
-        got, want = dedicated[t], colocated[t]
-        for m, w in zip(got["metrics"], want["metrics"]):
-            assert m["loss"] == pytest.approx(w["loss"], abs=TOL) and m["reward_mean"] == w["reward_mean"]
-            assert m["tokens"] == w["tokens"] and m["rollout_staleness_max"] == w["rollout_staleness_max"]
-        for name, value in want["weights"].items():
-            torch.testing.assert_close(got["weights"][name], value, atol=TOL, rtol=0)
+    _check_training(colocated, dedicated)
     first = dedicated[0]["metrics"]  # measured on trainer 0: the push and both sides' waits
     full = sum(v.numel() * v.element_size() for v in dedicated[0]["weights"].values())
     tied = full - sum(v.numel() * v.element_size() for n, v in dedicated[0]["weights"].items() if "lm_head" in n)
@@ -118,6 +179,22 @@ def test_dedicated_generators_give_the_colocated_records_bit_for_bit_and_train_a
         assert m["weight_sync_s"] > 0 and m["rollout_s"] >= 0
         assert m["generator_generate_s"] > 0 and m["generator_wait_s"] >= 0
     assert "generator_generate_s" not in dedicated[1]["metrics"][0]  # reported on trainer 0 only
+
+
+@pytest.mark.slow
+def test_one_generator_at_max_staleness_2_gives_the_colocated_records_bit_for_bit():
+    """Dense, R = 1 generator beside T = 1 trainer, max_staleness=2, four steps (rollout 3 is the first
+    with a pushed version, 1): the records of the colocated one-rank run; the control, a colocated
+    max_staleness=1 run, has the same rollouts 0-1 (version 0) and others from rollout 2 (version 1)."""
+    k2 = (*DENSE, "rollout.max_staleness=2")
+    colocated = run_distributed(run_rank, 1, k2, 4, timeout=600)
+    dedicated = run_distributed(run_rank, 2, (*k2, "parallel.rollout_ranks=1"), 4, timeout=600)
+    control = run_distributed(run_rank, 1, (*DENSE, "rollout.max_staleness=1"), 4, timeout=600)
+
+    _check_records(colocated, dedicated, 1, 2)
+    _check_training(colocated, dedicated)
+    gen, ctl = dedicated[1]["records"], control[0]["records"]
+    assert _same(gen[:2], ctl[:2]) and not _same(gen[2:3], ctl[2:3])
 
 
 def test_unsupported_combinations_are_refused_at_start_up_naming_their_keys():
