@@ -1,11 +1,14 @@
 """Dedicated rollout ranks (`parallel.rollout_ranks`, rl/rollout/dedicated.py): the last R ranks only
-generate, the first T train. Every step's records (tokens, the engine's log-probs, rewards, versions)
-are bit for bit those of the colocated dp = R run with the same max_staleness k (generator g rolls
-out colocated rank g's prompts with the same version of the weights), and the losses and final
-weights are the colocated run's within the FSDP tolerance. The cases, each against its colocated
-run: R = 2, T = 2, k = 1 (two dedicated runs identical; the control: k = 0 gives other records from
-step 1, and, run from a checkpoint of the same weights, the same step 0); R = 1, T = 1, k = 2 (the
-control: a k = 1 run differs from rollout 2).
+generate, the first T train. Every step's records (tokens, the engine's log-probs, rewards, versions,
+an MoE's routes) are bit for bit those of the colocated dp = R run with the same max_staleness k
+(generator g rolls out colocated rank g's prompts with the same version of the weights), and the
+losses and final weights are the colocated run's within the FSDP tolerance. The matrix, each case
+against its colocated run: dense R = 2, T = 2, k = 1 (two dedicated runs identical; the control:
+k = 0 gives other records from step 1, and, run from a checkpoint of the same weights, the same step
+0); dense R = 1, T = 1, k = 2 (the control: a k = 1 run differs from rollout 2); MoE R = 2, T = 2,
+k = 2; MoE R = 1, T = 2 expert-parallel trainers, k = 1 (T != R: bit for bit while rollouts use
+version 0, then within rounding: T trainers sum their gradients in another order than R colocated
+ranks; the control for MoE: the routes differ between tokens, samples and steps).
 The unsupported combinations are refused at start-up, naming their keys."""
 
 import json
@@ -25,6 +28,7 @@ from model.models import build_model
 BASE = (*SMALL, "task.prompts_per_step=4", "algo.tis_cap=2.0", "eval.every=0", "checkpoint.final=false",
         "trainer.log_samples=0")
 DENSE = (*BASE, "model=dense_tiny")
+MOE = (*BASE, "model=moe_tiny")
 DEDICATED = ("parallel.rollout_ranks=2",)
 STEPS = 3
 # routed_experts [L, K, T]: the generation's routes (MoE routing replay), None on a dense model
@@ -65,6 +69,21 @@ def _received() -> list[list[dict | None]]:
     return received
 
 
+def _replayed() -> list[bool]:
+    """Per MoE forward of this trainer's policy: whether it replayed recorded routes (model/actor.py
+    enters model/moe.py's `routing_replay` with the batch's routes, None: live routing)."""
+    from model import actor
+
+    replay, seen = actor.routing_replay, []
+
+    def keep(model, routed):
+        seen.append(routed is not None)
+        return replay(model, routed)
+
+    actor.routing_replay = keep
+    return seen
+
+
 def run_rank(rank: int, world: int, overrides: tuple[str, ...], steps: int) -> dict:
     """train.py's rank, in-process: a generator's records per step, or a trainer's metrics, final
     weights, (colocated) records and received samples per step."""
@@ -85,11 +104,12 @@ def run_rank(rank: int, world: int, overrides: tuple[str, ...], steps: int) -> d
         return {"role": "generator", "records": records}
     tr = build_trainer(cfg, dims)
     records = _recorded(tr.rollout_scheduler) if not dims.rollout_ranks else []  # trainers: no records of their own
-    received = _received()
+    received, replayed = _received(), _replayed()
     metrics = [tr.step(s) for s in range(steps)]
     if hasattr(tr.rollout_scheduler, "close"):
         tr.rollout_scheduler.close()
-    return {"role": "trainer", "records": records, "received": received, "metrics": metrics, "weights": weights(tr)}
+    return {"role": "trainer", "records": records, "received": received, "replayed": replayed, "metrics": metrics,
+            "weights": weights(tr)}
 
 
 def _same(a: list[list[dict]], b: list[list[dict]]) -> bool:
@@ -197,15 +217,45 @@ def test_one_generator_at_max_staleness_2_gives_the_colocated_records_bit_for_bi
     assert _same(gen[:2], ctl[:2]) and not _same(gen[2:3], ctl[2:3])
 
 
+@pytest.mark.slow
+def test_moe_generators_record_the_colocated_routes_and_the_trainers_replay_them():
+    """MoE (model=moe_tiny, routing replay): R = 2 generators beside T = 2 trainers at max_staleness=2
+    (four steps) give the colocated dp = 2 run's records bit for bit, routes included; R = 1 beside
+    T = 2 expert-parallel trainers (parallel.ep=2) at max_staleness=1 the colocated one-rank run's
+    (bit for bit at version 0, within rounding after: `_check_records`). The trainers receive the
+    routes, every forward of their policy replays them (as a colocated rank's does), and they train
+    as the colocated ranks do. The control: the routes carry information (they differ between
+    tokens, samples and steps), so equal routes are not vacuous."""
+    k2 = (*MOE, "rollout.max_staleness=2")
+    colocated = run_distributed(run_rank, 2, k2, 4, timeout=600)
+    dedicated = run_distributed(run_rank, 4, (*k2, *DEDICATED), 4, timeout=600)
+    k1 = (*MOE, "rollout.max_staleness=1")
+    one = run_distributed(run_rank, 1, k1, STEPS, timeout=600)
+    uneven = run_distributed(run_rank, 3, (*k1, "parallel.rollout_ranks=1", "parallel.ep=2"), STEPS, timeout=600)
+
+    steps = _check_records(colocated, dedicated, 2, 2)
+    _check_training(colocated, dedicated)
+    _check_records(one, uneven, 1, 1)
+    _check_training(one, uneven)
+    for t in (0, 1):  # every forward of a trainer's policy replays the routes it received, as a colocated rank's
+        assert dedicated[t]["replayed"] == colocated[t]["replayed"] and all(dedicated[t]["replayed"])
+        assert uneven[t]["replayed"] and all(uneven[t]["replayed"])
+    routes = [[r["routed_experts"] for r in records] for records in steps]
+    for step in routes:  # [L = 2 MoE layers, top-k = 2, T tokens] a sample, every token routed
+        assert all(r.shape[:2] == (2, 2) and r.min() >= 0 and r.max() < 8 for r in step)
+        assert len({tuple(r[:, :, t].flatten().tolist()) for r in step for t in range(r.shape[-1])}) > 8
+        assert len({tuple(r[:, :, -4:].flatten().tolist()) for r in step}) > 1  # the replies route apart
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(routes, routes[1:]))  # the steps' prompts too
+
+
 def test_unsupported_combinations_are_refused_at_start_up_naming_their_keys():
     ok = compose(*DENSE, *DEDICATED, world_size=4)
-    assert ok.parallel.rollout_ranks == 2
+    assert ok.parallel.rollout_ranks == 2 and compose(*MOE, *DEDICATED, "parallel.ep=2", world_size=4).parallel.ep == 2
     for extra, world, match in [
         ((), 2, r"parallel\.rollout_ranks=2: expected an int in \[0, world_size=2\)"),
         (("task.prompts_per_step=3",), 4, r"task\.prompts_per_step=3 does not divide over parallel\.rollout_ranks=2"),
         (("rollout.engine=vllm",), 4, r"rollout\.engine=vllm: vLLM on dedicated rollout ranks comes later"),
-        (("model=moe_tiny",), 4, r"model family qwen3_moe: MoE"),
-        (("parallel.cp=2", "task.prompts_per_step=4"), 6, r"parallel\.cp=2, parallel\.ep=1"),
+        (("parallel.cp=2", "task.prompts_per_step=4"), 6, r"parallel\.cp=2: the trainers run data \(and expert\)"),
         # the sizes fill the trainers: the error says world_size is torchrun's ranks less the generators
         (("parallel.dp=4",), 4, r"4 != world_size=2 \(parallel\.dp=-1 fills it\); world_size: torchrun's 4 ranks "
                                 r"less parallel\.rollout_ranks=2"),

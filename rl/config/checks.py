@@ -55,7 +55,7 @@ def validate(cfg: Config, world_size: int) -> Checked:
     run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, param_dtype=compute))  # auto, resolved once
     _check_device(run)
     if generators:
-        _check_dedicated(run, family)
+        _check_dedicated(run)
     _check_rollout(run, world_size, family)
     return Checked(run, dims)
 
@@ -73,17 +73,16 @@ def _check_rollout_ranks(cfg: Config, world_size: int) -> int:
     return r
 
 
-def _check_dedicated(cfg: Config, family: str) -> None:
+def _check_dedicated(cfg: Config) -> None:
     """What dedicated rollout ranks (parallel.rollout_ranks > 0) run today: the project's engine on a
-    dense model, every trainer its own DP rank, no evaluation yet (docs/rollouts.md)."""
+    dense or MoE model (routing replay: the records carry the generators' routes), every trainer its own
+    DP rank, no evaluation yet (docs/rollouts.md)."""
     p, r = cfg.parallel, cfg.rollout
     keys = "parallel.rollout_ranks=" + str(p.rollout_ranks)
     refused = [
         (RolloutEngineName(r.engine) is RolloutEngineName.VLLM,
          "rollout.engine=vllm: vLLM on dedicated rollout ranks comes later; use rollout.engine=hf"),
-        (p.cp > 1 or p.ep > 1, f"parallel.cp={p.cp}, parallel.ep={p.ep}: the trainers run data parallel only for "
-                               f"now; set both to 1"),
-        (family in MOE, f"model family {family}: MoE (routing replay on generators) comes later; use a dense model"),
+        (p.cp > 1, f"parallel.cp={p.cp}: the trainers run data (and expert) parallel only for now; set it to 1"),
         (ReplicaMode(r.replica) is ReplicaMode.SHARDED, "rollout.replica=sharded: a generator holds its own copy; "
                                                         "use rollout.replica=auto or keep"),
         (r.tensor_parallel_size > 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: expected 1"),

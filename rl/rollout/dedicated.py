@@ -23,8 +23,11 @@ exchange (world) -> push (push group) -> figures (push group) -> [checkpoint (wo
 checkpoint's policy: the end of `Trainer.load_state_dict`, the start of `Generator.load_state_dict`)
 -> the load's agreement (world). A generator's rollout thread runs no collective. Rollout j uses
 exactly version max(base, j - k) of the weights (base: 0, or the resumed checkpoint's steps), a
-broadcast copies bits, and generator g rolls out the prompts a colocated DP rank g of R would: the
-records are the colocated run's with dp = R (tests/test_dedicated.py).
+broadcast copies bits, and generator g rolls out the prompts a colocated DP rank g of R would: with
+T = R trainers the records are the colocated run's with dp = R (tests/test_dedicated.py). An MoE's
+records carry the routes the generator's engine recorded (`routed_experts`, as a colocated engine's)
+to the trainers, which replay them; the push sends the experts gathered over EP as a colocated sync
+does.
 
 Checkpoints (rl/trainer/checkpoint.py): one DCP save over every rank; a generator's part is its
 scheduler's queue (`RolloutScheduler.state_dict`, taken once the rollouts that need a version older

@@ -26,6 +26,7 @@ from runtime.allocator import release_memory
 from model.loading import load_sharded, materialize
 from model.lora import adapters_disabled, apply_lora
 from model.models import build_model, compute_copy, model_config_value
+from model.moe import is_moe, shard_experts
 from runtime.parallel_dims import ParallelDims
 from model.parallelize import parallelize
 from rl.algos.distill import build_teacher
@@ -155,9 +156,12 @@ def build_generator(cfg: Config, dims: ParallelDims) -> Generator:
                       tokenizer_path=cfg.task.tokenizer_path, vocab_size=model_config_value(cfg, "vocab_size")[0],
                       **cfg.task.options, calls=UserCalls(cfg.task.on_error, cfg.task.timeout_s, cfg.task.isolation))
     check_task_fits(cfg, task)
-    lm = build.policy_lm("meta")
-    order = tensor_order(lm)  # names, shapes and master dtypes of what a push sends, before the compute copy
-    engine = HFRolloutEngine(materialize(compute_copy(lm, compute), dims.device), stop_token_id=task.stop_token_id)
+    # what a push sends: names, shapes and master dtypes in the trainers' order, an MoE's blocks as they train
+    # them (model/moe.py's MoEBlocks); a skeleton of its own: a block's expert load is a buffer materialize refuses
+    pushed = build.policy_lm("meta")
+    order = tensor_order(shard_experts(pushed, None) if is_moe(pushed) else pushed)
+    engine = HFRolloutEngine(materialize(compute_copy(build.policy_lm("meta"), compute), dims.device),
+                             stop_token_id=task.stop_token_id)  # the colocated copy's way (rl/rollout/build.py)
     engine.load_weights(received_weights(order, dims, dims.device))  # version 0
 
     def receive(target, _model) -> None:
