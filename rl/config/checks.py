@@ -55,7 +55,7 @@ def validate(cfg: Config, world_size: int) -> Checked:
     run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, param_dtype=compute))  # auto, resolved once
     _check_device(run)
     if generators:
-        _check_dedicated(run)
+        _check_dedicated(run, family)
     _check_rollout(run, world_size, family)
     return Checked(run, dims)
 
@@ -73,15 +73,20 @@ def _check_rollout_ranks(cfg: Config, world_size: int) -> int:
     return r
 
 
-def _check_dedicated(cfg: Config) -> None:
+def _check_dedicated(cfg: Config, family: str) -> None:
     """What dedicated rollout ranks (parallel.rollout_ranks > 0) run today: the project's engine on a
-    dense or MoE model (routing replay: the records carry the generators' routes), every trainer its own
-    DP rank, no evaluation yet (docs/rollouts.md)."""
+    dense or MoE model (routing replay: the records carry the generators' routes), or vLLM on cpu on a
+    dense model, every trainer its own DP rank, no evaluation yet (docs/rollouts.md)."""
     p, r = cfg.parallel, cfg.rollout
     keys = "parallel.rollout_ranks=" + str(p.rollout_ranks)
+    vllm = RolloutEngineName(r.engine) is RolloutEngineName.VLLM
     refused = [
-        (RolloutEngineName(r.engine) is RolloutEngineName.VLLM,
-         "rollout.engine=vllm: vLLM on dedicated rollout ranks comes later; use rollout.engine=hf"),
+        (vllm and resolve_device(cfg.trainer.device.value).type == "cuda",
+         "rollout.engine=vllm on cuda: a generator's vLLM engine (its engine core a process of its own) is not yet "
+         "placed on the generator's GPU (vLLM's one-rank executor takes cuda:0) and no GPU run has checked it; use "
+         "rollout.engine=hf on cuda (vLLM on dedicated ranks runs on cpu)"),
+        (vllm and family in MOE, f"rollout.engine=vllm with model family {family}: routing replay from a "
+                                 f"generator's vLLM engine comes later; use a dense model or rollout.engine=hf"),
         (p.cp > 1, f"parallel.cp={p.cp}: the trainers run data (and expert) parallel only for now; set it to 1"),
         (ReplicaMode(r.replica) is ReplicaMode.SHARDED, "rollout.replica=sharded: a generator holds its own copy; "
                                                         "use rollout.replica=auto or keep"),
@@ -318,9 +323,11 @@ def _check_rollout_mode(cfg: Config) -> None:
     if ReplicaMode(r.replica) is ReplicaMode.SHARDED:
         raise ValueError(f"{m} with rollout.replica=sharded: generation would use the training policy's shards "
                          "while they train; set rollout.replica=keep (or auto)")
-    if RolloutEngineName(r.engine) is not RolloutEngineName.HF:
-        raise ValueError(f"{m} with rollout.engine={RolloutEngineName(r.engine).value}: only rollout.engine=hf "
-                         "generates in the background thread so far")
+    if RolloutEngineName(r.engine) is not RolloutEngineName.HF and not cfg.parallel.rollout_ranks:
+        raise ValueError(f"{m} with rollout.engine={RolloutEngineName(r.engine).value} colocated: only "
+                         "rollout.engine=hf generates in a training rank's rollout thread; run vLLM asynchronously "
+                         "on dedicated rollout ranks (parallel.rollout_ranks=R: the last R ranks of the job only "
+                         "generate, docs/rollouts.md), or set rollout.max_staleness=0")
     if algo.dynamic_sampling:
         raise ValueError(f"{m} with algo.dynamic_sampling=true: its extra rounds depend on the step's gathered "
                          "rewards; use rollout.max_staleness=0 with dynamic sampling")

@@ -55,24 +55,35 @@ def build_engine(cfg, dims, task, actor, new_model, teacher=None, max_staleness:
         engine = HFRolloutEngine(materialize(compute_copy(new_model("meta"), getattr(torch, compute.value)), dims.device),
                                  stop_token_id=stop)
     else:
-        require_vllm()
-        model_dir = cfg.model.pretrained_path
-        if model_dir is None:  # a random-init model: vLLM loads a folder, so write one (one per node)
-            model_dir = _random_init_folder(new_model, dims)
-        max_len = engine_max_len(cfg, task)
         tp_group = None
         if dims.distributed and r.tensor_parallel_size > 1:
             tp_group, _ = torch.distributed.new_subgroups(group_size=r.tensor_parallel_size)
-        engine = VLLMRolloutEngine(
-            model_dir, stop_token_id=stop, device=dims.device.type, dtype=compute.value,
-            max_model_len=max_len, seed=cfg.seed, sync_bucket_bytes=bucket,
-            tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
-            enable_sleep_mode=r.enable_sleep_mode, enforce_eager=r.enforce_eager, kv_cache_gb=r.kv_cache_gb,
-            tp_group=tp_group, routed_experts=cfg.algo.routing_replay and is_moe(actor.model),
-            lora=cfg.model.lora)
+        engine = vllm_engine(cfg, dims, task, new_model, bucket, tp_group=tp_group,
+                             routed_experts=cfg.algo.routing_replay and is_moe(actor.model))
     engine.sync_bucket_bytes, engine.replica = bucket, replica
     sync_weights(engine, actor.model)  # bucket by bucket (rl/rollout/sync.py); nothing for the sharded policy
     return engine
+
+
+def vllm_engine(cfg, dims, task, new_model, bucket: int, *, tp_group=None, routed_experts: bool = False,
+                alone: bool = False) -> VLLMRolloutEngine:
+    """The `VLLMRolloutEngine` of `cfg.rollout` over `model.pretrained_path` (a random-init model: a
+    folder written for it), holding the checkpoint's weights until its first `load_weights`.
+    `alone`: a dedicated generator's (rl/rollout/dedicated.py): no collective while it is built, and an
+    engine of its own (vLLM's one-rank layout, its engine core in a process of its own, no sleep mode)."""
+    require_vllm()
+    r = cfg.rollout
+    model_dir = cfg.model.pretrained_path
+    if model_dir is None:  # a random-init model: vLLM loads a folder, so write one (one per node)
+        model_dir = _random_init_folder(new_model, dims, alone=alone)
+    compute = cfg.model.param_dtype or cfg.model.dtype
+    return VLLMRolloutEngine(
+        model_dir, stop_token_id=task.stop_token_id, device=dims.device.type, dtype=compute.value,
+        max_model_len=engine_max_len(cfg, task), seed=cfg.seed, sync_bucket_bytes=bucket,
+        tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
+        enable_sleep_mode=r.enable_sleep_mode and not alone, enforce_eager=r.enforce_eager,
+        kv_cache_gb=r.kv_cache_gb, tp_group=tp_group, routed_experts=routed_experts, lora=cfg.model.lora,
+        **({"world_size": 1, "in_process": False} if alone else {}))
 
 
 def evaluation_engine(dims, task, actor, engine: RolloutEngine, max_staleness: int) -> RolloutEngine:
@@ -96,19 +107,23 @@ def engine_max_len(cfg, task) -> int | None:
     return longest_sample(task, max(cfg.task.max_new_tokens, cfg.eval.max_new_tokens or 0))
 
 
-def _random_init_folder(new_model, dims) -> str:
+def _random_init_folder(new_model, dims, *, alone: bool = False) -> str:
     """The folder vLLM loads a random-init policy from, on this node's temporary storage. Its
     weights only give vLLM the shapes (the first sync replaces every one), so its name is a
     digest of what it holds (the model's config, LoRA or not): a restarted run, or another run
     of the same model, finds it already written instead of leaving a new copy each start. The
     name is drawn by rank 0 (the same on every rank); the first rank of each node (LOCAL_RANK 0)
     writes it under a temporary name and renames it into place, so nodes sharing the folder's
-    filesystem or not both find it; every rank waits for it."""
+    filesystem or not both find it; every rank waits for it. `alone` (a dedicated generator, which
+    builds its engine while the trainers build theirs): the name drawn here, the folder written by this
+    rank if missing, no collective."""
     from runtime.parallel_dims import decided_on_rank0
 
-    name = decided_on_rank0(dims, lambda: f"rl-vllm-init-{_model_digest(new_model('meta'))}")
-    folder = os.path.join(tempfile.gettempdir(), name)
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not os.path.isdir(folder):
+    def draw() -> str:
+        return f"rl-vllm-init-{_model_digest(new_model('meta'))}"
+
+    folder = os.path.join(tempfile.gettempdir(), draw() if alone else decided_on_rank0(dims, draw))
+    if (alone or int(os.environ.get("LOCAL_RANK", "0")) == 0) and not os.path.isdir(folder):
         model = new_model()
         # transformers >= 5 writes on global rank 0 alone once a process group exists; this is each node's copy
         model.should_save_on_this_rank = lambda is_main_process: is_main_process
@@ -119,7 +134,7 @@ def _random_init_folder(new_model, dims) -> str:
             os.rename(part, folder)
         except OSError:  # another rank renamed its copy first (one shared temporary folder)
             shutil.rmtree(part, ignore_errors=True)
-    if dims.distributed:
+    if dims.distributed and not alone:
         torch.distributed.barrier()
     return folder
 

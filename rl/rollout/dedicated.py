@@ -17,6 +17,14 @@ side of each collective:
                         between rollouts), the metadata gather, the exchange, the push, the figures;
                         its part of a checkpoint (`state_dict`: the queued rollouts) and its resume
 
+A generator's engine is the one rollout.engine names (rl/trainer/build.py `build_generator`): the
+project's over a compute copy, or vLLM's, an engine of the generator's own (rl/rollout/build.py
+`vllm_engine(alone=True)`: vLLM's one-rank layout, its engine core a process of its own; CPU only
+for now, rl/config/checks.py). Either takes a push through its own `load_weights`, as a colocated
+sync; at k >= 1 the push fills the stage and the rollout thread loads it before the first rollout
+that needs it, so loading and generating run one after the other on that thread: no request is in
+flight while weights load. This is where vLLM runs at k >= 1 (colocated, rl/config/checks.py refuses it).
+
 Every rank runs the per-step collectives in one order: gather (world) -> destinations (push group) ->
 exchange (world) -> push (push group) -> figures (push group) -> [checkpoint (world)] -> stop signal
 (world, train.py), and on resume: the checkpoint's choice and load (world) -> push (push group, the
@@ -187,4 +195,7 @@ class Generator:
         self.scheduler.load_state_dict(state.get("rollout"), int(state.get("step", 0)))
 
     def close(self) -> None:
+        """The rollout thread stopped, then the engine (vLLM's: its engine-core process)."""
         self.scheduler.close()
+        if hasattr(self.scheduler.engine, "close"):
+            self.scheduler.engine.close()

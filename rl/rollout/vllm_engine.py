@@ -189,10 +189,13 @@ class VLLMRolloutEngine(RolloutEngine):
                  sync_bucket_bytes: int = 64 << 20, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False, enforce_eager: bool = True,
                  kv_cache_gb: float = 1.0, tp_group=None, routed_experts: bool = False,
-                 in_process: bool | None = None, lora: LoraSettings | None = None, verbose: bool = False) -> None:
+                 in_process: bool | None = None, lora: LoraSettings | None = None, world_size: int | None = None,
+                 verbose: bool = False) -> None:
         """`routed_experts`: put the engine's routes on the records (MoE routing replay);
         `in_process`: vLLM's engine core and worker in this process (default: on cuda);
-        `lora`: the policy's adapters (rank > 0) arrive as vLLM LoRA adapters."""
+        `lora`: the policy's adapters (rank > 0) arrive as vLLM LoRA adapters; `world_size`: the
+        ranks whose engines form vLLM's world (`llm_kwargs`; None: the process group's, 1: an engine
+        of this rank's own, as a dedicated generator's)."""
         super().__init__(stop_token_id=stop_token_id)
         require_vllm()
         model_dir = str(model_dir)
@@ -214,7 +217,7 @@ class VLLMRolloutEngine(RolloutEngine):
             else set()
         self.vocab_size = int(config.get("vocab_size") or 0)
         self.max_model_len = max_model_len or config.get("max_position_embeddings")
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        world = world_size or (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
         if device == "cpu":
             for k, v in cpu_env(kv_cache_gb).items():
                 os.environ.setdefault(k, v)

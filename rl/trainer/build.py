@@ -31,10 +31,11 @@ from runtime.parallel_dims import ParallelDims
 from model.parallelize import parallelize
 from rl.algos.distill import build_teacher
 from rl.config import Config, check_task_fits, max_staleness
-from rl.rollout.build import build_engine, evaluation_engine
+from rl.rollout.build import build_engine, evaluation_engine, vllm_engine
 from rl.rollout.dedicated import Generator, RemoteRollouts, WeightPush, received_weights
 from rl.rollout.engine import HFRolloutEngine
 from rl.rollout.evaluate import heldout_problems
+from rl.rollout.replica import RolloutEngineName
 from rl.rollout.scheduler import RolloutScheduler
 from rl.rollout.source import RolloutSource
 from rl.rollout.sync import resolve_bucket_bytes, sync_weights, tensor_order
@@ -146,9 +147,10 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> Trainer:
 
 def build_generator(cfg: Config, dims: ParallelDims) -> Generator:
     """A dedicated generator rank (parallel.rollout_ranks, rl/rollout/dedicated.py): the task, the
-    project's engine over an unsharded copy of the policy in the compute dtype, filled by the
-    trainers' first push (version 0), and a `RolloutScheduler` over generator g's slice of the
-    prompts (the slice a colocated DP rank g of R rolls out) whose syncs receive the pushes."""
+    engine rollout.engine names (the project's over an unsharded copy of the policy in the compute
+    dtype; vLLM's, an engine of this rank's own over the checkpoint folder), filled by the trainers'
+    first push (version 0), and a `RolloutScheduler` over generator g's slice of the prompts (the
+    slice a colocated DP rank g of R rolls out) whose syncs receive the pushes."""
     m, build = cfg.model, ModelBuilder(cfg, dims)
     compute = build.param_dtype or build.dtype
     kernels.select(m.attention, dims.device, compute)
@@ -160,8 +162,12 @@ def build_generator(cfg: Config, dims: ParallelDims) -> Generator:
     # them (model/moe.py's MoEBlocks); a skeleton of its own: a block's expert load is a buffer materialize refuses
     pushed = build.policy_lm("meta")
     order = tensor_order(shard_experts(pushed, None) if is_moe(pushed) else pushed)
-    engine = HFRolloutEngine(materialize(compute_copy(build.policy_lm("meta"), compute), dims.device),
-                             stop_token_id=task.stop_token_id)  # the colocated copy's way (rl/rollout/build.py)
+    if RolloutEngineName(cfg.rollout.engine) is RolloutEngineName.VLLM:  # loads a push as a colocated sync does
+        engine = vllm_engine(cfg, dims, task, build.policy_lm,
+                             resolve_bucket_bytes(pushed, cfg.rollout.sync_bucket_bytes, world=1), alone=True)
+    else:
+        engine = HFRolloutEngine(materialize(compute_copy(build.policy_lm("meta"), compute), dims.device),
+                                 stop_token_id=task.stop_token_id)  # the colocated copy's way (rl/rollout/build.py)
     engine.load_weights(received_weights(order, dims, dims.device))  # version 0
 
     def receive(target, _model) -> None:
