@@ -10,7 +10,8 @@ daemon processes), the tiny dense Qwen3 learning target_token:
   scored by a forward of that version; control: the version after it misses), and a second run gives
   the same records bit for bit (tokens, rollout log-probs, rewards, versions);
 * control, max_staleness=0: the same step 0, other records from step 1 on, and every rollout
-  scored by its own version (a push not loaded would miss).
+  scored by its own version (a push not loaded would miss);
+* train.py resumed from a checkpoint: the generator's rollouts and the metrics are the uninterrupted run's.
 The colocated refusal of vLLM with a rollout thread names the dedicated placement; the start-up refusals
 on dedicated ranks (cuda, MoE) name their keys.
 """
@@ -168,6 +169,29 @@ def test_vllm_generator_trains_with_one_step_off_rollouts_and_its_records_repeat
     assert _same(records[:1], synchronous[:1]) and not _same(records[1:2], synchronous[1:2])
     assert [int(step[0]["policy_version"]) for step in synchronous] == list(range(STEPS))
     assert all(m["rollout_logprob_abs_diff_max"] < TOL for m in control_trainer["metrics"])
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_generator_resumes_from_a_checkpoint_on_the_uninterrupted_records(tmp_path):
+    """train.py, 6 steps at max_staleness=1, a checkpoint every 2 (tests/test_dedicated_resume.py's
+    `launch`), then a run resumed from the step-4 checkpoint: the generator's vLLM engine receives the
+    checkpoint's policy (version 4) before its queued rollout 4 (version 3) is put back, so rollouts 4
+    and 5 are the uninterrupted run's (prompts, versions, tokens, log-probs, rewards) and so are the
+    metrics. Rollout 5 is generated with the pushed version 4: checked by hand, a generator that
+    receives the resume push into a throwaway stage (its vLLM engine left at version 0) takes another
+    rollout 5 and fails this test."""
+    from test_dedicated_resume import launch, metrics, ok, taken
+
+    vllm = ("+model.overrides.head_dim=32", "trainer.device=cpu", "rollout.engine=vllm", "parallel.rollout_ranks=1")
+    ok(launch(tmp_path / "run", 2, *vllm, takes=tmp_path / "run.jsonl"))
+    ok(launch(tmp_path / "resumed", 2, *vllm, f"resume={tmp_path / 'run' / 'checkpoints' / 'step_00000004'}",
+              takes=tmp_path / "resumed.jsonl"))
+    mine, again = taken(tmp_path / "run.jsonl", 1), taken(tmp_path / "resumed.jsonl", 1)
+    assert [t["versions"] for t in mine] == [[0], [0], [1], [2], [3], [4]]
+    assert [t["step"] for t in again] == [4, 5] and again == mine[4:]
+    assert len({t["records"] for t in mine}) == 6  # a digest per rollout: they differ step to step
+    assert metrics(tmp_path / "resumed") == metrics(tmp_path / "run")[4:]
 
 
 if __name__ == "__main__":  # a torchrun rank of `_torchrun`: out, steps, overrides
