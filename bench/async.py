@@ -629,8 +629,8 @@ def check_report(steps: int, rounds: int) -> tuple[dict, dict]:
                       f"{os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
     colocated = {1: runs["colocated_pair"], 0: runs["colocated"]}
     dedicated = {k: runs[f"k{k}"] for k in (1, 0)}
-    alone = check_dedicated({1: runs["colocated"]}, {1: dedicated[1]}, push, 4 * 8)["k1"]  # k = 1 from the lone run
     samples = 4 * 8  # CHECK_JOB's prompts x samples
+    alone = check_dedicated({1: runs["colocated"]}, {1: dedicated[1]}, push, samples)["k1"]  # k = 1 from the lone run
     res = check_dedicated(colocated, dedicated, push, samples)
     r4 = lambda x: round(x, 4) + 0.0  # noqa: E731
     summary = {"job": " ".join(CHECK_JOB), "steps": steps, "rounds": rounds, "ranks": "colocated 1 rank (alone, and "
@@ -638,7 +638,7 @@ def check_report(steps: int, rounds: int) -> tuple[dict, dict]:
                "push_link_s": r4(push), "push_link_bytes": link_bytes,
                "k1_error_from_lone_colocated": r4(alone["error"]),
                "k1_predicted_from_lone_colocated_step_s": r4(alone["predicted"]["step_s"]),
-               "cores_busy": {arm: v for arm, v in cores.items()}}
+               "cores_busy": cores}
     for k in (1, 0):
         x = res[f"k{k}"]
         c, d, pred = x["colocated"], x["measured"], x["predicted"]
