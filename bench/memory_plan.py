@@ -191,6 +191,11 @@ def activation_bytes(c, tokens: int, cp: int, skew: float = 1.0) -> float:
     return checkpoints + one_layer + head
 
 
+def transient_bytes(c: Counts, ep: int = 1) -> float:
+    """Root and two gathered decoder layers (this EP rank's experts): the module docstring's transients."""
+    return 4 * c.root + 2 * 8 * (c.layer_dense + c.layer_experts / ep)
+
+
 def plan(counts: dict[str, Counts], gpu_gib: float, reserve_gib: float, skew: float) -> list[dict]:
     rows = []
     for name, gpus, dp, cp, ep in LAYOUTS:
@@ -199,7 +204,7 @@ def plan(counts: dict[str, Counts], gpu_gib: float, reserve_gib: float, skew: fl
             raise ValueError(f"layout {name} gpus={gpus} dp={dp} cp={cp} ep={ep}: need dp*cp == gpus, ep | dp, ep=1 for dense")
         dense, experts = c.total - c.experts, c.experts
         per_rank = dense / (dp * cp) + experts / ep / ((dp // ep) * cp)  # == total / gpus
-        transient = 4 * c.root + 2 * 8 * (c.layer_dense + c.layer_experts / ep)
+        transient = transient_bytes(c, ep)
         for tokens in MAX_TOKENS:
             act = activation_bytes(c.config, tokens, cp, skew)
             parts = {"params": FP32 * per_rank, "grads": FP32 * per_rank, "adam": 2 * FP32 * per_rank,
@@ -224,6 +229,11 @@ def kv_bytes_per_token(c, dtype_bytes: int) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim(c) * dtype_bytes
 
 
+def sampling_bytes(c, rows: int) -> int:
+    """Sampling buffers: fp32 logits, fp32 log-softmax, fp64 CDF over the vocabulary, a row each."""
+    return rows * c.vocab_size * (FP32 + FP32 + 8)
+
+
 def rollout_plan(counts: dict[str, Counts], train_rows: list[dict], gpu_gib: float, reserve_gib: float,
                  rows: int, length: int) -> list[dict]:
     """Per-GPU rollout memory of each mode and the start-up choice (module docstring)."""
@@ -236,7 +246,7 @@ def rollout_plan(counts: dict[str, Counts], train_rows: list[dict], gpu_gib: flo
         shards = FP32 * P / gpus
         resident = 3 * shards  # fp32 parameters + AdamW moments; gradients freed after the step
         tokens = rows * length
-        sampling = rows * c.config.vocab_size * (FP32 + FP32 + 8)
+        sampling = sampling_bytes(c.config, rows)
         replica = FP32 * P
         keep_rollout = resident + replica + tokens * kv_bytes_per_token(c.config, FP32) + sampling
         keep = max(keep_rollout, train + replica)
@@ -293,10 +303,10 @@ def placement_plan(counts: dict[str, Counts], gpu_gib: float, reserve_gib: float
     for name, n, r in PLACEMENTS:
         c, P, t = counts[name], counts[name].total, n - r
         cfg = c.config
-        transient = 4 * c.root + 2 * 8 * c.layer_dense
+        transient = transient_bytes(c)
         act = activation_bytes(cfg, tokens, 1)
         largest = FP32 * cfg.vocab_size * cfg.hidden_size  # the embedding (and an untied head)
-        kv, sampling = rows * length * kv_bytes_per_token(cfg, BF16), rows * cfg.vocab_size * (FP32 + FP32 + 8)
+        kv, sampling = rows * length * kv_bytes_per_token(cfg, BF16), sampling_bytes(cfg, rows)
         copy = BF16 * P
         colocated = max(3 * FP32 * P / n + copy + kv + sampling, STATE_BYTES * P / n + transient + act + copy)
         bucket = max(min(DEFAULT_BUCKET_BYTES, FP32 * P / t), largest)
