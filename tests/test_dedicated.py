@@ -248,6 +248,54 @@ def test_moe_generators_record_the_colocated_routes_and_the_trainers_replay_them
     assert not all(torch.equal(a[0], b[0]) for a, b in zip(routes, routes[1:]))  # the steps' prompts too
 
 
+def test_a_push_sends_a_tied_weight_once_as_the_generators_receive_it_wherever_its_names_fall(monkeypatch):
+    """One process, the push group a queue: what `WeightPush.load_weights` (trainer 0) sends is what
+    `received_weights` (a generator, grouping tied names by `tensor_order`) receives, for the sync's
+    stream (tied names together) and a stream whose tied names are apart; the control: that stream
+    sent name by name (a tied weight skipped only right after its first name) leaves a broadcast over."""
+    from types import SimpleNamespace
+
+    from rl.rollout import dedicated
+    from rl.rollout.sync import full_parameter_buckets, tensor_order
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2, bias=False), torch.nn.Linear(2, 2), torch.nn.Linear(3, 2))
+    model[2].weight = model[0].weight  # tied, its names apart in the state dict
+    named = list(model.named_parameters(remove_duplicate=False))
+    assert [n for n, _ in named] == ["0.weight", "1.weight", "1.bias", "2.weight", "2.bias"]
+    trainer, generator = SimpleNamespace(rank=0, push_group=None), SimpleNamespace(rank=1, push_group=None)
+    channel: list[torch.Tensor] = []
+    receiving = [False]
+
+    def broadcast(tensor, src, group):
+        tensor.copy_(channel.pop(0)) if receiving[0] else channel.append(tensor.clone())
+
+    def receive() -> dict[str, torch.Tensor]:
+        receiving[0] = True
+        try:
+            return dict(dedicated.received_weights(tensor_order(model), generator, torch.device("cpu")))
+        finally:
+            receiving[0] = False
+
+    monkeypatch.setattr(dedicated.dist, "broadcast", broadcast)
+    distinct = sum(p.numel() * p.element_size() for p in model.parameters())
+    for stream in (full_parameter_buckets(model, 24), iter(named)):
+        push = dedicated.WeightPush(trainer, None)
+        push.load_weights(stream)
+        assert len(channel) == 4 and push.loaded_bytes == distinct
+        received = receive()
+        assert not channel and received.keys() == model.state_dict().keys()
+        assert all(torch.equal(received[n], t) for n, t in model.state_dict().items())
+        assert received["0.weight"] is received["2.weight"]
+    other = dedicated.WeightPush(generator, None)  # a trainer beside trainer 0 counts the same bytes, sends nothing
+    other.load_weights(iter(named))
+    assert other.loaded_bytes == distinct and not channel
+    for _, tensor in named:  # the control
+        broadcast(tensor, 0, None)
+    with pytest.raises(RuntimeError, match="size"):  # the tied weight [2, 3] sent again, received as 2.bias [2]
+        receive()
+
+
 def test_unsupported_combinations_are_refused_at_start_up_naming_their_keys():
     ok = compose(*DENSE, *DEDICATED, world_size=4)
     assert ok.parallel.rollout_ranks == 2 and compose(*MOE, *DEDICATED, "parallel.ep=2", world_size=4).parallel.ep == 2

@@ -47,6 +47,7 @@ trainer) resumes on the uninterrupted run's records (tests/test_dedicated_resume
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Iterator
 
 import torch
@@ -79,11 +80,13 @@ class WeightPush:
 
     @torch.no_grad()
     def load_weights(self, weights) -> None:
-        sent, last = 0, None
+        # a tied weight is one tensor under several names, wherever they fall in the stream: sent at its first
+        # name, as `received_weights` groups them (`tensor_order`); held weakly (a bucket goes before the next)
+        sent, seen = 0, weakref.WeakValueDictionary()
         for _, tensor in weights.items() if isinstance(weights, dict) else weights:
-            if tensor is last:  # a tied weight's second name: the generator knows it from its own model
+            if seen.get(id(tensor)) is tensor:
                 continue
-            last = tensor
+            seen[id(tensor)] = tensor
             if self.dims.rank == 0:
                 dist.broadcast(tensor.contiguous(), src=0, group=self.dims.push_group)
             sent += tensor.numel() * tensor.element_size()
