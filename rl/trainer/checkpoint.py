@@ -224,8 +224,9 @@ def load_checkpoint(trainer: Checkpointable, path: str | Path, dims: ParallelDim
     reader = dcp.FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     state: dict[str, Any] = {**trainer.state_dict(), "step": 0}
-    if not dims.generates:  # a dedicated generator holds no tensor of the checkpoint (its part: `rollout`, `rng`)
-        check_entries(state, saved, path)
+    # checked on rank 0, raised on every rank: a dedicated generator holds no tensor of the checkpoint (its part:
+    # `rollout`, `rng`), and would otherwise wait in the load below for trainers that refused it
+    decided_on_rank0(dims, lambda: check_entries(state, saved, path))
     # the per-rank entries (RNG states, queued records) are keyed by global rank: the same trainers and generators
     saved_on, here = (info.get("world_size"), info.get("rollout_ranks", 0)), (dims.world_size, dims.rollout_ranks)
     same_world = saved_on == here
