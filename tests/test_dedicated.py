@@ -8,7 +8,9 @@ k = 0 gives other records from step 1, and, run from a checkpoint of the same we
 0); dense R = 1, T = 1, k = 2 (the control: a k = 1 run differs from rollout 2); MoE R = 2, T = 2,
 k = 2; MoE R = 1, T = 2 expert-parallel trainers, k = 1 (T != R: bit for bit while rollouts use
 version 0, then within rounding: T trainers sum their gradients in another order than R colocated
-ranks; the control for MoE: the routes differ between tokens, samples and steps).
+ranks; the control for MoE: the routes differ between tokens, samples and steps). LoRA rank 4, dense
+R = 2, T = 2, k = 1: the colocated LoRA run's records, the full model pushed once and the adapters
+after (the control: pushes of version 0's adapters give other records from step 2).
 The unsupported combinations are refused at start-up, naming their keys."""
 
 import json
@@ -303,16 +305,67 @@ def test_unsupported_combinations_are_refused_at_start_up_naming_their_keys():
         ((), 2, r"parallel\.rollout_ranks=2: expected an int in \[0, world_size=2\)"),
         (("task.prompts_per_step=3",), 4, r"task\.prompts_per_step=3 does not divide over parallel\.rollout_ranks=2"),
         (("rollout.engine=vllm", "model=moe_tiny"), 4, r"rollout\.engine=vllm with model family qwen3_moe"),
+        (("rollout.engine=vllm", "model.lora.rank=4"), 4, r"rollout\.engine=vllm with model\.lora\.rank=4"),
         (("parallel.cp=2", "task.prompts_per_step=4"), 6, r"parallel\.cp=2: the trainers run data \(and expert\)"),
         # the sizes fill the trainers: the error says world_size is torchrun's ranks less the generators
         (("parallel.dp=4",), 4, r"4 != world_size=2 \(parallel\.dp=-1 fills it\); world_size: torchrun's 4 ranks "
                                 r"less parallel\.rollout_ranks=2"),
         (("eval.every=2",), 4, r"eval\.every=2"),
         (("algo.dynamic_sampling=true", "rollout.max_staleness=0"), 4, r"algo\.dynamic_sampling=true"),
-        (("model.lora.rank=4",), 4, r"model\.lora\.rank=4"),
     ]:
         with pytest.raises(ValueError, match=match):
             compose(*DENSE, *DEDICATED, *extra, world_size=world)
+
+
+LORA = ("model.lora.rank=4", "rollout.max_staleness=1")
+
+
+def run_lora_rank(rank: int, world: int, overrides: tuple[str, ...], steps: int, stale_adapters: bool) -> dict:
+    """`run_rank`, with the bytes of each push the trainers send (`pushes`: version 0 at build, then one a
+    step). `stale_adapters`, the control: every push sends the adapters of version 0 again (a push that
+    skips the update; the same bytes)."""
+    from model.lora import is_adapter
+    from rl.rollout.dedicated import WeightPush
+
+    load, first, pushes = WeightPush.load_weights, {}, []
+
+    def push(self, weights):
+        if stale_adapters:
+            weights = ((n, first.setdefault(n, t.clone()) if is_adapter(n) else t) for n, t in weights)
+        load(self, weights)
+        pushes.append(self.loaded_bytes)
+
+    WeightPush.load_weights = push
+    return {**run_rank(rank, world, overrides, steps), "pushes": pushes}
+
+
+@pytest.mark.slow
+def test_lora_on_dedicated_generators_gives_the_colocated_records_and_pushes_the_adapters_only():
+    """LoRA rank 4 on the tiny dense model, R = 2 generators, T = 2 trainers, k = 1: every step's records
+    are the colocated dp = 2 LoRA run's bit for bit; the first push (version 0, at build) sends the full
+    model (base + adapters), each later one the adapters only (the colocated engine's `weight_sync_bytes`).
+    The control pushes version 0's adapters every step: the same records at steps 0 and 1 (version 0),
+    others from step 2 (version 1)."""
+    from model.lora import adapter_bytes
+    from rl.rollout.sync import full_tensor_bytes
+    from rl.trainer.build import ModelBuilder
+
+    colocated = run_distributed(run_lora_rank, 2, (*DENSE, *LORA), STEPS, False, timeout=600)
+    dedicated = run_distributed(run_lora_rank, 4, (*DENSE, *LORA, *DEDICATED), STEPS, False, timeout=600)
+    control = run_distributed(run_lora_rank, 4, (*DENSE, *LORA, *DEDICATED), STEPS, True, timeout=600)
+    lm = ModelBuilder(compose(*DENSE, *LORA, *DEDICATED, world_size=4), None).policy_lm("meta")
+    full, adapters = sum(full_tensor_bytes(lm).values()), adapter_bytes(lm)  # 361,984 and 32,768 bytes (0.091)
+
+    _check_records(colocated, dedicated, 2, 1)  # generator g (rank 2 + g) holds colocated rank g's rows
+    for g in (0, 1):
+        col, ctl = colocated[g]["records"], control[2 + g]["records"]
+        assert _same(ctl[:2], col[:2]) and not _same(ctl[2:], col[2:]), f"generator {g}: the control"
+    _check_training(colocated, dedicated)
+    for t in (0, 1):  # every trainer runs the push (the gathers); trainer 0 broadcasts: the full model, then adapters
+        assert dedicated[t]["pushes"] == control[t]["pushes"] == [full] + [adapters] * STEPS
+    assert 0 < adapters < full / 10
+    for m, w in zip(dedicated[0]["metrics"], colocated[0]["metrics"]):  # the bytes a step's push sends
+        assert m["weight_sync_bytes"] == w["weight_sync_bytes"] == adapters
 
 
 @pytest.mark.slow

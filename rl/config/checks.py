@@ -75,8 +75,9 @@ def _check_rollout_ranks(cfg: Config, world_size: int) -> int:
 
 def _check_dedicated(cfg: Config, family: str) -> None:
     """What dedicated rollout ranks (parallel.rollout_ranks > 0) run today: the project's engine on a
-    dense or MoE model (routing replay: the records carry the generators' routes), or vLLM on cpu on a
-    dense model, every trainer its own DP rank, no evaluation yet (docs/rollouts.md)."""
+    dense or MoE model (routing replay: the records carry the generators' routes; LoRA: adapters-only
+    pushes), or vLLM on cpu on a dense model without LoRA, every trainer its own DP rank, no evaluation
+    yet (docs/rollouts.md)."""
     p, r = cfg.parallel, cfg.rollout
     keys = "parallel.rollout_ranks=" + str(p.rollout_ranks)
     vllm = RolloutEngineName(r.engine) is RolloutEngineName.VLLM
@@ -87,11 +88,13 @@ def _check_dedicated(cfg: Config, family: str) -> None:
          "rollout.engine=hf on cuda (vLLM on dedicated ranks runs on cpu)"),
         (vllm and family in MOE, f"rollout.engine=vllm with model family {family}: routing replay from a "
                                  f"generator's vLLM engine comes later; use a dense model or rollout.engine=hf"),
+        (vllm and bool(cfg.model.lora.rank), f"rollout.engine=vllm with model.lora.rank={cfg.model.lora.rank}: "
+                                             f"adapters through a generator's vLLM engine come later; use "
+                                             f"rollout.engine=hf (LoRA pushes its adapters to the project's engine)"),
         (p.cp > 1, f"parallel.cp={p.cp}: the trainers run data (and expert) parallel only for now; set it to 1"),
         (ReplicaMode(r.replica) is ReplicaMode.SHARDED, "rollout.replica=sharded: a generator holds its own copy; "
                                                         "use rollout.replica=auto or keep"),
         (r.tensor_parallel_size > 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: expected 1"),
-        (bool(cfg.model.lora.rank), f"model.lora.rank={cfg.model.lora.rank}: LoRA pushes come later; expected 0"),
         (cfg.algo.dynamic_sampling, "algo.dynamic_sampling=true: extra rounds on generators come later"),
         (cfg.algo.teacher.path is not None, "algo.teacher.path: distillation on dedicated ranks comes later"),
         (bool(cfg.eval.every), f"eval.every={cfg.eval.every}: the trainers hold no engine; expected 0"),

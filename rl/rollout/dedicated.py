@@ -4,9 +4,11 @@ side of each collective:
 
     WeightPush          the trainers' "engine": `sync_weights(push, model)` gathers the full tensors
                         bucket by bucket over the trainers (rl/rollout/sync.py, as a colocated sync)
-                        and trainer 0 broadcasts each distinct one over `dims.push_group`
+                        and trainer 0 broadcasts each distinct one over `dims.push_group`; LoRA: the
+                        first push (version 0) the full model, every later one the adapters only
     received_weights    a generator's side of a push: `(name, tensor)` in the same order, received
-                        into fresh buffers (names, shapes and dtypes from the model built on meta)
+                        into fresh buffers (names, shapes and dtypes from the model built on meta,
+                        with the policy's adapters under LoRA)
     RemoteRollouts      the trainers' scheduler: the rollout stage is the metadata gather alone (the
                         records come from the generators in the exchange, rl/trainer/trainer.py);
                         `sync` is the push, then the generators' figures
@@ -64,16 +66,18 @@ FIGURES = ("generator_generate_s", "generator_wait_s")
 class WeightPush:
     """The trainers' side of the weight push, an engine to `sync_weights` (rl/rollout/sync.py):
     every trainer gathers the buckets, trainer 0 broadcasts each distinct tensor (a tied one once)
-    over the push group; `loaded_bytes` is what one push sends."""
+    over the push group; `loaded_bytes` is what one push sends. The generators hold the base once
+    the first push (version 0) is in (`holds_base`): a LoRA policy's later pushes send the adapters
+    only, as a colocated sync (a generator's `receive`, rl/trainer/build.py, expects the same)."""
 
     needs_sync = True
-    holds_base = False  # LoRA is refused on dedicated ranks for now (rl/config/checks.py)
     replica = None
 
     def __init__(self, dims, sync_bucket_bytes: int | None) -> None:
         self.dims, self.sync_bucket_bytes = dims, sync_bucket_bytes
         self.on_progress = None
         self.loaded_bytes = 0
+        self.holds_base = False
 
     def sleep(self) -> None:
         """Nothing held to free: the trainers have no engine."""
@@ -90,7 +94,7 @@ class WeightPush:
             if self.dims.rank == 0:
                 dist.broadcast(tensor.contiguous(), src=0, group=self.dims.push_group)
             sent += tensor.numel() * tensor.element_size()
-        self.loaded_bytes = sent
+        self.loaded_bytes, self.holds_base = sent, True
 
 
 @torch.no_grad()

@@ -96,10 +96,11 @@ def _entries(model: nn.Module, adapters_only: bool = False) -> list[_Entry]:
     return out
 
 
-def tensor_order(model: nn.Module) -> list[tuple[list[str], tuple[int, ...], torch.dtype]]:
-    """Every distinct full tensor a sync of `model` yields, in its order: (its names, tied ones
-    together; full shape; dtype). A model built on the meta device gives the order without data."""
-    return [(e.names, e.shape, e.value.dtype) for e in _entries(model)]
+def tensor_order(model: nn.Module, adapters_only: bool = False) -> list[tuple[list[str], tuple[int, ...], torch.dtype]]:
+    """Every distinct full tensor a sync of `model` yields (`adapters_only`: a LoRA sync once the
+    engine holds the base), in its order: (its names, tied ones together; full shape; dtype). A
+    model built on the meta device gives the order without data."""
+    return [(e.names, e.shape, e.value.dtype) for e in _entries(model, adapters_only)]
 
 
 def full_tensor_bytes(model: nn.Module) -> dict[str, int]:

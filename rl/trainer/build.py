@@ -160,8 +160,11 @@ def build_generator(cfg: Config, dims: ParallelDims) -> Generator:
     check_task_fits(cfg, task)
     # what a push sends: names, shapes and master dtypes in the trainers' order, an MoE's blocks as they train
     # them (model/moe.py's MoEBlocks); a skeleton of its own: a block's expert load is a buffer materialize refuses
+    # (LoRA: the policy's adapters with the base; the full model, then once the engine holds the base, as
+    # WeightPush.holds_base on the trainers, the adapters only)
     pushed = build.policy_lm("meta")
-    order = tensor_order(shard_experts(pushed, None) if is_moe(pushed) else pushed)
+    pushed = shard_experts(pushed, None) if is_moe(pushed) else pushed
+    order, adapters = tensor_order(pushed), tensor_order(pushed, adapters_only=True)
     if RolloutEngineName(cfg.rollout.engine) is RolloutEngineName.VLLM:  # loads a push as a colocated sync does
         engine = vllm_engine(cfg, dims, task, build.policy_lm,
                              resolve_bucket_bytes(pushed, cfg.rollout.sync_bucket_bytes, world=1), alone=True)
@@ -171,7 +174,7 @@ def build_generator(cfg: Config, dims: ParallelDims) -> Generator:
     engine.load_weights(received_weights(order, dims, dims.device))  # version 0
 
     def receive(target, _model) -> None:
-        target.load_weights(received_weights(order, dims, dims.device))
+        target.load_weights(received_weights(adapters if engine.holds_base and adapters else order, dims, dims.device))
 
     k = max_staleness(cfg.rollout)
     source = RolloutSource(cfg, dims, engine, task, part=(dims.rank - dims.world_size, dims.rollout_ranks))
