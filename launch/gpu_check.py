@@ -99,7 +99,9 @@ LEARN_STEPS, LEARN_RISE = 20, 0.3  # the learn section: mean reward of the last 
 NOT_CHECKED = {
     "nccl_cp_ep": "context and expert parallelism across ranks over NCCL (>= 2 GPUs; gloo on CPU: "
                   "tests/test_context_parallel.py, tests/test_moe.py)",
-    "vllm": "rollout.engine=vllm (not on the bare image: requirements-vllm-gpu.txt; CPU: tests/test_vllm_engine.py)",
+    "vllm": "rollout.engine=vllm (not on the bare image: requirements-vllm-gpu.txt; CPU: tests/test_vllm_engine.py), "
+            "and a dedicated generator's vLLM engine on its own GPU (also >= 2 GPUs; its CUDA_VISIBLE_DEVICES, wiring "
+            "only: tests/test_vllm_engine.py)",
     "flash_attn": "flash-attn's varlen kernel (not on the bare image; torch's varlen_attn runs instead)",
     "sharded_replica": "rollout.replica=sharded across ranks (a collective generation; CPU: "
                        "tests/test_sharded_rollout.py)",

@@ -14,6 +14,8 @@ for head_dim 16, so the tiny models use head_dim 32.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -75,6 +77,75 @@ def test_engine_env_puts_the_engine_in_this_process_and_on_the_v1_runner():
     assert engine_env(in_process=False, routed_experts=False) == {}
     assert engine_env(in_process=True, routed_experts=True) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                                                                 "VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+
+def test_engine_gpu_names_the_generators_gpu_as_its_engine_core_sees_it():
+    """A dedicated generator on cuda:3: its engine core's CUDA_VISIBLE_DEVICES is physical GPU 3, or
+    entry 3 of the user's own list (an index or a UUID, as written)."""
+    from rl.rollout.vllm_engine import engine_env, engine_gpu
+
+    cuda3 = torch.device("cuda", 3)
+    assert engine_gpu(cuda3, None) == engine_gpu(cuda3, "") == "3"
+    assert engine_gpu(cuda3, "4,5,6,7") == "7" and engine_gpu(torch.device("cuda", 0), "4,5,6,7") == "4"
+    assert engine_gpu(torch.device("cuda", 1), "GPU-aa11, GPU-bb22") == "GPU-bb22"
+    with pytest.raises(ValueError, match=r"CUDA_VISIBLE_DEVICES='4,5' names 2 GPUs: this rank's cuda:3"):
+        engine_gpu(cuda3, "4,5")
+    with pytest.raises(ValueError, match=r"device cuda: expected cuda:<index>"):
+        engine_gpu(torch.device("cuda"), None)
+    assert engine_env(in_process=False, routed_experts=True, gpu="7") == {"VLLM_USE_V2_MODEL_RUNNER": "0",
+                                                                          "CUDA_VISIBLE_DEVICES": "7"}
+    with pytest.raises(ValueError, match=r"in_process=False"):  # this process's CUDA is up: it would not read it
+        engine_env(in_process=True, routed_experts=False, gpu="7")
+
+
+@pytest.mark.parametrize("visible, gpu", [(None, "3"), ("4,5,6,7", "7")])
+def test_a_dedicated_generators_engine_core_starts_on_the_generators_gpu(tmp_path, monkeypatch, visible, gpu):
+    """`vllm_engine(alone=True)` (build_generator's, rl/trainer/build.py) of a generator on cuda:3, without
+    vLLM: `vllm.LLM` is a stand-in recording its arguments and the environment it starts in (which vLLM's
+    engine core process inherits). Its engine core sees the generator's GPU only, vLLM's one-rank layout
+    in a process of its own, no sleep mode; this process's CUDA_VISIBLE_DEVICES is the user's again
+    afterwards. Control: the colocated engine on the same device starts with the user's
+    CUDA_VISIBLE_DEVICES, in process."""
+    import types
+
+    from safetensors.torch import save_file
+
+    from rl.rollout.build import vllm_engine
+
+    started = []
+
+    class LLM:  # vLLM's engine core process starts inside LLM(): the environment seen here is its
+        def __init__(self, **kw):
+            started.append((kw, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                            os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")))
+
+    registry = types.SimpleNamespace(get_supported_archs=lambda: ["Qwen3ForCausalLM"])
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, ModelRegistry=registry))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+                                                      "vocab_size": 64, "max_position_embeddings": 512}))
+    save_file({"model.embed_tokens.weight": torch.zeros(64, 8)}, str(tmp_path / "model.safetensors"))
+    overrides = ("model=dense_tiny", "rollout.engine=vllm", "rollout.max_model_len=64", *SMALL,
+                 f"model.pretrained_path={tmp_path}")
+    cfg = compose(*overrides, check=False)
+    dims = types.SimpleNamespace(device=torch.device("cuda", 3), distributed=False)
+    task = types.SimpleNamespace(stop_token_id=0)
+
+    vllm_engine(cfg, dims, task, None, 1 << 20, alone=True)
+    kw, seen, in_process = started.pop()
+    assert seen == gpu and in_process is None  # its engine core a process of its own, on the generator's GPU
+    assert (kw["distributed_executor_backend"], kw["tensor_parallel_size"]) == ("uni", 1)
+    assert kw["enable_sleep_mode"] is False
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == visible  # this process's own, as the user set it
+
+    vllm_engine(cfg, dims, task, None, 1 << 20)  # control: colocated
+    kw, seen, in_process = started.pop()
+    assert seen == visible and in_process == "0"
+    assert kw["enable_sleep_mode"] is True
 
 
 def test_fused_experts_sync_as_the_checkpoints_per_expert_linears():

@@ -76,16 +76,12 @@ def _check_rollout_ranks(cfg: Config, world_size: int) -> int:
 def _check_dedicated(cfg: Config, family: str) -> None:
     """What dedicated rollout ranks (parallel.rollout_ranks > 0) run today: the project's engine on a
     dense or MoE model (routing replay: the records carry the generators' routes; LoRA: adapters-only
-    pushes), or vLLM on cpu on a dense model without LoRA, every trainer its own DP rank, no evaluation
+    pushes), or vLLM (cpu or cuda) on a dense model without LoRA, every trainer its own DP rank, no evaluation
     yet (docs/rollouts.md)."""
     p, r = cfg.parallel, cfg.rollout
     keys = "parallel.rollout_ranks=" + str(p.rollout_ranks)
     vllm = RolloutEngineName(r.engine) is RolloutEngineName.VLLM
     refused = [
-        (vllm and resolve_device(cfg.trainer.device.value).type == "cuda",
-         "rollout.engine=vllm on cuda: a generator's vLLM engine (its engine core a process of its own) is not yet "
-         "placed on the generator's GPU (vLLM's one-rank executor takes cuda:0) and no GPU run has checked it; use "
-         "rollout.engine=hf on cuda (vLLM on dedicated ranks runs on cpu)"),
         (vllm and family in MOE, f"rollout.engine=vllm with model family {family}: routing replay from a "
                                  f"generator's vLLM engine comes later; use a dense model or rollout.engine=hf"),
         (vllm and bool(cfg.model.lora.rank), f"rollout.engine=vllm with model.lora.rank={cfg.model.lora.rank}: "

@@ -27,7 +27,7 @@ from rl.rollout.engine import HFRolloutEngine, PolicyRolloutEngine, RolloutEngin
 from rl.rollout.replica import ReplicaMode, RolloutEngineName, choose_replica
 from rl.rollout.sync import resolve_bucket_bytes, sync_weights
 from rl.rollout.vllm_checks import require_vllm
-from rl.rollout.vllm_engine import VLLMRolloutEngine
+from rl.rollout.vllm_engine import VLLMRolloutEngine, engine_gpu
 from rl.tasks.base import longest_sample
 
 
@@ -70,20 +70,23 @@ def vllm_engine(cfg, dims, task, new_model, bucket: int, *, tp_group=None, route
     """The `VLLMRolloutEngine` of `cfg.rollout` over `model.pretrained_path` (a random-init model: a
     folder written for it), holding the checkpoint's weights until its first `load_weights`.
     `alone`: a dedicated generator's (rl/rollout/dedicated.py): no collective while it is built, and an
-    engine of its own (vLLM's one-rank layout, its engine core in a process of its own, no sleep mode)."""
+    engine of its own (vLLM's one-rank layout, its engine core in a process of its own that sees only the
+    generator's GPU, `engine_gpu`; no sleep mode)."""
     require_vllm()
     r = cfg.rollout
     model_dir = cfg.model.pretrained_path
     if model_dir is None:  # a random-init model: vLLM loads a folder, so write one (one per node)
         model_dir = _random_init_folder(new_model, dims, alone=alone)
     compute = cfg.model.param_dtype or cfg.model.dtype
+    own = {"world_size": 1, "in_process": False} if alone else {}
+    if alone and dims.device.type == "cuda":
+        own["gpu"] = engine_gpu(dims.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
     return VLLMRolloutEngine(
         model_dir, stop_token_id=task.stop_token_id, device=dims.device.type, dtype=compute.value,
         max_model_len=engine_max_len(cfg, task), seed=cfg.seed, sync_bucket_bytes=bucket,
         tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
         enable_sleep_mode=r.enable_sleep_mode and not alone, enforce_eager=r.enforce_eager,
-        kv_cache_gb=r.kv_cache_gb, tp_group=tp_group, routed_experts=routed_experts, lora=cfg.model.lora,
-        **({"world_size": 1, "in_process": False} if alone else {}))
+        kv_cache_gb=r.kv_cache_gb, tp_group=tp_group, routed_experts=routed_experts, lora=cfg.model.lora, **own)
 
 
 def evaluation_engine(dims, task, actor, engine: RolloutEngine, max_staleness: int) -> RolloutEngine:

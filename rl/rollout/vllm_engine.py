@@ -37,6 +37,13 @@ and `load_weights` wakes the weights, loads, then wakes the KV cache. TP peers m
 identical requests: the engine all-gathers its TP group's prompts, generates them all and
 returns this rank's share.
 
+A dedicated generator's engine (rl/rollout/dedicated.py, on a GPU of its own): vLLM's uniprocess
+executor with its engine core in a process of its own, which sees only the generator's GPU
+(`engine_gpu`: CUDA_VISIBLE_DEVICES in that process's environment alone, so its worker's cuda:0 is the
+generator's cuda:LOCAL_RANK, never trainer 0's GPU); the generator's own CUDA context and NCCL groups
+stay on its cuda:LOCAL_RANK. Weights reach it through shared memory as on CPU; no sleep mode. Not yet
+run on a GPU.
+
 MoE routing replay (R3, `algo.routing_replay`): the worker extension hooks every MoE router
 of vLLM's model (`BaseRouter.set_capture_fn`, the hook vLLM's own capturer binds) and keeps
 the top-k expert ids of each token its forwards compute, keyed by the token's prefix (so a
@@ -153,16 +160,40 @@ def llm_kwargs(model_dir: str, *, device: str, dtype: str = "float32", max_model
     return kw
 
 
-def engine_env(*, in_process: bool, routed_experts: bool) -> dict[str, str]:
+def engine_gpu(device: torch.device, visible: str | None) -> str:
+    """The `CUDA_VISIBLE_DEVICES` of an engine core in a process of its own whose GPU is this
+    process's `device` (cuda:i, a dedicated generator's cuda:LOCAL_RANK): entry i of the user's
+    `visible` (this process's CUDA_VISIBLE_DEVICES: an index, a UUID or a MIG id, passed as
+    written), else "i". vLLM's uniprocess executor puts its worker on its cuda:0 (vllm/v1/executor/
+    uniproc_executor.py: local rank 0), so the engine core must see this one GPU only."""
+    if device.type != "cuda" or device.index is None:
+        raise ValueError(f"engine_gpu: device {device}: expected cuda:<index>")
+    if not visible:  # unset or empty: every GPU visible, ordinal i is GPU i
+        return str(device.index)
+    entries = [e.strip() for e in visible.split(",")]
+    if device.index >= len(entries):
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r} names {len(entries)} GPUs: this rank's {device} "
+                         f"(LOCAL_RANK) is not among them")
+    return entries[device.index]
+
+
+def engine_env(*, in_process: bool, routed_experts: bool, gpu: str | None = None) -> dict[str, str]:
     """Environment read while `vllm.LLM` starts (then restored): `in_process` runs vLLM's engine
     core and its worker in this process (the uniprocess executor's in-process layout; weights
     then sync as tensors, no shared memory); `routed_experts` needs the V1 model runner, whose
-    forward the worker extension wraps."""
+    forward the worker extension wraps; `gpu` (`engine_gpu`) is the one GPU an engine core in a
+    process of its own sees, its CUDA_VISIBLE_DEVICES (this process's CUDA, initialized by
+    init_distributed's `set_device` before any engine is built, and its process groups do not read it)."""
+    if gpu is not None and in_process:
+        raise ValueError("engine_env: a GPU of its own needs an engine core in a process of its own "
+                         "(in_process=False)")
     env = {}
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if routed_experts:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     return env
 
 
@@ -190,9 +221,10 @@ class VLLMRolloutEngine(RolloutEngine):
                  gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False, enforce_eager: bool = True,
                  kv_cache_gb: float = 1.0, tp_group=None, routed_experts: bool = False,
                  in_process: bool | None = None, lora: LoraSettings | None = None, world_size: int | None = None,
-                 verbose: bool = False) -> None:
+                 gpu: str | None = None, verbose: bool = False) -> None:
         """`routed_experts`: put the engine's routes on the records (MoE routing replay);
-        `in_process`: vLLM's engine core and worker in this process (default: on cuda);
+        `in_process`: vLLM's engine core and worker in this process (default: on cuda); `gpu`: on
+        cuda, the GPU of an engine core in a process of its own (`engine_gpu`, a dedicated generator's);
         `lora`: the policy's adapters (rank > 0) arrive as vLLM LoRA adapters; `world_size`: the
         ranks whose engines form vLLM's world (`llm_kwargs`; None: the process group's, 1: an engine
         of this rank's own, as a dedicated generator's)."""
@@ -229,7 +261,7 @@ class VLLMRolloutEngine(RolloutEngine):
         from vllm import LLM
 
         self.in_process = device == "cuda" if in_process is None else in_process
-        with _scoped_env(engine_env(in_process=self.in_process, routed_experts=routed_experts)):
+        with _scoped_env(engine_env(in_process=self.in_process, routed_experts=routed_experts, gpu=gpu)):
             self.llm = LLM(**kw)
         self.moe_layers = self.llm.collective_rpc("rl_record_routes")[0] if routed_experts else 0
         self.top_k = int(config.get("num_experts_per_tok") or 0)
