@@ -104,9 +104,9 @@ def test_a_dedicated_generators_engine_core_starts_on_the_generators_gpu(tmp_pat
     """`vllm_engine(alone=True)` (build_generator's, rl/trainer/build.py) of a generator on cuda:3, without
     vLLM: `vllm.LLM` is a stand-in recording its arguments and the environment it starts in (which vLLM's
     engine core process inherits). Its engine core sees the generator's GPU only, vLLM's one-rank layout
-    in a process of its own, no sleep mode; this process's CUDA_VISIBLE_DEVICES is the user's again
-    afterwards. Control: the colocated engine on the same device starts with the user's
-    CUDA_VISIBLE_DEVICES, in process."""
+    in a process of its own, the dedicated GPU share (0.85; the user's value wins), no sleep mode; this
+    process's CUDA_VISIBLE_DEVICES is the user's again afterwards. Control: the colocated engine on the
+    same device starts with the user's CUDA_VISIBLE_DEVICES, in process, at the colocated share."""
     import types
 
     from safetensors.torch import save_file
@@ -139,13 +139,16 @@ def test_a_dedicated_generators_engine_core_starts_on_the_generators_gpu(tmp_pat
     kw, seen, in_process = started.pop()
     assert seen == gpu and in_process is None  # its engine core a process of its own, on the generator's GPU
     assert (kw["distributed_executor_backend"], kw["tensor_parallel_size"]) == ("uni", 1)
-    assert kw["enable_sleep_mode"] is False
+    assert kw["gpu_memory_utilization"] == 0.85 and kw["enable_sleep_mode"] is False
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == visible  # this process's own, as the user set it
+    vllm_engine(compose(*overrides, "rollout.gpu_memory_utilization=0.6", check=False), dims, task, None, 1 << 20,
+                alone=True)
+    assert started.pop()[0]["gpu_memory_utilization"] == 0.6
 
     vllm_engine(cfg, dims, task, None, 1 << 20)  # control: colocated
     kw, seen, in_process = started.pop()
     assert seen == visible and in_process == "0"
-    assert kw["enable_sleep_mode"] is True
+    assert kw["gpu_memory_utilization"] == 0.3 and kw["enable_sleep_mode"] is True
 
 
 def test_fused_experts_sync_as_the_checkpoints_per_expert_linears():

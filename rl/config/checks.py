@@ -276,7 +276,7 @@ def _check_rollout(cfg: Config, world_size: int, family: str) -> None:
     r = cfg.rollout
     if r.sync_bucket_bytes is not None and r.sync_bucket_bytes < 1 << 20:
         raise ValueError(f"rollout.sync_bucket_bytes={r.sync_bucket_bytes}: expected >= 1 MiB (1048576)")
-    if not 0 < r.gpu_memory_utilization < 1:
+    if r.gpu_memory_utilization is not None and not 0 < r.gpu_memory_utilization < 1:
         raise ValueError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: expected a fraction in (0, 1)")
     if r.tensor_parallel_size < 1 or world_size % r.tensor_parallel_size:
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: expected >= 1 dividing "

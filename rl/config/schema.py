@@ -243,7 +243,8 @@ class RolloutConfig:
     # bucket); None = one rank's share of the model (full bytes / world), <= 256 MiB, >= the largest tensor
     sync_bucket_bytes: Optional[int] = None
     tensor_parallel_size: int = 1  # vLLM TP inside the torchrun ranks (cuda, external_launcher); 1 on cpu
-    gpu_memory_utilization: float = 0.3  # cuda: vLLM's share of the GPU beside the colocated trainer
+    # cuda: vLLM's share of its GPU; null = 0.3 beside a colocated trainer, 0.85 on a dedicated generator's GPU
+    gpu_memory_utilization: Optional[float] = None
     enable_sleep_mode: bool = True  # cuda: vLLM sleeps (level 1) during training, wakes for the sync
     enforce_eager: bool = True  # no torch.compile / CUDA graphs (start-up in seconds)
     kv_cache_gb: float = 1.0  # cpu: VLLM_CPU_KVCACHE_SPACE

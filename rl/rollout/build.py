@@ -65,13 +65,20 @@ def build_engine(cfg, dims, task, actor, new_model, teacher=None, max_staleness:
     return engine
 
 
+# vLLM's share of its GPU when rollout.gpu_memory_utilization is null: beside a colocated trainer (which holds its
+# shards, optimizer state and activations there), or on a dedicated generator's GPU, where only the generator
+# process itself shares it: its CUDA context, its NCCL groups and a push's received tensors, one or two at a time (in
+# the masters' dtype, then copied to host for the engine): 15% left for those (12 GiB of an 80 GiB GPU)
+GPU_SHARE = {"colocated": 0.3, "dedicated": 0.85}
+
+
 def vllm_engine(cfg, dims, task, new_model, bucket: int, *, tp_group=None, routed_experts: bool = False,
                 alone: bool = False) -> VLLMRolloutEngine:
     """The `VLLMRolloutEngine` of `cfg.rollout` over `model.pretrained_path` (a random-init model: a
     folder written for it), holding the checkpoint's weights until its first `load_weights`.
     `alone`: a dedicated generator's (rl/rollout/dedicated.py): no collective while it is built, and an
     engine of its own (vLLM's one-rank layout, its engine core in a process of its own that sees only the
-    generator's GPU, `engine_gpu`; no sleep mode)."""
+    generator's GPU, `engine_gpu`; no sleep mode). `rollout.gpu_memory_utilization` null: `GPU_SHARE`."""
     require_vllm()
     r = cfg.rollout
     model_dir = cfg.model.pretrained_path
@@ -81,10 +88,12 @@ def vllm_engine(cfg, dims, task, new_model, bucket: int, *, tp_group=None, route
     own = {"world_size": 1, "in_process": False} if alone else {}
     if alone and dims.device.type == "cuda":
         own["gpu"] = engine_gpu(dims.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    share = r.gpu_memory_utilization
     return VLLMRolloutEngine(
         model_dir, stop_token_id=task.stop_token_id, device=dims.device.type, dtype=compute.value,
         max_model_len=engine_max_len(cfg, task), seed=cfg.seed, sync_bucket_bytes=bucket,
-        tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
+        tensor_parallel_size=r.tensor_parallel_size,
+        gpu_memory_utilization=GPU_SHARE["dedicated" if alone else "colocated"] if share is None else share,
         enable_sleep_mode=r.enable_sleep_mode and not alone, enforce_eager=r.enforce_eager,
         kv_cache_gb=r.kv_cache_gb, tp_group=tp_group, routed_experts=routed_experts, lora=cfg.model.lora, **own)
 
