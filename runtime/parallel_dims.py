@@ -30,7 +30,9 @@ theirs: ranks 0..world_size-1) and the last R only generate (`generates`). Then:
                     a checkpoint's read): WORLD without generators
     push_group      trainer 0 and the generators: the weight push, the step's destinations
     records_*       where the records gather and exchange run: the DP group and DP ranks,
-                    or (with generators) WORLD and global ranks (trainer d is global rank d)
+                    or (with generators) WORLD and global ranks (trainer t is global rank t:
+                    DP rank t // cp, CP rank t % cp; a sample for DP rank d goes to each of
+                    its cp trainers, as the exchange does for colocated CP peers)
 
 A group property is `None` when its dim has size 1, which means "no collective needed";
 never hand `None` to a collective (torch reads it as WORLD). Without a process group (one
@@ -136,6 +138,13 @@ class ParallelDims:
     def records_ranks(self) -> int:
         """The ranks of one records exchange: the DP ranks, or every process with generators."""
         return self.ranks if self.rollout_ranks else self.dp
+
+    @property
+    def records_cp(self) -> int:
+        """The CP peers the records gather checks alike (`gather_metadata`'s cp): cp, or 1 with generators
+        (a generator has no CP peers and the trainers hold no records: every CP peer of a DP rank
+        receives the generators' records in the exchange, `rl/rollout/dedicated.py` `exchange_records`)."""
+        return 1 if self.rollout_ranks else self.cp
 
     @property
     def records_group(self) -> dist.ProcessGroup | None:

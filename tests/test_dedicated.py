@@ -5,7 +5,9 @@ an MoE's routes) are bit for bit those of the colocated dp = R run with the same
 losses and final weights are the colocated run's within the FSDP tolerance. The matrix, each case
 against its colocated run: dense R = 2, T = 2, k = 1 (two dedicated runs identical; the control:
 k = 0 gives other records from step 1, and, run from a checkpoint of the same weights, the same step
-0); dense R = 1, T = 1, k = 2 (the control: a k = 1 run differs from rollout 2); MoE R = 2, T = 2,
+0); dense R = 1, T = 1, k = 2 (the control: a k = 1 run differs from rollout 2); dense R = 1 beside
+T = 2 context-parallel trainers (cp = 2), k = 1, against the colocated dp = 1, cp = 2 run (the control:
+k = 0 differs from step 1); MoE R = 2, T = 2,
 k = 2; MoE R = 1, T = 2 expert-parallel trainers, k = 1 (T != R: bit for bit while rollouts use
 version 0, then within rounding: T trainers sum their gradients in another order than R colocated
 ranks; the control for MoE: the routes differ between tokens, samples and steps). LoRA rank 4, dense
@@ -121,10 +123,11 @@ def _same(a: list[list[dict]], b: list[list[dict]]) -> bool:
         for x, y in zip(a, b))
 
 
-def _check_records(colocated: list[dict], dedicated: list[dict], generators: int, k: int) -> list[list[dict]]:
-    """Generator g's records (rank T + g) against colocated rank g's (dp = R, the same max_staleness
-    `k`): bit for bit at every step when the trainers are as many as the colocated ranks. With T != R
-    trainers the FSDP reductions sum in another order than the colocated run's, so a pushed version
+def _check_records(colocated: list[dict], dedicated: list[dict], generators: int, k: int,
+                   cp: int = 1) -> list[list[dict]]:
+    """Generator g's records (rank T + g) against colocated DP rank g's (dp = R, rank g * `cp`, the same
+    max_staleness `k`): bit for bit at every step when the trainers are as many as the colocated ranks (the
+    same mesh). With other trainers the FSDP reductions sum in another order than the colocated run's, so a pushed version
     (>= 1) is its weights up to rounding: the steps at version 0 are bit for bit, later ones the same
     samples (tokens, routes, rewards) with log-probs within rounding, and not bit for bit (the
     control: a bit-for-bit comparison sees rounding-level weights). Every trainer receives in the
@@ -134,9 +137,9 @@ def _check_records(colocated: list[dict], dedicated: list[dict], generators: int
     assert [r["role"] for r in dedicated] == ["trainer"] * trainers + ["generator"] * generators
     steps = len(colocated[0]["records"])
     versions = [max(0, s - k) for s in range(steps)]  # rollout j uses version max(0, j - k)
-    exact = steps if trainers == generators else versions.count(0)
+    exact = steps if trainers == len(colocated) else versions.count(0)
     for g in range(generators):
-        gen, col = dedicated[trainers + g]["records"], colocated[g]["records"]
+        gen, col = dedicated[trainers + g]["records"], colocated[g * cp]["records"]
         assert [len(step) for step in gen] == [16 // generators] * steps  # 4 prompts x 4 samples a step
         assert [int(step[0]["policy_version"]) for step in gen] == versions
         assert _same(gen[:exact], col[:exact]), f"generator {g}: records differ from colocated rank {g}'s"
@@ -250,6 +253,36 @@ def test_moe_generators_record_the_colocated_routes_and_the_trainers_replay_them
     assert not all(torch.equal(a[0], b[0]) for a, b in zip(routes, routes[1:]))  # the steps' prompts too
 
 
+@pytest.mark.slow
+def test_context_parallel_trainers_receive_the_colocated_cp_ranks_records_and_train_alike():
+    """Dense, R = 1 generator beside T = 2 trainers with parallel.cp=2 (dp = 1), max_staleness=1, against
+    the colocated dp = 1, cp = 2 run: both colocated CP peers generate the same samples, the generator
+    those samples bit for bit (tokens, log-probs, rewards, versions) at every step (its trainers are the
+    colocated mesh, so every pushed version is bit for bit), each CP trainer receives every sample of the
+    step in the exchange as the colocated CP rank of its coordinate does, and the losses and final weights
+    are the colocated ranks' within `TOL` (`_check_training`'s bound; the trainers run the colocated ranks'
+    FSDP2 and CP collectives over the same two ranks on the same batches). The control, the dedicated run
+    at max_staleness=0: the same step 0 (version 0) and its loss, other records at step 1 (version 1) and
+    a loss `_check_training` tells apart."""
+    k1 = (*DENSE, "parallel.cp=2", "rollout.max_staleness=1")
+    colocated = run_distributed(run_rank, 2, k1, STEPS, timeout=900)
+    dedicated = run_distributed(run_rank, 3, (*k1, "parallel.rollout_ranks=1"), STEPS, timeout=900)
+    control = run_distributed(run_rank, 3, (*DENSE, "parallel.cp=2", "rollout.max_staleness=0",
+                                            "parallel.rollout_ranks=1"), 2, timeout=900)
+
+    assert _same(colocated[0]["records"], colocated[1]["records"])  # CP peers of DP rank 0: the same samples
+    _check_records(colocated, dedicated, 1, 1, cp=2)
+    for t in (0, 1):  # dp = 1: every sample to both CP trainers, as to both colocated CP ranks
+        got, want = dedicated[t]["received"], colocated[t]["received"]
+        assert len(got) == STEPS and all(len(step) == 16 and None not in step for step in got)
+        assert _same(got, want), f"trainer {t}: received other samples than colocated CP rank {t}"
+    _check_training(colocated, dedicated)
+    gen, ctl = dedicated[2]["records"], control[2]["records"]
+    assert _same(gen[:1], ctl[:1]) and not _same(gen[1:2], ctl[1:2])
+    (m0, m1), (w0, w1) = control[0]["metrics"], colocated[0]["metrics"][:2]
+    assert m0["loss"] == pytest.approx(w0["loss"], abs=TOL) and m1["loss"] != pytest.approx(w1["loss"], abs=TOL)
+
+
 def test_a_push_sends_a_tied_weight_once_as_the_generators_receive_it_wherever_its_names_fall(monkeypatch):
     """One process, the push group a queue: what `WeightPush.load_weights` (trainer 0) sends is what
     `received_weights` (a generator, grouping tied names by `tensor_order`) receives, for the sync's
@@ -301,12 +334,12 @@ def test_a_push_sends_a_tied_weight_once_as_the_generators_receive_it_wherever_i
 def test_unsupported_combinations_are_refused_at_start_up_naming_their_keys():
     ok = compose(*DENSE, *DEDICATED, world_size=4)
     assert ok.parallel.rollout_ranks == 2 and compose(*MOE, *DEDICATED, "parallel.ep=2", world_size=4).parallel.ep == 2
+    assert compose(*DENSE, *DEDICATED, "parallel.cp=2", world_size=6).parallel.cp == 2  # dp = 2 x cp = 2 trainers
     for extra, world, match in [
         ((), 2, r"parallel\.rollout_ranks=2: expected an int in \[0, world_size=2\)"),
         (("task.prompts_per_step=3",), 4, r"task\.prompts_per_step=3 does not divide over parallel\.rollout_ranks=2"),
         (("rollout.engine=vllm", "model=moe_tiny"), 4, r"rollout\.engine=vllm with model family qwen3_moe"),
         (("rollout.engine=vllm", "model.lora.rank=4"), 4, r"rollout\.engine=vllm with model\.lora\.rank=4"),
-        (("parallel.cp=2", "task.prompts_per_step=4"), 6, r"parallel\.cp=2: the trainers run data \(and expert\)"),
         # the sizes fill the trainers: the error says world_size is torchrun's ranks less the generators
         (("parallel.dp=4",), 4, r"4 != world_size=2 \(parallel\.dp=-1 fills it\); world_size: torchrun's 4 ranks "
                                 r"less parallel\.rollout_ranks=2"),

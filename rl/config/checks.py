@@ -76,8 +76,8 @@ def _check_rollout_ranks(cfg: Config, world_size: int) -> int:
 def _check_dedicated(cfg: Config, family: str) -> None:
     """What dedicated rollout ranks (parallel.rollout_ranks > 0) run today: the project's engine on a
     dense or MoE model (routing replay: the records carry the generators' routes; LoRA: adapters-only
-    pushes), or vLLM (cpu or cuda) on a dense model without LoRA, every trainer its own DP rank, no evaluation
-    yet (docs/rollouts.md)."""
+    pushes), or vLLM (cpu or cuda) on a dense model without LoRA, the trainers data, context and expert
+    parallel over their own mesh, no evaluation yet (docs/rollouts.md)."""
     p, r = cfg.parallel, cfg.rollout
     keys = "parallel.rollout_ranks=" + str(p.rollout_ranks)
     vllm = RolloutEngineName(r.engine) is RolloutEngineName.VLLM
@@ -87,7 +87,6 @@ def _check_dedicated(cfg: Config, family: str) -> None:
         (vllm and bool(cfg.model.lora.rank), f"rollout.engine=vllm with model.lora.rank={cfg.model.lora.rank}: "
                                              f"adapters through a generator's vLLM engine come later; use "
                                              f"rollout.engine=hf (LoRA pushes its adapters to the project's engine)"),
-        (p.cp > 1, f"parallel.cp={p.cp}: the trainers run data (and expert) parallel only for now; set it to 1"),
         (ReplicaMode(r.replica) is ReplicaMode.SHARDED, "rollout.replica=sharded: a generator holds its own copy; "
                                                         "use rollout.replica=auto or keep"),
         (r.tensor_parallel_size > 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: expected 1"),

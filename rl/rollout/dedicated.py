@@ -12,8 +12,10 @@ side of each collective:
     RemoteRollouts      the trainers' scheduler: the rollout stage is the metadata gather alone (the
                         records come from the generators in the exchange, rl/trainer/trainer.py);
                         `sync` is the push, then the generators' figures
-    share_destinations  the ranks each sample goes to: the trainers plan, trainer 0 sends the plan's
-                        destinations to the generators (they take part in the exchange as senders)
+    share_destinations  the ranks each sample goes to: the trainers plan (DP ranks: each is its cp
+                        trainers, `trainer_ranks`: every CP peer receives the sample from the generator,
+                        as colocated CP ranks do), trainer 0 sends the plan's destinations to the
+                        generators (they take part in the exchange as senders)
     Generator           a generator's step: its `RolloutScheduler` (the thread as colocated; its
                         `sync` receives the push, at max_staleness >= 1 into a stage the thread loads
                         between rollouts), the metadata gather, the exchange, the push, the figures;
@@ -33,8 +35,10 @@ exchange (world) -> push (push group) -> figures (push group) -> [checkpoint (wo
 checkpoint's policy: the end of `Trainer.load_state_dict`, the start of `Generator.load_state_dict`)
 -> the load's agreement (world). A generator's rollout thread runs no collective. Rollout j uses
 exactly version max(base, j - k) of the weights (base: 0, or the resumed checkpoint's steps), a
-broadcast copies bits, and generator g rolls out the prompts a colocated DP rank g of R would: with
-T = R trainers the records are the colocated run's with dp = R (tests/test_dedicated.py). An MoE's
+broadcast copies bits, and generator g rolls out the prompts a colocated DP rank g of R would (each of
+its CP peers alike): with the colocated run's trainers (dp = R, any cp: T = R x cp) the records are
+that run's (tests/test_dedicated.py). The trainers run FSDP2/CP/EP over their mesh as colocated ranks
+do; each sample reaches every CP peer of its DP rank in the one exchange (`trainer_ranks`). An MoE's
 records carry the routes the generator's engine recorded (`routed_experts`, as a colocated engine's)
 to the trainers, which replay them; the push sends the experts gathered over EP as a colocated sync
 does.
@@ -111,9 +115,9 @@ def received_weights(order: list[tuple[list[str], tuple[int, ...], torch.dtype]]
 
 
 def share_destinations(destinations: list[list[int]] | None, samples: int, dims) -> list[list[int]]:
-    """The DP ranks each of the step's `samples` goes to: the trainers' plan (`destinations`, on
-    every trainer) sent by trainer 0 to the generators over the push group, as a [samples, trainers]
-    mask. Other trainers return theirs untouched."""
+    """The trainer ranks each of the step's `samples` goes to (`destinations`, on every trainer: the
+    plan's, `trainer_ranks`) sent by trainer 0 to the generators over the push group, as a
+    [samples, trainers] mask. Other trainers return theirs untouched."""
     if dims.rank not in (0, *range(dims.world_size, dims.ranks)):
         return destinations
     mask = torch.zeros(samples, dims.world_size, dtype=torch.uint8, device=dims.device)
@@ -126,10 +130,21 @@ def share_destinations(destinations: list[list[int]] | None, samples: int, dims)
     return [torch.nonzero(row).flatten().tolist() for row in mask.cpu()]
 
 
+def trainer_ranks(destinations: list[list[int]], cp: int) -> list[list[int]]:
+    """The plan's DP ranks per sample as trainer ranks: DP rank d's cp trainers d * cp .. d * cp + cp - 1
+    (the mesh's rank = dp_rank * cp + cp_rank), so every CP peer receives the sample straight from its
+    generator, as each colocated CP rank receives it from its CP coordinate's sender (runtime/exchange.py):
+    one collective, no second hop over the CP group."""
+    return [[d * cp + c for d in ranks for c in range(cp)] for ranks in destinations]
+
+
 def exchange_records(rollouts: Rollouts, destinations: list[list[int]] | None, dims) -> list:
     """The step's exchange over the records ranks (`dims.records_*`), to the trainers' plan `destinations`
-    (a generator passes None: it gets them from trainer 0, `share_destinations`); this rank's records."""
+    (DP ranks; a generator passes None: it gets them from trainer 0 as trainer ranks, `share_destinations`);
+    this rank's records."""
     if dims.rollout_ranks:
+        if destinations is not None:
+            destinations = trainer_ranks(destinations, dims.cp)
         destinations = share_destinations(destinations, len(rollouts.samples), dims)
     return exchange(rollouts.records, rollouts.samples, destinations, dp_rank=dims.records_rank,
                     dp=dims.records_ranks, group=dims.records_group, device=dims.device)

@@ -352,7 +352,7 @@ def share_records(records: list[Experience], round_: int, dims) -> tuple[list[St
     """Every rank: the round's samples, rank by rank, as metadata (CP peers checked alike; a
     collective over the records ranks: the DP ranks, or every rank with dedicated generators,
     `dims.records_*`), and this rank's records by key."""
-    samples = gather_metadata(records, round_, dp_rank=dims.records_rank, dp=dims.records_ranks, cp=dims.cp,
+    samples = gather_metadata(records, round_, dp_rank=dims.records_rank, dp=dims.records_ranks, cp=dims.records_cp,
                               device=dims.device)
     return samples, {(round_, i): rec for i, rec in enumerate(records)}
 
