@@ -151,28 +151,16 @@ class RolloutScheduler:
     # ------------------------------------------------------------------ the step
     def rollouts(self, step: int, *, log_samples: int = 0) -> Rollouts:
         """The step's rollout stage: `take`, every rank's samples gathered as metadata (a collective,
-        on the main thread). With dynamic sampling (k = 0 only), groups whose rewards are all equal
-        are dropped and rounds generated (`more`) until the step holds `task.prompts_per_step`
+        on the main thread). With dynamic sampling (k = 0 only, `sample_rounds`), groups whose rewards
+        are all equal are dropped and rounds generated (`more`) until the step holds `task.prompts_per_step`
         groups (at most `algo.max_sampling_rounds`); then `rest`. `log_samples` = N: the rows of this
         rank's first N records (rl/rollout/samples.py)."""
         cfg, dims, task = self.source.cfg, self.source.dims, self.source.task
-        algo, want = cfg.algo, cfg.task.prompts_per_step
         t0 = time.perf_counter()
         taken = self.take(step)
         samples, records = share_records(taken.records, 0, dims)
-        sampling = {}
-        if algo.dynamic_sampling:
-            kept, dropped = filter_uniform_groups(samples)
-            rounds = 1
-            while _groups(kept) < want and rounds < algo.max_sampling_rounds:
-                generated, local = share_records(self.more(step, rounds), rounds, dims)
-                records |= local
-                more, lost = filter_uniform_groups(generated)
-                kept, dropped, rounds = kept + more, dropped + lost, rounds + 1
-            first = set(sorted({int(r.prompt_index) for r in kept})[:want])
-            sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
-            # every group uniform in every round: train on the first round (advantages 0)
-            samples = [r for r in kept if int(r.prompt_index) in first] or samples
+        samples, sampling = sample_rounds(samples, records, lambda round_: self.more(step, round_), cfg.algo,
+                                          cfg.task.prompts_per_step, dims)
         # this rank's records of the step (by their places in it): rank 0's come first
         places = [j for j, s in enumerate(samples) if s.source[0] == dims.records_rank]
         mine = [records[samples[j].source[1]] for j in places]
@@ -344,8 +332,29 @@ class RolloutScheduler:
         self._next, self._taken = step + len(kept), step - 1
 
 
-def _groups(samples: list[StandIn]) -> int:
-    return len({int(r.prompt_index) for r in samples})
+def sample_rounds(samples: list[StandIn], records: dict[Hashable, Experience], more, algo, want: int,
+                  dims) -> tuple[list[StandIn], dict[str, int]]:
+    """Dynamic sampling (`algo.dynamic_sampling`; otherwise `samples` as they are, no counts) on the
+    step's gathered first round `samples`: the groups whose rewards are all equal are dropped and
+    round after round is generated (`more(round_)`: this rank's records of it), gathered
+    (`share_records`, its records added to `records`) and filtered alike, until `want` groups are
+    kept or `algo.max_sampling_rounds` rounds ran; the step's samples (the first `want` groups kept,
+    by prompt index) and the counts. Every decision reads the gathered metadata only, the same list
+    on every rank, so every rank joins the same gathers: a dedicated trainer, which generates
+    nothing (`more` gives no records), as many as the generators (rl/rollout/dedicated.py)."""
+    if not algo.dynamic_sampling:
+        return samples, {}
+    kept, dropped = filter_uniform_groups(samples)
+    rounds = 1
+    while len({int(r.prompt_index) for r in kept}) < want and rounds < algo.max_sampling_rounds:
+        generated, local = share_records(more(rounds), rounds, dims)
+        records |= local
+        extra, lost = filter_uniform_groups(generated)
+        kept, dropped, rounds = kept + extra, dropped + lost, rounds + 1
+    first = set(sorted({int(r.prompt_index) for r in kept})[:want])
+    sampling = {"sampling_rounds": rounds, "dropped_groups": len(dropped), "kept_groups": len(first)}
+    # every group uniform in every round: train on the first round (advantages 0)
+    return [r for r in kept if int(r.prompt_index) in first] or samples, sampling
 
 
 def share_records(records: list[Experience], round_: int, dims) -> tuple[list[StandIn], dict[Hashable, Experience]]:
