@@ -12,7 +12,9 @@ k = 2; MoE R = 1, T = 2 expert-parallel trainers, k = 1 (T != R: bit for bit whi
 version 0, then within rounding: T trainers sum their gradients in another order than R colocated
 ranks; the control for MoE: the routes differ between tokens, samples and steps). LoRA rank 4, dense
 R = 2, T = 2, k = 1: the colocated LoRA run's records, the full model pushed once and the adapters
-after (the control: pushes of version 0's adapters give other records from step 2).
+after (the control: pushes of version 0's adapters give other records from step 2). Dynamic sampling,
+dense R = 2, T = 2, k = 0: every round the colocated rank rolls out, extra rounds included, the samples
+each trainer receives and the counts (the control: without it, other samples at the steps with extra rounds).
 The unsupported combinations are refused at start-up, naming their keys."""
 
 import json
@@ -116,11 +118,14 @@ def run_rank(rank: int, world: int, overrides: tuple[str, ...], steps: int) -> d
             "weights": weights(tr)}
 
 
-def _same(a: list[list[dict]], b: list[list[dict]]) -> bool:
-    return len(a) == len(b) and all(
-        len(x) == len(y) and all(r.keys() == s.keys() and all(torch.equal(r[k], s[k]) for k in r)
-                                 for r, s in zip(x, y))
-        for x, y in zip(a, b))
+def _same(a: list[list[dict | None]], b: list[list[dict | None]]) -> bool:
+    """Step by step, record by record the same fields bit for bit (None, a sample not received, only as None)."""
+    def equal(r: dict | None, s: dict | None) -> bool:
+        if r is None or s is None:
+            return r is s
+        return r.keys() == s.keys() and all(torch.equal(r[k], s[k]) for k in r)
+
+    return len(a) == len(b) and all(len(x) == len(y) and all(map(equal, x, y)) for x, y in zip(a, b))
 
 
 def _check_records(colocated: list[dict], dedicated: list[dict], generators: int, k: int,
@@ -283,6 +288,65 @@ def test_context_parallel_trainers_receive_the_colocated_cp_ranks_records_and_tr
     assert m0["loss"] == pytest.approx(w0["loss"], abs=TOL) and m1["loss"] != pytest.approx(w1["loss"], abs=TOL)
 
 
+def run_sampling_rank(rank: int, world: int, overrides: tuple[str, ...], steps: int) -> dict:
+    """`run_rank`, with every round this rank generates (`rounds`: (step, round, the records' fields), in the
+    order `RolloutSource.records` ran them: the step's rollout, then dynamic sampling's extra rounds)."""
+    from rl.rollout.source import RolloutSource
+
+    generate, rounds = RolloutSource.records, []
+
+    def keep(self, step, round_, version):
+        records = generate(self, step, round_, version)
+        rounds.append((step, round_, _fields(records)))
+        return records
+
+    RolloutSource.records = keep
+    return {**run_rank(rank, world, overrides, steps), "rounds": rounds}
+
+
+SAMPLING = ("algo.dynamic_sampling=true", "rollout.max_staleness=0")
+COUNTS = ("sampling_rounds", "dropped_groups", "kept_groups")
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_on_generators_rolls_out_the_colocated_rounds_and_trains_on_the_colocated_samples():
+    """algo.dynamic_sampling (max_staleness=0: refused beside a rollout thread in either placement), dense,
+    R = 2 generators beside T = 2 trainers against the colocated dp = 2 run: every generator generates the
+    rounds colocated rank g generates (step by step, the step's rollout and each extra round) bit for bit,
+    the trainers join each extra round's gather, and each receives in the exchange exactly the samples the
+    colocated rank of its place receives (the kept groups, from every round); the counts
+    (`sampling_rounds`, `dropped_groups`, `kept_groups`) are the colocated run's, with extra rounds at one
+    step at least; the losses and final weights within `TOL` (`_check_training`). The control, the same
+    dedicated run without dynamic sampling: the same first rollout (version 0), one round a step, and
+    other samples received at every step that had extra rounds (step 0 among them)."""
+    colocated = run_distributed(run_sampling_rank, 2, (*DENSE, *SAMPLING), STEPS, timeout=900)
+    dedicated = run_distributed(run_sampling_rank, 4, (*DENSE, *SAMPLING, *DEDICATED), STEPS, timeout=900)
+    control = run_distributed(run_sampling_rank, 4, (*DENSE, "rollout.max_staleness=0", *DEDICATED), STEPS,
+                              timeout=900)
+
+    counts = [{c: m[c] for c in COUNTS} for m in colocated[0]["metrics"]]
+    extra = [s for s, c in enumerate(counts) if c["sampling_rounds"] > 1]
+    # step 0 (3 rounds: the cap, 7 groups dropped) and step 2 (2 rounds) here; at step 0 the control's weights
+    # are the same (version 0), so what it receives differs there by dynamic sampling alone
+    assert extra and extra[0] == 0, f"step 0 rolled out no extra round: {counts}"
+    for g in (0, 1):  # generator g (rank 2 + g): colocated rank g's rounds
+        gen, col = dedicated[2 + g]["rounds"], colocated[g]["rounds"]
+        assert [(s, r) for s, r, _ in gen] == [(s, r) for s, r, _ in col]
+        assert [(s, r) for s, r, _ in gen] == [(s, r) for s, c in enumerate(counts)
+                                               for r in range(c["sampling_rounds"])]
+        assert _same([f for _, _, f in gen], [f for _, _, f in col]), f"generator {g}: other rounds than rank {g}'s"
+        assert all(len(f) == 8 for _, _, f in gen)  # 2 prompts x 4 samples a round
+        ctl = control[2 + g]["rounds"]
+        assert [(s, r) for s, r, _ in ctl] == [(s, 0) for s in range(STEPS)] and _same([ctl[0][2]], [gen[0][2]])
+    for t in (0, 1):  # the trainers: the colocated counts, and each the samples its colocated rank receives
+        assert [{c: m[c] for c in COUNTS} for m in dedicated[t]["metrics"]] == counts
+        got, want = dedicated[t]["received"], colocated[t]["received"]
+        assert len(got) == STEPS and _same(got, want), f"trainer {t}: received other samples than colocated rank {t}"
+        assert all(not _same([control[t]["received"][s]], [want[s]]) for s in extra)  # the control
+        assert "sampling_rounds" not in control[t]["metrics"][0]
+    _check_training(colocated, dedicated)
+
+
 def test_a_push_sends_a_tied_weight_once_as_the_generators_receive_it_wherever_its_names_fall(monkeypatch):
     """One process, the push group a queue: what `WeightPush.load_weights` (trainer 0) sends is what
     `received_weights` (a generator, grouping tied names by `tensor_order`) receives, for the sync's
@@ -335,6 +399,7 @@ def test_unsupported_combinations_are_refused_at_start_up_naming_their_keys():
     ok = compose(*DENSE, *DEDICATED, world_size=4)
     assert ok.parallel.rollout_ranks == 2 and compose(*MOE, *DEDICATED, "parallel.ep=2", world_size=4).parallel.ep == 2
     assert compose(*DENSE, *DEDICATED, "parallel.cp=2", world_size=6).parallel.cp == 2  # dp = 2 x cp = 2 trainers
+    assert compose(*DENSE, *DEDICATED, "algo.dynamic_sampling=true", world_size=4).algo.dynamic_sampling
     for extra, world, match in [
         ((), 2, r"parallel\.rollout_ranks=2: expected an int in \[0, world_size=2\)"),
         (("task.prompts_per_step=3",), 4, r"task\.prompts_per_step=3 does not divide over parallel\.rollout_ranks=2"),
@@ -344,7 +409,9 @@ def test_unsupported_combinations_are_refused_at_start_up_naming_their_keys():
         (("parallel.dp=4",), 4, r"4 != world_size=2 \(parallel\.dp=-1 fills it\); world_size: torchrun's 4 ranks "
                                 r"less parallel\.rollout_ranks=2"),
         (("eval.every=2",), 4, r"eval\.every=2"),
-        (("algo.dynamic_sampling=true", "rollout.max_staleness=0"), 4, r"algo\.dynamic_sampling=true"),
+        # dynamic sampling runs at max_staleness=0 (above), refused beside a rollout thread as colocated
+        (("algo.dynamic_sampling=true", "rollout.max_staleness=1"), 4,
+         r"rollout\.max_staleness=1 with algo\.dynamic_sampling=true: its extra rounds depend"),
     ]:
         with pytest.raises(ValueError, match=match):
             compose(*DENSE, *DEDICATED, *extra, world_size=world)

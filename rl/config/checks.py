@@ -77,7 +77,8 @@ def _check_dedicated(cfg: Config, family: str) -> None:
     """What dedicated rollout ranks (parallel.rollout_ranks > 0) run today: the project's engine on a
     dense or MoE model (routing replay: the records carry the generators' routes; LoRA: adapters-only
     pushes), or vLLM (cpu or cuda) on a dense model without LoRA, the trainers data, context and expert
-    parallel over their own mesh, no evaluation yet (docs/rollouts.md)."""
+    parallel over their own mesh, dynamic sampling as colocated (max_staleness=0: `_check_rollout_mode`),
+    no evaluation yet (docs/rollouts.md)."""
     p, r = cfg.parallel, cfg.rollout
     keys = "parallel.rollout_ranks=" + str(p.rollout_ranks)
     vllm = RolloutEngineName(r.engine) is RolloutEngineName.VLLM
@@ -90,7 +91,6 @@ def _check_dedicated(cfg: Config, family: str) -> None:
         (ReplicaMode(r.replica) is ReplicaMode.SHARDED, "rollout.replica=sharded: a generator holds its own copy; "
                                                         "use rollout.replica=auto or keep"),
         (r.tensor_parallel_size > 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: expected 1"),
-        (cfg.algo.dynamic_sampling, "algo.dynamic_sampling=true: extra rounds on generators come later"),
         (cfg.algo.teacher.path is not None, "algo.teacher.path: distillation on dedicated ranks comes later"),
         (bool(cfg.eval.every), f"eval.every={cfg.eval.every}: the trainers hold no engine; expected 0"),
     ]

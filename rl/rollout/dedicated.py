@@ -10,7 +10,9 @@ side of each collective:
                         into fresh buffers (names, shapes and dtypes from the model built on meta,
                         with the policy's adapters under LoRA)
     RemoteRollouts      the trainers' scheduler: the rollout stage is the metadata gather alone (the
-                        records come from the generators in the exchange, rl/trainer/trainer.py);
+                        records come from the generators in the exchange, rl/trainer/trainer.py),
+                        and with dynamic sampling each extra round's gather, decided from the gathered
+                        metadata as the generators decide it (rl/rollout/scheduler.py `sample_rounds`);
                         `sync` is the push, then the generators' figures
     share_destinations  the ranks each sample goes to: the trainers plan (DP ranks: each is its cp
                         trainers, `trainer_ranks`: every CP peer receives the sample from the generator,
@@ -29,7 +31,9 @@ sync; at k >= 1 the push fills the stage and the rollout thread loads it before 
 that needs it, so loading and generating run one after the other on that thread: no request is in
 flight while weights load. This is where vLLM runs at k >= 1 (colocated, rl/config/checks.py refuses it).
 
-Every rank runs the per-step collectives in one order: gather (world) -> destinations (push group) ->
+Every rank runs the per-step collectives in one order: gather (world) -> [dynamic sampling: one
+gather (world) per extra round, as many on every rank: whether a round follows is read from the
+rounds gathered so far] -> destinations (push group) ->
 exchange (world) -> push (push group) -> figures (push group) -> [checkpoint (world)] -> stop signal
 (world, train.py), and on resume: the checkpoint's choice and load (world) -> push (push group, the
 checkpoint's policy: the end of `Trainer.load_state_dict`, the start of `Generator.load_state_dict`)
@@ -41,7 +45,9 @@ that run's (tests/test_dedicated.py). The trainers run FSDP2/CP/EP over their me
 do; each sample reaches every CP peer of its DP rank in the one exchange (`trainer_ranks`). An MoE's
 records carry the routes the generator's engine recorded (`routed_experts`, as a colocated engine's)
 to the trainers, which replay them; the push sends the experts gathered over EP as a colocated sync
-does.
+does. Dynamic sampling (`algo.dynamic_sampling`, k = 0 as colocated): a generator generates round r
+of step j from its slice of round r's prompts with the policy the step starts from (`more`), as
+colocated rank g does, so every round's records and the samples kept are the colocated run's.
 
 Checkpoints (rl/trainer/checkpoint.py): one DCP save over every rank; a generator's part is its
 scheduler's queue (`RolloutScheduler.state_dict`, taken once the rollouts that need a version older
@@ -60,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.exchange import exchange
-from rl.rollout.scheduler import RolloutScheduler, Rollouts, share_records
+from rl.rollout.scheduler import RolloutScheduler, Rollouts, sample_rounds, share_records
 from rl.rollout.sync import sync_weights
 
 # what each generator reports after a push (the largest over the generators reaches trainer 0)
@@ -159,19 +165,23 @@ def generator_figures(values: list[float], dims) -> dict[str, float]:
 
 class RemoteRollouts:
     """The trainers' `RolloutScheduler`: the rollout stage (`rollouts`) is the metadata gather alone
-    (a trainer holds no records: they come in the exchange), its seconds the trainers' wait for the
-    generators; `sync` pushes the update and returns (trainer 0) the generators' figures."""
+    (a trainer holds no records: they come in the exchange), and with dynamic sampling each extra
+    round's gather, which the generators' schedulers decide from the same gathered metadata
+    (`sample_rounds`); its seconds the trainers' wait for the generators; `sync` pushes the update
+    and returns (trainer 0) the generators' figures."""
 
     k = 0  # nothing generated on this rank (the stage's seconds are the wait)
     source = None
 
-    def __init__(self, push: WeightPush, dims) -> None:
-        self.push, self.dims = push, dims
+    def __init__(self, push: WeightPush, dims, cfg) -> None:
+        self.push, self.dims, self.cfg = push, dims, cfg
 
     def rollouts(self, step: int, *, log_samples: int = 0) -> Rollouts:
         t0 = time.perf_counter()
         samples, _ = share_records([], 0, self.dims)
-        return Rollouts(samples, {}, {}, time.perf_counter() - t0)
+        samples, sampling = sample_rounds(samples, {}, lambda round_: [], self.cfg.algo,
+                                          self.cfg.task.prompts_per_step, self.dims)
+        return Rollouts(samples, {}, sampling, time.perf_counter() - t0)
 
     def sync(self, model) -> dict[str, float]:
         """The push (the trainer's `weight_sync_s` times it), then on trainer 0 the generators' figures."""
