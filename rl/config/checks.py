@@ -55,7 +55,7 @@ def validate(cfg: Config, world_size: int) -> Checked:
     run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, param_dtype=compute))  # auto, resolved once
     _check_device(run)
     if generators:
-        _check_dedicated(run, family)
+        _check_dedicated(run)
     _check_rollout(run, world_size, family)
     return Checked(run, dims)
 
@@ -73,21 +73,16 @@ def _check_rollout_ranks(cfg: Config, world_size: int) -> int:
     return r
 
 
-def _check_dedicated(cfg: Config, family: str) -> None:
-    """What dedicated rollout ranks (parallel.rollout_ranks > 0) run today: the project's engine on a
-    dense or MoE model (routing replay: the records carry the generators' routes; LoRA: adapters-only
-    pushes), or vLLM (cpu or cuda) on a dense model without LoRA, the trainers data, context and expert
+def _check_dedicated(cfg: Config) -> None:
+    """What dedicated rollout ranks (parallel.rollout_ranks > 0) run today: the project's engine or
+    vLLM (cpu or cuda), on a dense or MoE model (routing replay: the records carry the routes the
+    generators' engines recorded) with full fine-tuning or LoRA (the first push the full model, later
+    ones the adapters only: vLLM takes them as adapter versions), the trainers data, context and expert
     parallel over their own mesh, dynamic sampling as colocated (max_staleness=0: `_check_rollout_mode`),
     no evaluation yet (docs/rollouts.md)."""
     p, r = cfg.parallel, cfg.rollout
     keys = "parallel.rollout_ranks=" + str(p.rollout_ranks)
-    vllm = RolloutEngineName(r.engine) is RolloutEngineName.VLLM
     refused = [
-        (vllm and family in MOE, f"rollout.engine=vllm with model family {family}: routing replay from a "
-                                 f"generator's vLLM engine comes later; use a dense model or rollout.engine=hf"),
-        (vllm and bool(cfg.model.lora.rank), f"rollout.engine=vllm with model.lora.rank={cfg.model.lora.rank}: "
-                                             f"adapters through a generator's vLLM engine come later; use "
-                                             f"rollout.engine=hf (LoRA pushes its adapters to the project's engine)"),
         (ReplicaMode(r.replica) is ReplicaMode.SHARDED, "rollout.replica=sharded: a generator holds its own copy; "
                                                         "use rollout.replica=auto or keep"),
         (r.tensor_parallel_size > 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: expected 1"),

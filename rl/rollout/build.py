@@ -58,8 +58,7 @@ def build_engine(cfg, dims, task, actor, new_model, teacher=None, max_staleness:
         tp_group = None
         if dims.distributed and r.tensor_parallel_size > 1:
             tp_group, _ = torch.distributed.new_subgroups(group_size=r.tensor_parallel_size)
-        engine = vllm_engine(cfg, dims, task, new_model, bucket, tp_group=tp_group,
-                             routed_experts=cfg.algo.routing_replay and is_moe(actor.model))
+        engine = vllm_engine(cfg, dims, task, new_model, bucket, tp_group=tp_group, moe=is_moe(actor.model))
     engine.sync_bucket_bytes, engine.replica = bucket, replica
     sync_weights(engine, actor.model)  # bucket by bucket (rl/rollout/sync.py); nothing for the sharded policy
     return engine
@@ -72,10 +71,11 @@ def build_engine(cfg, dims, task, actor, new_model, teacher=None, max_staleness:
 GPU_SHARE = {"colocated": 0.3, "dedicated": 0.85}
 
 
-def vllm_engine(cfg, dims, task, new_model, bucket: int, *, tp_group=None, routed_experts: bool = False,
+def vllm_engine(cfg, dims, task, new_model, bucket: int, *, tp_group=None, moe: bool = False,
                 alone: bool = False) -> VLLMRolloutEngine:
     """The `VLLMRolloutEngine` of `cfg.rollout` over `model.pretrained_path` (a random-init model: a
-    folder written for it), holding the checkpoint's weights until its first `load_weights`.
+    folder written for it), holding the checkpoint's weights until its first `load_weights`. `moe`
+    (the policy is an MoE): with `algo.routing_replay` the engine records its routes on the records.
     `alone`: a dedicated generator's (rl/rollout/dedicated.py): no collective while it is built, and an
     engine of its own (vLLM's one-rank layout, its engine core in a process of its own that sees only the
     generator's GPU, `engine_gpu`; no sleep mode). `rollout.gpu_memory_utilization` null: `GPU_SHARE`."""
@@ -95,7 +95,8 @@ def vllm_engine(cfg, dims, task, new_model, bucket: int, *, tp_group=None, route
         tensor_parallel_size=r.tensor_parallel_size,
         gpu_memory_utilization=GPU_SHARE["dedicated" if alone else "colocated"] if share is None else share,
         enable_sleep_mode=r.enable_sleep_mode and not alone, enforce_eager=r.enforce_eager,
-        kv_cache_gb=r.kv_cache_gb, tp_group=tp_group, routed_experts=routed_experts, lora=cfg.model.lora, **own)
+        kv_cache_gb=r.kv_cache_gb, tp_group=tp_group, routed_experts=cfg.algo.routing_replay and moe,
+        lora=cfg.model.lora, **own)
 
 
 def evaluation_engine(dims, task, actor, engine: RolloutEngine, max_staleness: int) -> RolloutEngine:

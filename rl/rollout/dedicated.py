@@ -25,10 +25,11 @@ side of each collective:
 
 A generator's engine is the one rollout.engine names (rl/trainer/build.py `build_generator`): the
 project's over a compute copy, or vLLM's, an engine of the generator's own (rl/rollout/build.py
-`vllm_engine(alone=True)`: vLLM's one-rank layout, its engine core a process of its own; CPU only
-for now, rl/config/checks.py). Either takes a push through its own `load_weights`, as a colocated
-sync; at k >= 1 the push fills the stage and the rollout thread loads it before the first rollout
-that needs it, so loading and generating run one after the other on that thread: no request is in
+`vllm_engine(alone=True)`: vLLM's one-rank layout, its engine core a process of its own, on cuda
+seeing only the generator's GPU; an MoE's routes recorded and LoRA's adapters taken as adapter
+versions, as colocated). Either takes a push through its own `load_weights`, as a colocated sync;
+at k >= 1 the push fills the stage and the rollout thread loads it before the first rollout that
+needs it, so loading and generating run one after the other on that thread: no request is in
 flight while weights load. This is where vLLM runs at k >= 1 (colocated, rl/config/checks.py refuses it).
 
 Every rank runs the per-step collectives in one order: gather (world) -> [dynamic sampling: one

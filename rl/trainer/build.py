@@ -148,8 +148,9 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> Trainer:
 def build_generator(cfg: Config, dims: ParallelDims) -> Generator:
     """A dedicated generator rank (parallel.rollout_ranks, rl/rollout/dedicated.py): the task, the
     engine rollout.engine names (the project's over an unsharded copy of the policy in the compute
-    dtype; vLLM's, an engine of this rank's own over the checkpoint folder), filled by the trainers'
-    first push (version 0), and a `RolloutScheduler` over generator g's slice of the prompts (the
+    dtype; vLLM's, an engine of this rank's own over the checkpoint folder, recording an MoE's routes
+    and taking LoRA's adapters as the colocated vLLM engine does), filled by the trainers' first push
+    (version 0), and a `RolloutScheduler` over generator g's slice of the prompts (the
     slice a colocated DP rank g of R rolls out) whose syncs receive the pushes."""
     m, build = cfg.model, ModelBuilder(cfg, dims)
     compute = build.param_dtype or build.dtype
@@ -167,7 +168,8 @@ def build_generator(cfg: Config, dims: ParallelDims) -> Generator:
     order, adapters = tensor_order(pushed), tensor_order(pushed, adapters_only=True)
     if RolloutEngineName(cfg.rollout.engine) is RolloutEngineName.VLLM:  # loads a push as a colocated sync does
         engine = vllm_engine(cfg, dims, task, build.policy_lm,
-                             resolve_bucket_bytes(pushed, cfg.rollout.sync_bucket_bytes, world=1), alone=True)
+                             resolve_bucket_bytes(pushed, cfg.rollout.sync_bucket_bytes, world=1), moe=is_moe(pushed),
+                             alone=True)
     else:
         engine = HFRolloutEngine(materialize(compute_copy(build.policy_lm("meta"), compute), dims.device),
                                  stop_token_id=task.stop_token_id)  # the colocated copy's way (rl/rollout/build.py)
