@@ -19,6 +19,9 @@ Where the teacher lives (`algo.teacher.placement`, `TeacherPlacement`): its own 
 the training device for the whole run (`sharded`), or the same shards parked in host memory
 between steps and moved onto the device for the score stage only (`offload`, `teacher_on_device`).
 The rollout's memory plan (rl/rollout/replica.py) counts the teacher's shard bytes either way.
+With dedicated rollout ranks (`parallel.rollout_ranks`, rl/rollout/dedicated.py) the teacher is the
+trainers' alone: sharded over their mesh, self-tested with the verdict shared over their group, scored
+in their score stage; a generator builds none and only samples (tests/test_dedicated_distill.py).
 """
 
 from __future__ import annotations
@@ -256,7 +259,8 @@ def fixed_sequences(vocab_size: int, lengths=SELF_TEST_LENGTHS) -> list[torch.Te
 def self_test(teacher, path: str, dims, *, dtype: torch.dtype, tol: float) -> float:
     """The teacher's log-probs (its run forward: a pack on `dims.device`) of `fixed_sequences`
     against a plain transformers forward of the checkpoint (eager attention, one sequence at a
-    time, on the host, rank 0; the verdict broadcast), max |difference| <= `tol`, else a
+    time, on the host, rank 0; the verdict broadcast over the trainers, `dims.trainer_group`: dedicated
+    generators hold no teacher and run no self-test), max |difference| <= `tol`, else a
     ValueError naming both figures. Returns the difference."""
     from transformers import AutoModelForCausalLM
 
@@ -280,8 +284,8 @@ def self_test(teacher, path: str, dims, *, dtype: torch.dtype, tol: float) -> fl
         keep = torch.ones(got.numel(), dtype=torch.bool)
         keep[ends - 1] = False  # each sequence's trailing slot scores nothing
         diff.fill_(float((got[keep] - torch.cat(want)).abs().max()))
-    if dims.distributed:
-        dist.broadcast(diff, src=0)
+    if dims.distributed:  # over the trainers: dedicated generators (parallel.rollout_ranks) hold no teacher
+        dist.broadcast(diff, src=0, group=dims.trainer_group)
     if not float(diff) <= tol:
         raise ValueError(f"algo.teacher.path={path!r}: the teacher's self-test failed: its log-probs differ from a "
                          f"plain transformers forward by up to {float(diff):.3g} on {len(seqs)} fixed sequences, "

@@ -124,7 +124,8 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> Trainer:
     reference = None  # what the base log-probs come from: a frozen copy; LoRA: the policy's base, no copy built
     if cfg.algo.kl_coef:
         reference = adapters_off(actor) if m.lora.rank else build.frozen(temperature=m.temperature)
-    # on-policy distillation's teacher (rl/algos/distill.py): its own shards, before the engine's memory plan
+    # on-policy distillation's teacher (rl/algos/distill.py): its own shards, before the engine's memory plan;
+    # with dedicated generators the trainers' alone (their mesh: the generators only sample, `build_generator`)
     teacher = build_teacher(cfg, dims, build.frozen, param_dtype=build.param_dtype) if cfg.algo.teacher.path else None
     k = max_staleness(cfg.rollout)
     if dims.rollout_ranks:  # dedicated generators (rl/rollout/dedicated.py): the trainers push, hold no engine
@@ -132,7 +133,8 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> Trainer:
                                                        world=dims.world_size))
         sync_weights(engine, actor.model)  # version 0, to every generator (`build_generator`)
         return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine,
-                       eval_engine=engine, scheduler=RemoteRollouts(engine, dims, cfg), task=task, heldout=heldout)
+                       eval_engine=engine, scheduler=RemoteRollouts(engine, dims, cfg), task=task, heldout=heldout,
+                       teacher=teacher)
     # rollout.engine: hf | vllm (rl/rollout/build.py); its memory plan counts the teacher
     engine = build_engine(cfg, dims, task, actor, build.policy_lm, teacher=teacher, max_staleness=k)
     release_memory()  # what loading and sharding freed, back to the OS (runtime/allocator.py)
