@@ -15,6 +15,8 @@ R = 2, T = 2, k = 1: the colocated LoRA run's records, the full model pushed onc
 after (the control: pushes of version 0's adapters give other records from step 2). Dynamic sampling,
 dense R = 2, T = 2, k = 0: every round the colocated rank rolls out, extra rounds included, the samples
 each trainer receives and the counts (the control: without it, other samples at the steps with extra rounds).
+What trainer 0 logs, a multi-turn task, R = 2, T = 2, k = 1: colocated rank 0's rows (trainer.log_samples) and
+the colocated environment-turn counts, both generators' summed (the controls: rank 1's and another step's rows).
 The unsupported combinations are refused at start-up, naming their keys."""
 
 import json
@@ -30,6 +32,8 @@ from testing.distributed import run_distributed
 from testing.inprocess import SMALL, compose
 
 from model.models import build_model
+from test_arithmetic import tiny_llama  # noqa: F401 - fixture
+from test_tasks import tokenizer, tokenizer_dir  # noqa: F401 - fixtures
 
 BASE = (*SMALL, "task.prompts_per_step=4", "algo.tis_cap=2.0", "eval.every=0", "checkpoint.final=false",
         "trainer.log_samples=0")
@@ -347,6 +351,72 @@ def test_dynamic_sampling_on_generators_rolls_out_the_colocated_rounds_and_train
     _check_training(colocated, dedicated)
 
 
+def run_logging_rank(rank: int, world: int, overrides: tuple[str, ...], steps: int) -> dict:
+    """`run_rank`, with what each step logs: `rows`, the trainer's `samples` after its rollout stage, and
+    `counts`, each rank's own tool / environment counts (`Rollouts.counts` of its scheduler: a
+    colocated rank's or a generator's). In a colocated run every rank logs its first trainer.log_samples
+    records (rank 1's rows: the control)."""
+    from rl.rollout.scheduler import RolloutScheduler
+    from rl.trainer.trainer import Trainer
+
+    rollout, rollouts, rows, counts = Trainer.rollout, RolloutScheduler.rollouts, [], []
+    colocated = not any(o.startswith("parallel.rollout_ranks=") for o in overrides)
+    n = compose(*overrides, check=False).trainer.log_samples
+
+    def keep_rows(self, step):
+        got = rollout(self, step)
+        rows.append(self.samples)
+        return got
+
+    def keep_counts(self, step, *, log_samples=0):
+        got = rollouts(self, step, log_samples=n if colocated else log_samples)
+        counts.append(dict(got.counts))
+        return got
+
+    Trainer.rollout, RolloutScheduler.rollouts = keep_rows, keep_counts
+    return {**run_rank(rank, world, overrides, steps), "rows": rows, "counts": counts}
+
+
+@pytest.mark.slow
+def test_trainer_0_logs_colocated_rank_0s_samples_and_the_colocated_episode_counts(tiny_llama, tokenizer_dir):
+    """A multi-turn task (task=arithmetic_retry: environment turns), R = 2 generators beside T = 2 trainers,
+    max_staleness=1, trainer.log_samples=3, against the colocated dp = 2 run: at every step trainer 0 logs
+    the rows colocated rank 0 logs (generator 0's first 3 records: text, turns, rewards, statuses, places,
+    versions), trainer 1 none, and every trainer's counts (env_steps, env_answers_cut) are the colocated
+    run's: both generators' counts summed. The controls: colocated rank 1's rows and another step's rows
+    differ from what trainer 0 logs (beyond their places), and generator 1 counts turns of its own."""
+    run = ("model=pretrained", f"model.pretrained_path={tiny_llama}", "model.dtype=float32", "task=arithmetic_retry",
+           f"task.tokenizer_path={tokenizer_dir}", "task.prompts_per_step=2", "task.samples_per_prompt=4",
+           "task.max_new_tokens=6", "trainer.progress=false", "trainer.lr=1e-3", "eval.every=0",
+           "checkpoint.final=false", "rollout.max_staleness=1", "algo.tis_cap=2.0", "trainer.log_samples=3")
+    colocated = run_distributed(run_logging_rank, 2, run, STEPS, timeout=900)
+    dedicated = run_distributed(run_logging_rank, 4, (*run, *DEDICATED), STEPS, timeout=900)
+
+    def content(rows):  # a row without its place in the run
+        return [{k: v for k, v in r.items() if k not in ("step", "sample")} for r in rows]
+
+    logged, want = dedicated[0]["rows"], colocated[0]["rows"]
+    assert len(logged) == STEPS and logged == want
+    assert all([(r["step"], r["sample"]) for r in rows] == [(s, 0), (s, 1), (s, 2)] for s, rows in enumerate(logged))
+    assert all(isinstance(r["prompt"], str) and r["turns"][0]["reply"] for rows in logged for r in rows)
+    assert any(r["turns_taken"] == 2 and "environment" in r["turns"][0] for rows in logged for r in rows)
+    assert dedicated[1]["rows"] == [[]] * STEPS  # trainer 1 logs nothing, as colocated rank 1
+    for s in range(STEPS):  # the controls: rank 1's rows, another step's
+        assert content(logged[s]) != content(colocated[1]["rows"][s])
+        assert content(logged[s]) != content(want[(s + 1) % STEPS])
+
+    keys = ("env_steps", "env_answers_cut")
+    for s in range(STEPS):
+        counts = {k: colocated[0]["metrics"][s][k] for k in keys}
+        assert counts["env_steps"] == colocated[0]["metrics"][s]["turns_mean"] * 8  # every reply answered
+        for t in (0, 1):
+            assert {k: dedicated[t]["metrics"][s][k] for k in keys} == counts, f"trainer {t} step {s}"
+        gen = [dedicated[2 + g]["counts"][s] for g in (0, 1)]  # the sum of both generators' counts
+        assert gen == [colocated[g]["counts"][s] for g in (0, 1)]
+        assert {k: gen[0][k] + gen[1][k] for k in keys} == counts
+    assert any(dedicated[3]["counts"][s]["env_steps"] for s in range(STEPS))  # the control: generator 1 counts
+
+
 def test_a_push_sends_a_tied_weight_once_as_the_generators_receive_it_wherever_its_names_fall(monkeypatch):
     """One process, the push group a queue: what `WeightPush.load_weights` (trainer 0) sends is what
     `received_weights` (a generator, grouping tied names by `tensor_order`) receives, for the sync's
@@ -471,12 +541,13 @@ def test_train_py_runs_one_trainer_and_one_generator_and_a_generators_stop_signa
     """torchrun 2 ranks, parallel.rollout_ranks=1 (one trainer: no trainers' collectives): train.py
     runs the generator's loop on rank 1; a SIGTERM to the generator as it starts rollout 3 (the fault
     hook, tests/fault/sitecustomize.py) stops both ranks after the same step, each writing its part of
-    the checkpoint (tests/test_dedicated_resume.py resumes them)."""
+    the checkpoint (tests/test_dedicated_resume.py resumes them); samples.jsonl holds each step's first
+    trainer.log_samples=2 episodes, the generator's, written by trainer 0."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py",
            f"hydra.run.dir={out}", *DENSE, "parallel.rollout_ranks=1", "rollout.max_staleness=1",
-           "trainer.max_steps=8", "trainer.plot=false"]
+           "trainer.max_steps=8", "trainer.plot=false", "trainer.log_samples=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join([str(root / "tests" / "fault"), str(root)]),
            "RL_TEST_KILL": "in_rollout:3:1", "RL_TEST_SIGNAL": "TERM"}
@@ -494,4 +565,8 @@ def test_train_py_runs_one_trainer_and_one_generator_and_a_generators_stop_signa
     assert 3 <= int(stopped[1]) < 8 and [m["step"] for m in steps] == list(range(int(stopped[1])))
     assert all(m["rollout_staleness_max"] == (1.0 if m["step"] else 0.0) for m in steps)
     assert all(m["weight_sync_bytes"] > 0 and "generator_wait_s" in m for m in steps)
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["sample"], r["policy_version"]) for r in rows] == [
+        (m["step"], k, max(0, m["step"] - 1)) for m in steps for k in range(2)]
+    assert all(r["prompt_ids"] and r["turns"][0]["reply_ids"] for r in rows)
     assert [p.name for p in (out / "checkpoints").iterdir()] == [saved.name]  # checkpoint.final=false: that one

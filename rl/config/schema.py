@@ -222,7 +222,8 @@ class TrainerConfig:
     project: str = "rl"  # the W&B project / MLflow experiment
     # each step's first N episodes (prompt, every turn's reply, tool calls with their results and status, the
     # environment's answers, reward, status) to <run>/samples.jsonl, and a W&B table / MLflow artifact when those
-    # loggers are on (rl/rollout/samples.py); rank 0's own samples, the step's first; 0 = off
+    # loggers are on (rl/rollout/samples.py); rank 0's own samples (dedicated rollout ranks: generator 0's), the
+    # step's first; 0 = off
     log_samples: int = 4
     plot: bool = True  # write <run>/curves.png when the run ends
     progress: bool = True  # the tqdm progress bar on rank 0

@@ -14,6 +14,10 @@ side of each collective:
                         and with dynamic sampling each extra round's gather, decided from the gathered
                         metadata as the generators decide it (rl/rollout/scheduler.py `sample_rounds`);
                         `sync` is the push, then the generators' figures
+    share_episodes      what trainer 0 logs of the step (rl/rollout/samples.py), as colocated rank 0
+                        logs it: the tool / environment counts summed over the generators (the colocated
+                        ranks' sum) and generator 0's rows (its first trainer.log_samples records, the
+                        ones colocated rank 0 generates), gathered to trainer 0 over the push group
     share_destinations  the ranks each sample goes to: the trainers plan (DP ranks: each is its cp
                         trainers, `trainer_ranks`: every CP peer receives the sample from the generator,
                         as colocated CP ranks do), trainer 0 sends the plan's destinations to the
@@ -34,7 +38,8 @@ flight while weights load. This is where vLLM runs at k >= 1 (colocated, rl/conf
 
 Every rank runs the per-step collectives in one order: gather (world) -> [dynamic sampling: one
 gather (world) per extra round, as many on every rank: whether a round follows is read from the
-rounds gathered so far] -> destinations (push group) ->
+rounds gathered so far] -> [episodes (push group): with a multi-turn task or trainer.log_samples > 0]
+-> destinations (push group) ->
 exchange (world) -> push (push group) -> figures (push group) -> [checkpoint (world)] -> stop signal
 (world, train.py), and on resume: the checkpoint's choice and load (world) -> push (push group, the
 checkpoint's policy: the end of `Trainer.load_state_dict`, the start of `Generator.load_state_dict`)
@@ -67,6 +72,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.exchange import exchange
+from rl.rollout.samples import turn_counts
 from rl.rollout.scheduler import RolloutScheduler, Rollouts, sample_rounds, share_records
 from rl.rollout.sync import sync_weights
 
@@ -121,6 +127,27 @@ def received_weights(order: list[tuple[list[str], tuple[int, ...], torch.dtype]]
             yield name, buf
 
 
+def share_episodes(rollouts: Rollouts, task, log_samples: int, dims) -> Rollouts:
+    """The step's tool / environment counts and logged rows (rl/rollout/samples.py) moved to trainer 0,
+    in place on `rollouts`: each generator sends its counts (`turn_counts` over its records) and generator 0
+    its rows (`sample_rows` of its first `log_samples` records, with their places: colocated rank 0's rows),
+    gathered over the push group. Trainer 0 keeps the counts' sum over the generators (the colocated DP
+    ranks' sum) and generator 0's rows; the other trainers zero counts under the same keys (the trainers'
+    metrics sum them over the DP ranks). A single-turn task with nothing logged: no counts, no collective."""
+    keys = turn_counts([], task)  # the same keys on every rank; none for a single-turn task
+    if not keys and not log_samples:
+        return rollouts
+    if dims.rank not in (0, *range(dims.world_size, dims.ranks)):
+        rollouts.counts = keys
+        return rollouts
+    got = [None] * (dims.rollout_ranks + 1) if dims.rank == 0 else None
+    dist.gather_object((rollouts.counts, rollouts.rows), got, dst=0, group=dims.push_group)
+    if dims.rank == 0:  # got[0]: trainer 0's own (nothing), got[1 + g]: generator g's
+        rollouts.counts = {k: sum(counts[k] for counts, _ in got[1:]) for k in keys}
+        rollouts.rows = got[1][1]
+    return rollouts
+
+
 def share_destinations(destinations: list[list[int]] | None, samples: int, dims) -> list[list[int]]:
     """The trainer ranks each of the step's `samples` goes to (`destinations`, on every trainer: the
     plan's, `trainer_ranks`) sent by trainer 0 to the generators over the push group, as a
@@ -168,21 +195,24 @@ class RemoteRollouts:
     """The trainers' `RolloutScheduler`: the rollout stage (`rollouts`) is the metadata gather alone
     (a trainer holds no records: they come in the exchange), and with dynamic sampling each extra
     round's gather, which the generators' schedulers decide from the same gathered metadata
-    (`sample_rounds`); its seconds the trainers' wait for the generators; `sync` pushes the update
-    and returns (trainer 0) the generators' figures."""
+    (`sample_rounds`), then the step's counts and logged rows (`share_episodes`); its seconds the
+    trainers' wait for the generators; `sync` pushes the update and returns (trainer 0) the generators' figures."""
 
     k = 0  # nothing generated on this rank (the stage's seconds are the wait)
     source = None
 
-    def __init__(self, push: WeightPush, dims, cfg) -> None:
-        self.push, self.dims, self.cfg = push, dims, cfg
+    def __init__(self, push: WeightPush, dims, cfg, task) -> None:
+        self.push, self.dims, self.cfg, self.task = push, dims, cfg, task
 
     def rollouts(self, step: int, *, log_samples: int = 0) -> Rollouts:
         t0 = time.perf_counter()
         samples, _ = share_records([], 0, self.dims)
         samples, sampling = sample_rounds(samples, {}, lambda round_: [], self.cfg.algo,
                                           self.cfg.task.prompts_per_step, self.dims)
-        return Rollouts(samples, {}, sampling, time.perf_counter() - t0)
+        rollouts = share_episodes(Rollouts(samples, {}, sampling, 0.0), self.task, self.cfg.trainer.log_samples,
+                                  self.dims)
+        rollouts.seconds = time.perf_counter() - t0
+        return rollouts
 
     def sync(self, model) -> dict[str, float]:
         """The push (the trainer's `weight_sync_s` times it), then on trainer 0 the generators' figures."""
@@ -206,8 +236,11 @@ class Generator:
         self.scheduler, self.dims = scheduler, dims
 
     def step(self, step: int) -> None:
-        dims = self.dims
-        rollouts = self.scheduler.rollouts(step)  # take, the metadata gather (k = 0: the engine sleeps after)
+        dims, source = self.dims, self.scheduler.source
+        n = source.cfg.trainer.log_samples  # generator 0 logs its first n records, as colocated rank 0
+        # take, the metadata gather (k = 0: the engine sleeps after), the counts and rows to trainer 0
+        rollouts = self.scheduler.rollouts(step, log_samples=n if dims.rank == dims.world_size else 0)
+        share_episodes(rollouts, source.task, n, dims)
         exchange_records(rollouts, None, dims)  # the plan's destinations from trainer 0, the records sent
         t0 = time.perf_counter()
         self.scheduler.sync(None)  # the step's update, received (k >= 1: into the stage)

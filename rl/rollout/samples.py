@@ -2,6 +2,7 @@
 `<run>/samples.jsonl` (`trainer.log_samples`), from the records of this rank.
 
     counts = turn_counts(records, task)      # summed over the DP ranks by the trainer's metrics
+                                             # (dedicated rollout ranks: over the generators, on trainer 0)
     rows = sample_rows(records, task, step=3, places=[0, 1])
 
 Counts, per step, over the step's samples (a multi-turn task; `tool_*` for a task with tools,

@@ -26,7 +26,9 @@ The rollout stage also counts this rank's tool calls and environment turns (rl/r
 summed over the DP ranks with the step's other sums) and, on rank 0 with trainer.log_samples = N,
 turns its first N records into `Trainer.samples` (train.py writes them to <run>/samples.jsonl):
 rank 0 holds DP rank 0's records, the step's first, so these are the step's first N samples (at
-most DP rank 0's share, task.prompts_per_step / dp x task.samples_per_prompt).
+most DP rank 0's share, task.prompts_per_step / dp x task.samples_per_prompt). With dedicated rollout
+ranks the trainers hold no records: trainer 0 receives generator 0's rows and the generators' summed
+counts (rl/rollout/dedicated.py `share_episodes`), the same rows and counts.
 
 Data flow across ranks: each DP rank rolls out its slice of the step's prompts (CP peers
 of one DP rank generate the same samples); the records stay there. Only per-sample metadata
