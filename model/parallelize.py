@@ -138,7 +138,8 @@ def _checkpointed(forward, blocks):
 def apply_fsdp(wrapper: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype | None = None) -> None:
     """FSDP2 over the world (a no-op for one process): experts over `dims.expert_fsdp_mesh`,
     decoder layers, an untied input embedding and the wrapper over `dims.fsdp_mesh`;
-    gradients summed."""
+    gradients summed. A frozen `wrapper` (no parameter requires grad) holds only its shards
+    between forwards, its root's included."""
     if dims.fsdp_mesh is None:  # one process without a process group (model.param_dtype gives it one)
         return
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -151,7 +152,10 @@ def apply_fsdp(wrapper: nn.Module, dims: ParallelDims, *, param_dtype: torch.dty
             layer.register_full_backward_pre_hook(_release_host_memory)
     if not tied_embeddings(model):  # a tied weight is read at both ends: the root's unshard covers both
         fully_shard(model.get_input_embeddings(), mesh=dims.fsdp_mesh, mp_policy=mp)
-    fully_shard(wrapper, mesh=dims.fsdp_mesh, mp_policy=mp)
+    # FSDP2 leaves the root (lm head, final norm, tied embeddings) gathered after forward for the backward
+    # that reshards it; a frozen model (the reference copy, the teacher) has none: resharded after each forward
+    frozen = not any(p.requires_grad for p in wrapper.parameters())
+    fully_shard(wrapper, mesh=dims.fsdp_mesh, mp_policy=mp, reshard_after_forward=True if frozen else None)
     for module in wrapper.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # SUM: each microbatch loss is a share of the global mean

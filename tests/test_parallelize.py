@@ -1,5 +1,6 @@
 """model/parallelize.py on one process: activation checkpointing keeps the numbers (MoE state
-included), and every tensor the step hands to a collective is placed on the rank's device."""
+included), and every tensor the step hands to a collective is placed on the rank's device;
+on two: a frozen model (the reference copy, the teacher) holds only its shards between forwards."""
 
 from __future__ import annotations
 
@@ -258,3 +259,90 @@ def test_param_dtype_in_one_process_computes_in_it_and_keeps_fp32_masters():
     assert all(torch.isfinite(torch.tensor(v)) for k, v in metrics.items() if isinstance(v, float))
     seen, _, masters = _compute_dtypes()  # control: without it one process computes in the weights' dtype
     assert seen == {torch.float32} and masters == {torch.float32}
+
+
+# ------------------------------------------------------------ frozen models hold only their shards
+def _held(module) -> tuple[list[str], int, int, int]:
+    """What `module` holds now: the names of its gathered (plain, not DTensor) parameters, the
+    bytes of its parameters as registered (a shard's local tensor, a gathered one whole), its
+    FSDP2 shards' bytes (`sharded_param`, whatever the state) and the memory plan's
+    `local_shard_bytes` of it."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from rl.rollout.replica import local_shard_bytes
+    from runtime.parallel_dims import local_tensor
+
+    gathered = [n for n, p in module.named_parameters() if not isinstance(p, DTensor)]
+    held = sum(local_tensor(p).numel() * p.element_size() for p in module.parameters())
+    shards = sum(f.sharded_param.to_local().numel() * f.sharded_param.element_size()
+                 for m in module.modules() if isinstance(m, FSDPModule)
+                 for g in m._get_fsdp_state()._fsdp_param_groups for f in g.fsdp_params)
+    return gathered, held, shards, local_shard_bytes(module)
+
+
+def frozen_forwards(rank, world_size, teacher_path):
+    """The reference copy (untied) and the distillation teacher (tied embeddings, self-tested at
+    build) as train.py builds them (`ModelBuilder.frozen`, `build_teacher`), sharded over the
+    world: what each holds after its build and after a no-grad forward; then the root left
+    gathered by hand (FSDP2's default for a root) for the same forward's log-probs. The
+    policy's no-grad forward (the score stage's old log-probs) and its training step, for contrast."""
+    from rl.algos.distill import build_teacher
+    from rl.trainer.build import ModelBuilder
+    from runtime.parallel_dims import build_mesh
+    from testing.inprocess import compose
+
+    cfg = compose("model=dense_tiny", "algo.advantage=distill", f"algo.teacher.path={teacher_path}",
+                  world_size=world_size)
+    dims = ParallelDims(world_size=world_size)
+    build_mesh(dims)
+    build = ModelBuilder(cfg, dims)
+    reference = build.frozen(temperature=1.0)
+    teacher = build_teacher(cfg, dims, build.frozen, param_dtype=build.param_dtype)  # its self-test: one forward
+    out = {"after_build": _held(teacher),
+           "tied": teacher.model.lm_head.weight is teacher.model.get_input_embeddings().weight}
+    batch = make_experience_batch(make_records([6, 19, 11, 4], vocab=64, seed=rank), packed=True)
+    models = {"reference": reference, "teacher": teacher}
+    with torch.no_grad():
+        out["log_probs"] = {k: m(batch) for k, m in models.items()}
+        out["after_forward"] = {k: _held(m) for k, m in models.items()}
+        for m in models.values():  # the control: the root kept gathered after forward, as FSDP2 does by default
+            m.set_reshard_after_forward(False, recurse=False)
+        out["control_log_probs"] = {k: m(batch) for k, m in models.items()}
+        out["control_after_forward"] = {k: _held(m) for k, m in models.items()}
+    policy = build.parallel(lambda lm: build.actor(lm, temperature=1.0))
+    with torch.no_grad():
+        policy(batch)
+    out["policy_after_no_grad"] = _held(policy)[0]
+    (policy(batch) * batch.action_mask).sum().backward()
+    out["policy_after_backward"] = _held(policy)[0]
+    return out
+
+
+@pytest.mark.slow
+def test_frozen_models_hold_only_their_shards_after_each_forward(tmp_path):
+    """The reference copy and the teacher (no backward ever) reshard their root (lm head, final
+    norm, tied embeddings) after each forward, the teacher's self-test at build included: every
+    parameter is a shard, and a rank holds its shards' bytes, what the memory plan's
+    `local_shard_bytes` counts. Control: the root kept gathered (FSDP2's root default) holds
+    more (and `local_shard_bytes` counts the gathered tensors whole), with the same log-probs
+    bit for bit. The policy keeps its root gathered from a no-grad forward until its training
+    step's backward reshards it."""
+    teacher = tmp_path / "teacher"
+    build_model("qwen3", seed=1, vocab_size=64, max_position_embeddings=512,
+                tie_word_embeddings=True).save_pretrained(teacher)
+    results = run_distributed(frozen_forwards, 2, str(teacher), timeout=600)
+    norm = "model.model.norm.weight"  # the root's own parameters: the rest are the layers' (and an untied embedding's)
+    root = {"reference": [norm, "model.lm_head.weight"], "teacher": ["model.model.embed_tokens.weight", norm]}
+    for rank, r in enumerate(results):
+        assert r["tied"], "the teacher's checkpoint ties its embeddings"
+        gathered, held, shards, plan = r["after_build"]
+        assert (gathered, held, plan) == ([], shards, shards), f"rank {rank}: the teacher after its self-test"
+        for name in ("reference", "teacher"):
+            gathered, held, shards, plan = r["after_forward"][name]
+            assert (gathered, held, plan) == ([], shards, shards), f"rank {rank}: {name} after a forward"
+            gathered, held, shards, plan = r["control_after_forward"][name]
+            assert gathered == root[name] and held > shards, (rank, name, gathered, held, shards)
+            assert torch.equal(r["log_probs"][name], r["control_log_probs"][name]), (rank, name)
+        assert r["policy_after_no_grad"] == root["reference"]  # the policy is untied (model=dense_tiny)
+        assert r["policy_after_backward"] == []
