@@ -17,6 +17,10 @@ dense R = 2, T = 2, k = 0: every round the colocated rank rolls out, extra round
 each trainer receives and the counts (the control: without it, other samples at the steps with extra rounds).
 What trainer 0 logs, a multi-turn task, R = 2, T = 2, k = 1: colocated rank 0's rows (trainer.log_samples) and
 the colocated environment-turn counts, both generators' summed (the controls: rank 1's and another step's rows).
+Held-out evaluation (dense R = 2, T = 2, k = 1, eval.every=2): the trainers evaluate with the policy itself
+and give the colocated run's evaluation records and figures bit for bit, and the run without evaluation
+trains alike bit for bit (the control: a k = 0 run evaluates other versions differently); one trainer
+(R = T = 1, k = 2) and two CP trainers evaluate as their colocated runs, bit for bit.
 The unsupported combinations are refused at start-up, naming their keys."""
 
 import json
@@ -44,6 +48,10 @@ STEPS = 3
 # routed_experts [L, K, T]: the generation's routes (MoE routing replay), None on a dense model
 FIELDS = ("sequences", "rollout_log_probs", "rewards", "prompt_index", "policy_version", "routed_experts")
 TOL = 7.8e-6  # the FSDP reductions' rounding (tests/test_fsdp.py)
+# held-out evaluation: 5 problems over 2 trainers (3 and 2) in batches of 2, so trainer 1's last batch is empty
+EVAL = ("eval.every=2", "eval.num_prompts=5", "eval.batch_size=2")
+HELDOUT_SEED = 2**31 + 5
+UNTIMED = ("_s", "tokens_per_s")  # a metric ending so is a time or a rate
 
 
 def _fields(records) -> list[dict]:
@@ -94,9 +102,41 @@ def _replayed() -> list[bool]:
     return seen
 
 
+def _heldout() -> None:
+    """target_token has no held-out split: the test gives it one (prompts from a seed the run draws no
+    step's prompts from), so a held-out evaluation scores the task's fractional reward (the share of
+    reply tokens equal to the target), which moves with the policy."""
+    from rl.tasks.synthetic import TargetToken
+
+    TargetToken.has_heldout = True
+    TargetToken.heldout = lambda self, n: self.prompts(n, seed=HELDOUT_SEED)
+
+
+def _evaluations(tr) -> list[list[dict]]:
+    """The records of each held-out evaluation `tr` runs (this rank's problems, batch by batch),
+    filled as it evaluates."""
+    from rl.rollout import evaluate as module
+
+    run, evaluate, evaluations = module.run_episodes, tr.evaluate, []
+
+    def episodes(*args, **kwargs):
+        records = run(*args, **kwargs)
+        evaluations[-1].extend(_fields(records))
+        return records
+
+    def evaluated():
+        evaluations.append([])
+        return evaluate()
+
+    module.run_episodes, tr.evaluate = episodes, evaluated
+    return evaluations
+
+
 def run_rank(rank: int, world: int, overrides: tuple[str, ...], steps: int) -> dict:
     """train.py's rank, in-process: a generator's records per step, or a trainer's metrics, final
-    weights, (colocated) records and received samples per step."""
+    weights, (colocated) records and received samples per step; with eval.every > 0 also each held-out
+    evaluation's records and train.py's evaluation after the last step (`final`), which a dedicated
+    run's trainers run once the generators are done."""
     from runtime.parallel_dims import init_distributed
     from rl.trainer.build import build_generator, build_trainer
     from testing.inprocess import weights
@@ -105,6 +145,8 @@ def run_rank(rank: int, world: int, overrides: tuple[str, ...], steps: int) -> d
     p = cfg.parallel
     dims = init_distributed(p.dp, p.cp, p.ep, device="cpu", rollout_ranks=p.rollout_ranks)
     torch.manual_seed(cfg.seed)
+    if cfg.eval.every:
+        _heldout()
     if dims.generates:
         generator = build_generator(cfg, dims)
         records = _recorded(generator.scheduler)
@@ -114,12 +156,13 @@ def run_rank(rank: int, world: int, overrides: tuple[str, ...], steps: int) -> d
         return {"role": "generator", "records": records}
     tr = build_trainer(cfg, dims)
     records = _recorded(tr.rollout_scheduler) if not dims.rollout_ranks else []  # trainers: no records of their own
-    received, replayed = _received(), _replayed()
+    received, replayed, evaluations = _received(), _replayed(), _evaluations(tr)
     metrics = [tr.step(s) for s in range(steps)]
+    final = tr.evaluate() if cfg.eval.every else {}
     if hasattr(tr.rollout_scheduler, "close"):
         tr.rollout_scheduler.close()
     return {"role": "trainer", "records": records, "received": received, "replayed": replayed, "metrics": metrics,
-            "weights": weights(tr)}
+            "weights": weights(tr), "evaluations": evaluations, "final": final}
 
 
 def _same(a: list[list[dict | None]], b: list[list[dict | None]]) -> bool:
@@ -183,21 +226,56 @@ def _check_training(colocated: list[dict], dedicated: list[dict]) -> None:
             torch.testing.assert_close(got["weights"][name], value, atol=TOL, rtol=0)
 
 
+def _figures(metrics: dict) -> dict:
+    """A held-out evaluation's figures (its seconds left out)."""
+    return {k: v for k, v in metrics.items() if k.startswith("eval_") and not k.endswith(UNTIMED)}
+
+
 @pytest.mark.slow
 def test_dedicated_generators_give_the_colocated_records_bit_for_bit_and_train_alike(tmp_path):
+    """Dense, R = 2 generators beside T = 2 trainers, k = 1 (the module docstring), with the held-out
+    evaluation (eval.every=2: before steps 0 and 2, and after the last) in the colocated, the dedicated
+    and the control runs: the dedicated trainers evaluate with the policy itself, over their own groups,
+    the colocated dp = 2 ranks with their rollout engine (the copy); every evaluation's records (tokens,
+    log-probs, rewards) and figures are the colocated run's bit for bit, and the run without evaluation
+    (`again`) has the same records, metrics and weights bit for bit. The control for evaluation: the
+    k = 0 run evaluates the same version 0 at step 0 (the same records and figures) and other versions
+    at step 2 and after the last step (other records)."""
     k1 = ("rollout.max_staleness=1",)
-    colocated = run_distributed(run_rank, 2, (*DENSE, *k1), STEPS, timeout=600)
-    dedicated = run_distributed(run_rank, 4, (*DENSE, *k1, *DEDICATED), STEPS, timeout=600)
+    colocated = run_distributed(run_rank, 2, (*DENSE, *k1, *EVAL), STEPS, timeout=600)
+    dedicated = run_distributed(run_rank, 4, (*DENSE, *k1, *DEDICATED, *EVAL), STEPS, timeout=600)
     again = run_distributed(run_rank, 4, (*DENSE, *k1, *DEDICATED), STEPS, timeout=600)
     # the control reads the same weights from a checkpoint (the trainers' sharded load, without the generators)
     build_model("qwen3", seed=0, vocab_size=64, max_position_embeddings=512).save_pretrained(tmp_path)
-    control = run_distributed(run_rank, 4, (*DENSE, "rollout.max_staleness=0", *DEDICATED,
+    control = run_distributed(run_rank, 4, (*DENSE, "rollout.max_staleness=0", *DEDICATED, *EVAL,
                                             f"model.pretrained_path={tmp_path}"), STEPS, timeout=600)
 
     _check_records(colocated, dedicated, 2, 1)  # generator g (rank 2 + g) holds colocated rank g's rows
+    for t in (0, 1):  # held-out evaluation: trainer t decodes colocated rank t's problems with the same version
+        got, want, ctl = dedicated[t], colocated[t], control[t]
+        assert [len(e) for e in got["evaluations"]] == [3 - t] * 3  # steps 0 and 2, and after the last step
+        assert _same(got["evaluations"], want["evaluations"]), f"trainer {t}: evaluation records differ"
+        assert [_figures(m) for m in got["metrics"]] == [_figures(m) for m in want["metrics"]]
+        assert [bool(_figures(m)) for m in got["metrics"]] == [True, False, True]
+        assert _figures(got["final"]) == _figures(want["final"]) and got["final"]["eval_s"] > 0
+        # the control: the same version 0 gives the same evaluation, versions 2 and 3 of another run others
+        assert _same(ctl["evaluations"][:1], got["evaluations"][:1])
+        assert not any(_same([c], [e]) for c, e in zip(ctl["evaluations"][1:], got["evaluations"][1:]))
+        # evaluation changes no training: the run without it has the same metrics and weights, bit for bit
+        strip = [{k: v for k, v in m.items() if not k.startswith("eval_") and not k.endswith(UNTIMED)}
+                 for m in got["metrics"]]
+        assert strip == [{k: v for k, v in m.items() if not k.endswith(UNTIMED)} for m in again[t]["metrics"]]
+        assert all(torch.equal(v, again[t]["weights"][n]) for n, v in got["weights"].items())
+        assert not again[t]["evaluations"] and not any(_figures(m) for m in again[t]["metrics"])
+    figures = [_figures(m) for m in (dedicated[0]["metrics"][0], dedicated[0]["metrics"][2], dedicated[0]["final"])]
+    controls = [_figures(m).get("eval_reward_mean") for m in (*control[0]["metrics"], control[0]["final"])]
+    print("held-out eval_reward_mean before steps 0 and 2 and after step 2:", [f["eval_reward_mean"] for f in figures],
+          "; the control's before steps 0-2 and after step 2:", controls)
+    assert all(0 < f["eval_reward_mean"] < 1 for f in figures)  # a fractional reward: the figures carry information
+    assert len({f["eval_reward_mean"] for f in figures}) > 1, figures  # and move with the policy
     for g in (0, 1):
         gen = dedicated[2 + g]["records"]
-        assert _same(gen, again[2 + g]["records"]), f"generator {g}: two dedicated runs differ"
+        assert _same(gen, again[2 + g]["records"]), f"generator {g}: two dedicated runs differ (one evaluates)"
         # the control: at max_staleness=0 rollout j uses version j, not j - 1: the same step 0 (version 0, the
         # checkpoint's weights pushed), other records after
         ctl = control[2 + g]["records"]
@@ -219,14 +297,21 @@ def test_dedicated_generators_give_the_colocated_records_bit_for_bit_and_train_a
 def test_one_generator_at_max_staleness_2_gives_the_colocated_records_bit_for_bit():
     """Dense, R = 1 generator beside T = 1 trainer, max_staleness=2, four steps (rollout 3 is the first
     with a pushed version, 1): the records of the colocated one-rank run; the control, a colocated
-    max_staleness=1 run, has the same rollouts 0-1 (version 0) and others from rollout 2 (version 1)."""
-    k2 = (*DENSE, "rollout.max_staleness=2")
+    max_staleness=1 run, has the same rollouts 0-1 (version 0) and others from rollout 2 (version 1).
+    Both evaluate (eval.every=2): the one trainer (no trainers' group) gives the colocated rank's
+    evaluation records and figures bit for bit (both with the policy itself at k = 2)."""
+    k2 = (*DENSE, "rollout.max_staleness=2", *EVAL)
     colocated = run_distributed(run_rank, 1, k2, 4, timeout=600)
     dedicated = run_distributed(run_rank, 2, (*k2, "parallel.rollout_ranks=1"), 4, timeout=600)
     control = run_distributed(run_rank, 1, (*DENSE, "rollout.max_staleness=1"), 4, timeout=600)
 
     _check_records(colocated, dedicated, 1, 2)
     _check_training(colocated, dedicated)
+    got, want = dedicated[0], colocated[0]
+    assert [len(e) for e in got["evaluations"]] == [5] * 3 and _same(got["evaluations"], want["evaluations"])
+    assert [_figures(m) for m in got["metrics"]] == [_figures(m) for m in want["metrics"]]
+    assert [bool(_figures(m)) for m in got["metrics"]] == [True, False, True, False]
+    assert _figures(got["final"]) == _figures(want["final"])
     gen, ctl = dedicated[1]["records"], control[0]["records"]
     assert _same(gen[:2], ctl[:2]) and not _same(gen[2:3], ctl[2:3])
 
@@ -272,8 +357,9 @@ def test_context_parallel_trainers_receive_the_colocated_cp_ranks_records_and_tr
     are the colocated ranks' within `TOL` (`_check_training`'s bound; the trainers run the colocated ranks'
     FSDP2 and CP collectives over the same two ranks on the same batches). The control, the dedicated run
     at max_staleness=0: the same step 0 (version 0) and its loss, other records at step 1 (version 1) and
-    a loss `_check_training` tells apart."""
-    k1 = (*DENSE, "parallel.cp=2", "rollout.max_staleness=1")
+    a loss `_check_training` tells apart. Both evaluate (eval.every=2): each CP trainer decodes every
+    held-out problem (dp = 1), as each colocated CP rank does, with the same records and figures bit for bit."""
+    k1 = (*DENSE, "parallel.cp=2", "rollout.max_staleness=1", *EVAL)
     colocated = run_distributed(run_rank, 2, k1, STEPS, timeout=900)
     dedicated = run_distributed(run_rank, 3, (*k1, "parallel.rollout_ranks=1"), STEPS, timeout=900)
     control = run_distributed(run_rank, 3, (*DENSE, "parallel.cp=2", "rollout.max_staleness=0",
@@ -285,6 +371,10 @@ def test_context_parallel_trainers_receive_the_colocated_cp_ranks_records_and_tr
         got, want = dedicated[t]["received"], colocated[t]["received"]
         assert len(got) == STEPS and all(len(step) == 16 and None not in step for step in got)
         assert _same(got, want), f"trainer {t}: received other samples than colocated CP rank {t}"
+        got, want = dedicated[t], colocated[t]  # held-out evaluation: steps 0 and 2, and after the last
+        assert [len(e) for e in got["evaluations"]] == [5] * 3 and _same(got["evaluations"], want["evaluations"])
+        assert [_figures(m) for m in got["metrics"]] == [_figures(m) for m in want["metrics"]]
+        assert _figures(got["final"]) == _figures(want["final"])
     _check_training(colocated, dedicated)
     gen, ctl = dedicated[2]["records"], control[2]["records"]
     assert _same(gen[:1], ctl[:1]) and not _same(gen[1:2], ctl[1:2])
@@ -470,13 +560,13 @@ def test_unsupported_combinations_are_refused_at_start_up_naming_their_keys():
     assert ok.parallel.rollout_ranks == 2 and compose(*MOE, *DEDICATED, "parallel.ep=2", world_size=4).parallel.ep == 2
     assert compose(*DENSE, *DEDICATED, "parallel.cp=2", world_size=6).parallel.cp == 2  # dp = 2 x cp = 2 trainers
     assert compose(*DENSE, *DEDICATED, "algo.dynamic_sampling=true", world_size=4).algo.dynamic_sampling
+    assert compose(*DENSE, *DEDICATED, *EVAL, world_size=4).eval.every == 2  # the trainers evaluate (no refusal)
     for extra, world, match in [
         ((), 2, r"parallel\.rollout_ranks=2: expected an int in \[0, world_size=2\)"),
         (("task.prompts_per_step=3",), 4, r"task\.prompts_per_step=3 does not divide over parallel\.rollout_ranks=2"),
         # the sizes fill the trainers: the error says world_size is torchrun's ranks less the generators
         (("parallel.dp=4",), 4, r"4 != world_size=2 \(parallel\.dp=-1 fills it\); world_size: torchrun's 4 ranks "
                                 r"less parallel\.rollout_ranks=2"),
-        (("eval.every=2",), 4, r"eval\.every=2"),
         # dynamic sampling runs at max_staleness=0 (above), refused beside a rollout thread as colocated
         (("algo.dynamic_sampling=true", "rollout.max_staleness=1"), 4,
          r"rollout\.max_staleness=1 with algo\.dynamic_sampling=true: its extra rounds depend"),

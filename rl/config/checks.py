@@ -80,14 +80,14 @@ def _check_dedicated(cfg: Config) -> None:
     ones the adapters only: vLLM takes them as adapter versions), the trainers data, context and expert
     parallel over their own mesh, dynamic sampling as colocated (max_staleness=0: `_check_rollout_mode`),
     on-policy distillation (the teacher the trainers', scoring in their score stage: the generators only
-    sample), no evaluation yet (docs/rollouts.md)."""
+    sample), held-out evaluation on the trainers with the policy itself (rl/rollout/build.py
+    `evaluation_engine`, the generators taking no part); docs/rollouts.md."""
     p, r = cfg.parallel, cfg.rollout
     keys = "parallel.rollout_ranks=" + str(p.rollout_ranks)
     refused = [
         (ReplicaMode(r.replica) is ReplicaMode.SHARDED, "rollout.replica=sharded: a generator holds its own copy; "
                                                         "use rollout.replica=auto or keep"),
         (r.tensor_parallel_size > 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: expected 1"),
-        (bool(cfg.eval.every), f"eval.every={cfg.eval.every}: the trainers hold no engine; expected 0"),
     ]
     for bad, why in refused:
         if bad:

@@ -6,7 +6,8 @@
     rollout.engine=vllm (keep)   -> VLLMRolloutEngine (rl/rollout/vllm_engine.py)
 
 Every engine gets the policy's weights once here, bucket by bucket (rl/rollout/sync.py).
-`evaluation_engine`: the held-out evaluation's (the rollout engine, or at max_staleness >= 2 the policy).
+`evaluation_engine`: the held-out evaluation's (the rollout engine, or at max_staleness >= 2 and on
+dedicated rollout ranks the policy).
 """
 
 from __future__ import annotations
@@ -102,12 +103,13 @@ def vllm_engine(cfg, dims, task, new_model, bucket: int, *, tp_group=None, moe: 
 def evaluation_engine(dims, task, actor, engine: RolloutEngine, max_staleness: int) -> RolloutEngine:
     """The held-out evaluation's engine: the rollout `engine`, idle at a step's start and holding the
     policy it starts from (max_staleness=1: the thread starts the next rollout at `take`); with
-    max_staleness >= 2 the rollout thread's (holding an older policy), so the policy itself
-    generates (PolicyRolloutEngine: its FSDP shards, gathered layer by layer)."""
-    if max_staleness < 2:
+    max_staleness >= 2 the rollout thread's (holding an older policy), and on dedicated rollout ranks
+    (`dims.rollout_ranks`: the trainers hold no engine, `engine` is the push) the policy itself
+    generates (PolicyRolloutEngine: its FSDP shards, gathered layer by layer, in lockstep over the
+    trainers, `dims.trainer_group`: no generator takes part)."""
+    if max_staleness < 2 and not dims.rollout_ranks:
         return engine
-    return PolicyRolloutEngine(actor, stop_token_id=task.stop_token_id,
-                               group=torch.distributed.group.WORLD if dims.distributed else None)
+    return PolicyRolloutEngine(actor, stop_token_id=task.stop_token_id, group=dims.trainer_group)
 
 
 def engine_max_len(cfg, task) -> int | None:

@@ -43,7 +43,12 @@ rounds gathered so far] -> [episodes (push group): with a multi-turn task or tra
 exchange (world) -> push (push group) -> figures (push group) -> [checkpoint (world)] -> stop signal
 (world, train.py), and on resume: the checkpoint's choice and load (world) -> push (push group, the
 checkpoint's policy: the end of `Trainer.load_state_dict`, the start of `Generator.load_state_dict`)
--> the load's agreement (world). A generator's rollout thread runs no collective. Rollout j uses
+-> the load's agreement (world). A step's held-out evaluation (eval.every, before the gather; train.py's
+after the last step, once the generators are done) runs on the trainers alone, with the policy itself
+(rl/rollout/build.py `evaluation_engine`): its collectives (the FSDP gathers, the decoding lockstep,
+the DP sum) are over the trainers' groups, none over the world or the push group, so the generators
+keep generating meanwhile and wait for it in the gather; nothing of it touches their rollouts (greedy:
+no random numbers). A generator's rollout thread runs no collective. Rollout j uses
 exactly version max(base, j - k) of the weights (base: 0, or the resumed checkpoint's steps), a
 broadcast copies bits, and generator g rolls out the prompts a colocated DP rank g of R would (each of
 its CP peers alike): with the colocated run's trainers (dp = R, any cp: T = R x cp) the records are

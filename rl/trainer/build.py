@@ -132,9 +132,10 @@ def build_trainer(cfg: Config, dims: ParallelDims) -> Trainer:
         engine = WeightPush(dims, resolve_bucket_bytes(actor.model, cfg.rollout.sync_bucket_bytes,
                                                        world=dims.world_size))
         sync_weights(engine, actor.model)  # version 0, to every generator (`build_generator`)
+        # the held-out evaluation (eval.every): the policy itself, over the trainers alone
         return Trainer(cfg, dims, actor=actor, critic=critic, reference=reference, engine=engine,
-                       eval_engine=engine, scheduler=RemoteRollouts(engine, dims, cfg, task), task=task,
-                       heldout=heldout, teacher=teacher)
+                       eval_engine=evaluation_engine(dims, task, actor, engine, k) if cfg.eval.every else engine,
+                       scheduler=RemoteRollouts(engine, dims, cfg, task), task=task, heldout=heldout, teacher=teacher)
     # rollout.engine: hf | vllm (rl/rollout/build.py); its memory plan counts the teacher
     engine = build_engine(cfg, dims, task, actor, build.policy_lm, teacher=teacher, max_staleness=k)
     release_memory()  # what loading and sharding freed, back to the OS (runtime/allocator.py)
